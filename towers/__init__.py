@@ -1,0 +1,31 @@
+"""towers: data-parallel TensorFlow 2 training written out by hand.
+
+Each step splits the global batch into one shard per tower, runs forward and
+backward on every tower under `tf.device`, gathers the gradients on a main
+device, averages them weighted by shard size, and applies them once.
+"""
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ImportError:  # pragma: no cover - exercised only without TensorFlow
+    raise ImportError(
+        "towers needs TensorFlow: install it with `pip install towers[cpu]` "
+        "(CPU) or `pip install towers[gpu]` (NVIDIA GPU)."
+    ) from None
+
+from towers.aggregate import average_gradients
+from towers.devices import configure_devices
+from towers.errors import DeviceConfigError, NonFiniteError
+from towers.split import split_batch
+from towers.trainer import TowerTrainer, tower_gradients
+
+__all__ = [
+    "DeviceConfigError",
+    "NonFiniteError",
+    "TowerTrainer",
+    "average_gradients",
+    "configure_devices",
+    "split_batch",
+    "tower_gradients",
+]
+__version__ = "0.1.0"

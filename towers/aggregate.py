@@ -1,0 +1,135 @@
+"""Steps 5 and 6: gathering the towers' gradients on the main device and averaging them."""
+
+import numbers
+
+import tensorflow as tf
+
+
+def gather_gradients(tower_grads, device):
+    """Step 5: copies every tower's gradients to `device` (the main device).
+
+    Args:
+      tower_grads: one list per tower of gradients (Tensor, tf.IndexedSlices or None).
+      device: where the copies go, e.g. "/device:GPU:0" or "/cpu:0".
+
+    Returns:
+      the same nested lists, every tensor now on `device`.
+    """
+    with tf.device(device):
+        return [[_copy(grad) for grad in grads] for grads in tower_grads]
+
+
+def average_gradients(tower_grads, weights=None, device=None):
+    """Step 6: the weighted mean over towers of each variable's gradient.
+
+    `tower_grads` holds one list per tower, one entry per variable:
+
+        [[grad_var0_tower0, grad_var1_tower0, ...],    # tower 0
+         [grad_var0_tower1, grad_var1_tower1, ...],    # tower 1
+         ...]
+
+    and the result is one list, one entry per variable:
+
+        [sum_t w_t * grad_var0_tower_t / sum_t w_t,  ...]
+
+    This is the synchronisation point of all towers: no mean exists until
+    every tower's gradient has arrived.
+
+    Args:
+      tower_grads: list (towers) of equal-length lists (variables) of Tensor,
+        tf.IndexedSlices or None. None counts as "no gradient from this tower";
+        a variable that no tower has a gradient for gets None.
+      weights: one non-negative number or scalar Tensor per tower (shard sizes,
+        say), or None for equal weights. A tower of weight 0 contributes exactly
+        nothing, even if its gradient holds NaN (an empty shard).
+      device: where the mean is computed and placed; None = the current device.
+
+    Returns:
+      list of per-variable means. Where every tower gives tf.IndexedSlices the
+      mean stays tf.IndexedSlices (indices concatenated, values scaled).
+    """
+    _check_tower_grads(tower_grads)
+    with tf.device(device):
+        fractions = _weight_fractions(weights, len(tower_grads))
+        return [_weighted_mean(per_variable, fractions) for per_variable in zip(*tower_grads)]
+
+
+def average_state(tower_states, weights=None, device=None):
+    """New non-trainable values after a step, merged over towers (state_policy "mean").
+
+    Float values (BatchNorm's moving statistics) are averaged like gradients,
+    weighted by shard size; other values (integer counters) come from tower 0.
+    A variable that no tower changed stays None.
+    """
+    _check_tower_grads(tower_states)
+    with tf.device(device):
+        fractions = _weight_fractions(weights, len(tower_states))
+        return [_weighted_mean(values, fractions) if _is_float(values[0]) else _copy(values[0])
+                for values in zip(*tower_states)]
+
+
+def all_finite(values):
+    """A scalar bool Tensor: True when no Tensor or IndexedSlices in `values` holds NaN or Inf."""
+    checks = [tf.reduce_all(tf.math.is_finite(_dense_part(value)))
+              for value in values if value is not None]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def _check_tower_grads(tower_grads):
+    if not isinstance(tower_grads, (list, tuple)) or not tower_grads:
+        raise ValueError("tower_grads must be a non-empty list with one list of gradients per tower.")
+    lengths = [len(grads) for grads in tower_grads]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"every tower must give one gradient per variable, but the towers' lists "
+            f"have lengths {lengths}.")
+
+
+def _weight_fractions(weights, num_towers):
+    """Per-tower float32 fractions w_t / sum(w) as a list of scalar Tensors."""
+    if weights is None:
+        return [tf.constant(1.0 / num_towers)] * num_towers
+    weights = list(weights)
+    if len(weights) != num_towers:
+        raise ValueError(f"got {len(weights)} weights for {num_towers} towers; give one per tower.")
+    if all(isinstance(w, numbers.Number) for w in weights):
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(
+                f"weights must be non-negative with a positive sum, got {weights}.")
+    weights = tf.cast(tf.stack(weights), tf.float32)
+    return tf.unstack(tf.math.divide_no_nan(weights, tf.reduce_sum(weights)))
+
+
+def _weighted_mean(grads, fractions):
+    """sum_t fraction_t * grad_t for one variable, skipping towers with None."""
+    present = [(grad, fraction) for grad, fraction in zip(grads, fractions) if grad is not None]
+    if not present:
+        return None
+    if all(isinstance(grad, tf.IndexedSlices) for grad, _ in present):
+        return tf.IndexedSlices(
+            values=tf.concat([_scale(grad.values, fraction) for grad, fraction in present], 0),
+            indices=tf.concat([grad.indices for grad, _ in present], 0),
+            dense_shape=present[0][0].dense_shape)
+    return tf.add_n([_scale(tf.convert_to_tensor(grad), fraction) for grad, fraction in present])
+
+
+def _scale(tensor, fraction):
+    # multiply_no_nan: a zero-weight (empty) tower adds 0, never NaN * 0 = NaN.
+    return tf.math.multiply_no_nan(tensor, tf.cast(fraction, tensor.dtype))
+
+
+def _copy(grad):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
+                                grad.dense_shape)
+    return tf.identity(grad)
+
+
+def _is_float(value):
+    return value is not None and value.dtype.is_floating
+
+
+def _dense_part(value):
+    return value.values if isinstance(value, tf.IndexedSlices) else value

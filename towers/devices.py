@@ -1,0 +1,160 @@
+"""Tower devices: choosing them (set-up) and giving each one the weights (step 2).
+
+`configure_devices` must run before TensorFlow initialises its runtime, because
+logical devices (several towers carved out of one physical GPU or out of the
+CPU) can only be declared before then.
+"""
+
+import shutil
+import subprocess
+
+import tensorflow as tf
+
+from towers.errors import DeviceConfigError
+
+DEVICE_TYPES = ("auto", "gpu", "cpu")
+# The runtime keeps some memory of each GPU for itself; logical GPUs share the rest.
+_GPU_MEMORY_FRACTION = 0.9
+
+_configured_devices = None
+
+
+def configure_devices(num_towers=4, device_type="auto", memory_limit_mb=None):
+    """Declares one device per tower and returns their names.
+
+    Args:
+      num_towers: how many towers (int >= 1).
+      device_type: "auto" (physical GPUs when there are enough, else one physical
+        GPU split into `num_towers` logical GPUs, else the CPU split into
+        `num_towers` logical CPU devices), "gpu" or "cpu".
+      memory_limit_mb: memory of each logical GPU in MiB; None = an equal share
+        of 90% of the card. Ignored for CPU devices.
+
+    Returns:
+      list of `num_towers` device names, e.g. ["/device:GPU:0", "/device:GPU:1"].
+
+    Raises:
+      ValueError: bad arguments.
+      DeviceConfigError: the layout cannot be made, e.g. the runtime already
+        started with fewer devices.
+    """
+    global _configured_devices
+    _check_arguments(num_towers, device_type, memory_limit_mb)
+    gpus = tf.config.list_physical_devices("GPU")
+    if device_type == "gpu" and not gpus:
+        raise DeviceConfigError(
+            "device_type='gpu' but TensorFlow sees no GPU; use device_type='cpu' "
+            "or 'auto', or install the GPU build with `pip install towers[gpu]`.")
+    if device_type == "cpu" or not gpus:
+        devices = _split_physical(tf.config.list_physical_devices("CPU")[:1], "CPU",
+                                  num_towers, memory_limit_mb=None)
+    else:
+        physical = gpus[:num_towers] if len(gpus) >= num_towers else gpus
+        devices = _split_physical(physical, "GPU", num_towers, memory_limit_mb)
+    _configured_devices = devices
+    return list(devices)
+
+
+def default_devices():
+    """The last `configure_devices` result, else every visible GPU, else every CPU device."""
+    if _configured_devices is not None:
+        return list(_configured_devices)
+    gpus = tf.config.list_logical_devices("GPU")
+    return [canonical_name(d.name) for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def canonical_name(device):
+    """'/job:localhost/replica:0/task:0/device:GPU:1' or '/gpu:1' -> '/device:GPU:1'."""
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.device_type is None:
+        raise ValueError(f"device {device!r} names no device type; use e.g. '/device:GPU:0'.")
+    return f"/device:{spec.device_type}:{spec.device_index or 0}"
+
+
+def check_devices_exist(devices):
+    """Raises ValueError naming any device in `devices` that TensorFlow does not have."""
+    available = [canonical_name(d.name) for d in tf.config.list_logical_devices()]
+    missing = [d for d in devices if d not in available]
+    if missing:
+        raise ValueError(
+            f"devices {missing} do not exist; available devices are {available}. "
+            "Call towers.configure_devices(num_towers=N) before anything else in "
+            "TensorFlow runs to create more.")
+
+
+def broadcast_weights(values, tower):
+    """Step 2: copies `values` (tensors on the main device) to `tower`.
+
+    Every tower then reads an identical local copy; the copy is also what the
+    tower's GradientTape differentiates with respect to.
+    """
+    with tf.device(tower):
+        return [tf.identity(value) for value in values]
+
+
+def _check_arguments(num_towers, device_type, memory_limit_mb):
+    if isinstance(num_towers, bool) or not isinstance(num_towers, int) or num_towers < 1:
+        raise ValueError(f"num_towers must be an integer >= 1, got {num_towers!r}.")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r}.")
+    if memory_limit_mb is not None and (
+            isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int)
+            or memory_limit_mb < 1):
+        raise ValueError(
+            f"memory_limit_mb must be a positive integer (MiB) or None, got {memory_limit_mb!r}.")
+
+
+def _split_physical(physical, kind, num_towers, memory_limit_mb):
+    """Splits each of `physical` into equal logical devices: num_towers in all."""
+    if num_towers % len(physical):
+        raise DeviceConfigError(
+            f"cannot spread {num_towers} towers evenly over {len(physical)} physical "
+            f"{kind}s; use a multiple of {len(physical)}.")
+    per_device = num_towers // len(physical)
+    if kind == "GPU" and per_device > 1 and memory_limit_mb is None:
+        memory_limit_mb = int(_GPU_MEMORY_FRACTION * _smallest_gpu_memory_mb() / per_device)
+    wanted = [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)] * per_device
+    if kind == "GPU" and per_device == 1 and memory_limit_mb is None:
+        wanted = None  # the whole card, no logical split
+    for device in physical:
+        if _layout(tf.config.get_logical_device_configuration(device)) == _layout(wanted):
+            continue
+        try:
+            tf.config.set_logical_device_configuration(device, wanted)
+        except RuntimeError:
+            return _reuse_existing(kind, num_towers, memory_limit_mb)
+    return [f"/device:{kind}:{i}" for i in range(num_towers)]
+
+
+def _reuse_existing(kind, num_towers, memory_limit_mb):
+    """After the runtime started: the first num_towers existing devices, if they fit."""
+    existing = tf.config.list_logical_devices(kind)
+    limits = {_layout(tf.config.get_logical_device_configuration(d))
+              for d in tf.config.list_physical_devices(kind)}
+    memory_ok = memory_limit_mb is None or limits == {(memory_limit_mb,) * len(existing)}
+    if len(existing) >= num_towers and memory_ok:
+        return [f"/device:{kind}:{i}" for i in range(num_towers)]
+    raise DeviceConfigError(
+        f"TensorFlow's runtime already started with {len(existing)} {kind} device(s), "
+        f"so {num_towers} towers (memory_limit_mb={memory_limit_mb}) cannot be made now. "
+        "Call towers.configure_devices(...) first thing in your program, before any "
+        "other TensorFlow or Keras call creates a tensor or lists devices.")
+
+
+def _layout(configs):
+    """Comparable form of a logical device configuration: a tuple of memory limits."""
+    if not configs:
+        return None
+    return tuple(c.memory_limit for c in configs)
+
+
+def _smallest_gpu_memory_mb():
+    """Total memory of the smallest visible GPU in MiB, read from nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        raise DeviceConfigError(
+            "cannot read GPU memory (no nvidia-smi) to split the GPU evenly; pass "
+            "memory_limit_mb= to configure_devices.")
+    output = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True).stdout
+    return min(int(line) for line in output.split())

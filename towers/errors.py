@@ -1,0 +1,9 @@
+"""Exceptions that towers raises for problems a user can fix."""
+
+
+class DeviceConfigError(RuntimeError):
+    """The requested tower layout cannot be set up (too late, or no such devices)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A training step produced a NaN or Inf loss or gradient; nothing was applied."""

@@ -1,0 +1,88 @@
+"""Step 1: splitting the global batch into one shard per tower."""
+
+import tensorflow as tf
+
+
+def unpack_batch(batch):
+    """(x, y) or (x, y, sample_weight) -> (x, y, sample_weight or None)."""
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}"
+                                               if isinstance(batch, (tuple, list)) else "")
+        raise ValueError(f"a batch must be (x, y) or (x, y, sample_weight), got {kind}.")
+    return batch[0], batch[1], batch[2] if len(batch) == 3 else None
+
+
+
+def split_batch(batch, num_shards):
+    """Splits every tensor of `batch` along dim 0 into `num_shards` shards.
+
+    Shard sizes differ by at most one, larger shards first, as in
+    `numpy.array_split`; a batch smaller than `num_shards` gives empty shards.
+
+    Args:
+      batch: a Tensor (or array) or a nested tuple/list/dict of them, all with
+        the same size B in dim 0; B may be known only at run time.
+      num_shards: int >= 1.
+
+    Returns:
+      list of `num_shards` structures shaped like `batch`; shard i holds rows
+      [offset_i, offset_i + size_i) of every tensor, on the device it came from.
+    """
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an integer >= 1, got {num_shards!r}.")
+    leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(batch)]
+    sizes = shard_sizes(batch_size(leaves), num_shards)
+    split_leaves = [tf.split(leaf, sizes, num=num_shards) for leaf in leaves]
+    return [tf.nest.pack_sequence_as(batch, [pieces[i] for pieces in split_leaves])
+            for i in range(num_shards)]
+
+
+def shard_sizes(global_batch_size, num_shards):
+    """Per-shard sizes summing to `global_batch_size`, larger first.
+
+    Returns a list of Python ints when the size is a Python int, else an int32
+    Tensor of shape (num_shards,).
+    """
+    if isinstance(global_batch_size, int):
+        base, extra = divmod(global_batch_size, num_shards)
+        return [base + (1 if i < extra else 0) for i in range(num_shards)]
+    base = global_batch_size // num_shards
+    extra = global_batch_size % num_shards
+    return base + tf.cast(tf.range(num_shards) < extra, global_batch_size.dtype)
+
+
+def batch_size(batch):
+    """The shared size of dim 0 of every tensor in `batch`.
+
+    Returns a Python int when it is known statically, else an int32 scalar
+    Tensor (with a run-time check that all parts agree).
+
+    Raises:
+      ValueError: a part is a scalar, or the parts disagree on dim 0.
+    """
+    leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(batch)]
+    if not leaves:
+        raise ValueError("the batch holds no tensors.")
+    if any(leaf.shape.rank == 0 for leaf in leaves):
+        raise ValueError(
+            "every part of a batch needs a batch dimension (dim 0), but "
+            f"{_describe(batch)} has a scalar.")
+    static = {leaf.shape[0] for leaf in leaves} - {None}
+    if len(static) > 1:
+        raise ValueError(
+            f"the parts of the batch disagree on batch size (dim 0): {_describe(batch)}. "
+            "Inputs, targets and sample weights need one row per example.")
+    if len(static) == 1 and all(leaf.shape[0] is not None for leaf in leaves):
+        return static.pop()
+    sizes = [tf.shape(leaf, out_type=tf.int32)[0] for leaf in leaves]
+    checks = [tf.debugging.assert_equal(
+        size, sizes[0], message="the parts of the batch disagree on batch size (dim 0)")
+        for size in sizes[1:]]
+    with tf.control_dependencies(checks):
+        return tf.identity(sizes[0])
+
+
+def _describe(batch):
+    """Shapes of the parts of `batch`, for error messages."""
+    return str(tf.nest.map_structure(
+        lambda leaf: tuple(tf.convert_to_tensor(leaf).shape), batch))
