@@ -1,0 +1,95 @@
+"""Independent references the tower trainer is checked against.
+
+Nothing here imports towers: the expected weights come from a plain
+single-device GradientTape loop and from tf.distribute.MirroredStrategy.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+NUM_FEATURES = 5
+NUM_CLASSES = 3
+
+
+def make_model(seed=0, l2=0.01):
+    """A tiny MLP with an L2-regularised hidden layer, same weights for the same seed."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((NUM_FEATURES,)),
+        keras.layers.Dense(6, activation="tanh",
+                           kernel_regularizer=keras.regularizers.L2(l2)),
+        keras.layers.Dense(NUM_CLASSES),
+    ])
+
+
+def make_loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(learning_rate=0.01),
+}
+
+
+def make_batches(global_batch_size, num_steps=5, seed=1, sample_weights=True):
+    """`num_steps` batches (x, y[, sample_weight]) of float32 features and int labels."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(num_steps):
+        x = rng.normal(size=(global_batch_size, NUM_FEATURES)).astype("float32")
+        y = rng.integers(0, NUM_CLASSES, size=(global_batch_size,))
+        w = rng.uniform(0.5, 2.0, size=(global_batch_size,)).astype("float32")
+        batches.append((x, y, w) if sample_weights else (x, y))
+    return batches
+
+
+def single_device_weights(model, optimizer, loss, batches):
+    """Trains `model` with a plain GradientTape step on each whole batch; returns weights."""
+    for batch in batches:
+        x, y = batch[0], batch[1]
+        sample_weight = batch[2] if len(batch) == 3 else None
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True), sample_weight=sample_weight)
+            value += tf.add_n(model.losses) if model.losses else 0.0
+        grads = tape.gradient(value, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return [v.numpy() for v in model.weights]
+
+
+def mirrored_weights(make_model_fn, make_optimizer_fn, devices, batches):
+    """The same training with MirroredStrategy's custom loop on `devices`.
+
+    Each replica gets an explicit np.array_split shard; its loss is the sum of
+    its per-example losses over the global batch size (plus the regularisation
+    divided by the replica count), and the strategy sums gradients.
+    """
+    # ReductionToOneDevice: the default collective all-reduce keys its groups by
+    # order of creation, so strategies of different sizes in one test process clash.
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = make_model_fn()
+        optimizer = make_optimizer_fn()
+        optimizer.build(model.trainable_variables)
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    @tf.function
+    def step(shards, global_batch_size):
+        def replica_step(x, y, w):
+            with tf.GradientTape() as tape:
+                losses = per_example(y, model(x, training=True)) * w
+                value = tf.reduce_sum(losses) / global_batch_size
+                if model.losses:
+                    value += tf.add_n(model.losses) / strategy.num_replicas_in_sync
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(replica_step, args=shards)
+
+    for x, y, w in batches:
+        index_shards = np.array_split(np.arange(len(x)), len(devices))
+        shards = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tuple(a[index_shards[ctx.replica_id_in_sync_group]] for a in (x, y, w)))
+        step(shards, float(len(x)))
+    return [v.numpy() for v in model.weights]

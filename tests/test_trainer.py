@@ -1,0 +1,167 @@
+"""TowerTrainer: failed steps change nothing, bad input gets a clear error, one trace."""
+
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+from tests import reference
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def _trainer(model=None, loss=None, **kwargs):
+    kwargs.setdefault("devices", DEVICES)
+    return towers.TowerTrainer(model or reference.make_model(), loss or reference.make_loss(),
+                               keras.optimizers.Adam(0.01), **kwargs)
+
+
+def _state(trainer):
+    """Every model weight and optimizer variable, as numpy arrays."""
+    return [v.numpy() for v in trainer.model.weights + trainer.optimizer.variables]
+
+
+class FailedStepTest(tf.test.TestCase, parameterized.TestCase):
+
+    def _trained_once(self, **kwargs):
+        trainer = _trainer(**kwargs)
+        self.batches = reference.make_batches(10, num_steps=2)
+        trainer.train_step(self.batches[0])
+        return trainer
+
+    def assertUnchanged(self, before, trainer):
+        for want, got in zip(before, _state(trainer)):
+            self.assertAllEqual(want, got)
+
+    def test_nan_raises_and_applies_nothing(self):
+        trainer = self._trained_once()
+        before = _state(trainer)
+        x, y, w = self.batches[1]
+        x = x.copy()
+        x[7, 2] = np.nan  # lands on tower 2 of 4
+        with self.assertRaisesRegex(towers.NonFiniteError, "step 2: .*NaN or Inf"):
+            trainer.train_step((x, y, w))
+        self.assertUnchanged(before, trainer)
+        self.assertEqual(trainer.step, 1)
+
+    def test_nan_skip_is_counted_and_training_goes_on(self):
+        trainer = self._trained_once(on_nonfinite="skip")
+        before = _state(trainer)
+        x, y, w = self.batches[1]
+        logs = trainer.train_step((np.full_like(x, np.inf), y, w))
+        self.assertEqual(logs["skipped_steps"], 1)
+        self.assertUnchanged(before, trainer)
+        logs = trainer.train_step(self.batches[1])
+        self.assertEqual((trainer.step, logs["skipped_steps"]), (2, 1))
+
+    @parameterized.named_parameters(
+        ("dropped_sample_weight", lambda b: b[:2]),
+        ("extra_feature", lambda b: (np.ones((10, 6), np.float32),) + b[1:]),
+        ("dict_batch", lambda b: {"x": b[0], "y": b[1]}),
+        ("four_parts", lambda b: b + (b[2],)),
+        ("parts_disagree_on_batch_size", lambda b: (b[0], b[1][:7], b[2])),
+        ("empty_batch", lambda b: tuple(part[:0] for part in b)),
+    )
+    def test_bad_batch_raises_value_error_and_changes_nothing(self, corrupt):
+        trainer = self._trained_once()
+        before = _state(trainer)
+        with self.assertRaises(ValueError):
+            trainer.train_step(corrupt(self.batches[1]))
+        self.assertUnchanged(before, trainer)
+
+
+class BadInputTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_no_trainable_weights(self):
+        model = reference.make_model()
+        model.trainable = False
+        with self.assertRaisesRegex(ValueError, "no trainable weights"):
+            _trainer(model)
+
+    def test_device_that_does_not_exist(self):
+        with self.assertRaisesRegex(ValueError, r"CPU:7'\] do not exist"):
+            _trainer(devices=DEVICES + ["/device:CPU:7"])
+
+    def test_empty_devices(self):
+        with self.assertRaisesRegex(ValueError, "devices is empty"):
+            _trainer(devices=[])
+
+    @parameterized.named_parameters(
+        ("not_a_model", dict(model=lambda: "mlp"), "keras.Model"),
+        ("not_a_loss", dict(loss=lambda: 3), "callable"),
+        ("sum_reduction", dict(loss=lambda: keras.losses.MeanSquaredError(reduction="sum")),
+         "reduction='sum'"),
+        ("bad_on_nonfinite", dict(on_nonfinite="ignore"), "on_nonfinite must be one of"),
+        ("bad_metric", dict(metrics=["no_such_metric"]), "not a keras.metrics.Metric"),
+    )
+    def test_bad_constructor_argument(self, kwargs, message):
+        kwargs = {k: (v() if callable(v) and k in ("model", "loss") else v)
+                  for k, v in kwargs.items()}
+        with self.assertRaisesRegex(ValueError, message):
+            _trainer(**kwargs)
+
+    def test_optimizer_that_is_not_keras(self):
+        with self.assertRaisesRegex(ValueError, "keras.optimizers.Optimizer"):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(), "adam",
+                                devices=DEVICES)
+
+    @parameterized.named_parameters(
+        ("integer_result", lambda y, p: tf.cast(y, tf.int32), "int32"),
+        ("scalar_result", lambda y, p: tf.reduce_mean(p), "scalar"),
+        ("one_value_for_the_batch", lambda y, p: tf.reduce_mean(p, 0), "shape \\(3,\\)"),
+        ("not_a_tensor", lambda y, p: "loss", "per-example losses"),
+    )
+    def test_loss_with_wrong_result(self, loss, message):
+        trainer = _trainer(loss=loss)
+        before = _state(trainer)
+        with self.assertRaisesRegex(ValueError, message):
+            trainer.train_step(reference.make_batches(10, num_steps=1)[0])
+        for want, got in zip(before, _state(trainer)):
+            self.assertAllEqual(want, got)
+
+    def test_targets_that_do_not_fit_the_model(self):
+        trainer = _trainer()
+        x, y, _ = reference.make_batches(10, num_steps=1)[0]
+        with self.assertRaisesRegex(ValueError, "failed on the first example"):
+            trainer.train_step((x, y + 7))
+
+
+class CompilationTest(tf.test.TestCase):
+
+    def test_uneven_and_short_batches_do_not_retrace(self):
+        trainer = _trainer()
+        for size in (12, 10, 7, 3, 1, 5):
+            trainer.train_step(reference.make_batches(size, num_steps=1)[0])
+        self.assertEqual(
+            [f.experimental_get_tracing_count() for f in trainer._functions.values()], [1])
+
+    def test_plain_callable_loss_equals_keras_loss(self):
+        batches = reference.make_batches(10, num_steps=3)
+
+        def per_example(y_true, y_pred):
+            return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+        with_callable = _trainer(loss=per_example)
+        with_object = _trainer()
+        for batch in batches:
+            with_callable.train_step(batch)
+            with_object.train_step(batch)
+        for a, b in zip(with_callable.model.weights, with_object.model.weights):
+            self.assertAllClose(a, b, atol=1e-6)
+
+
+class ImportTest(tf.test.TestCase):
+
+    def test_import_without_tensorflow_says_which_extra(self):
+        script = "import sys; sys.modules['tensorflow'] = None; import towers"
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("pip install towers[cpu]", result.stderr.splitlines()[-1])
+
+
+if __name__ == "__main__":
+    tf.test.main()
