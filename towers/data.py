@@ -1,0 +1,344 @@
+"""Datasets in host memory, and the tf.data pipelines that feed them in global batches.
+
+Every dataset becomes one `Data`: images (N, H, W, C) float32 and int32 class
+ids. Training order is a NumPy permutation seeded by (seed, epoch), so a run
+resumed mid-epoch can rebuild exactly the batches it had not yet seen.
+"""
+
+import dataclasses
+import functools
+import math
+import os
+import socket
+import tempfile
+import threading
+import urllib.parse
+import zipfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+_DIGITS_SPLIT_SEED = 0  # fixed, so the test set is the same whatever the training seed
+_SYNTHETIC_SHAPE, _SYNTHETIC_CLASSES = (32, 32, 3), 10
+_SYNTHETIC_TRAIN, _SYNTHETIC_TEST = 2048, 512
+
+# (origin, path under <keras home>/datasets) of each file keras.datasets.<name>.load_data()
+# reads, as Keras 3.15 names them; cifar10 keeps its downloaded tar.gz under a new name.
+_GCS = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/"
+_KERAS_FILES = {
+    "mnist": [(_GCS + "mnist.npz", "mnist.npz")],
+    "fashion_mnist": [(_GCS + f, os.path.join("fashion-mnist", f)) for f in (
+        "train-labels-idx1-ubyte.gz", "train-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz")],
+    "cifar10": [("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+                 "cifar-10-batches-py-target_archive")],
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Data:
+    """Arrays of one dataset in host memory.
+
+    Attributes:
+      x_train: (N, H, W, C) float32, in [0, 1] for the built-in datasets and for
+        integer arrays from an .npz (float .npz arrays are kept as given).
+      y_train: (N,) int32 class ids in [0, num_classes).
+      x_test, y_test: the same for the test split, (M, H, W, C) and (M,).
+      num_classes: int, the number of classes.
+      name: str, the dataset's name (a label only).
+    """
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    name: str
+
+    @property
+    def input_shape(self):
+        """(H, W, C) of one example."""
+        return tuple(self.x_train.shape[1:])
+
+    @functools.cached_property
+    def _host_tensors(self):
+        # Converted once, not once per epoch; pinned to the host so that tf.data's
+        # gathers never pull a whole dataset onto an accelerator.
+        with tf.device("/cpu:0"):
+            return {split: (tf.constant(getattr(self, f"x_{split}")),
+                            tf.constant(getattr(self, f"y_{split}")))
+                    for split in ("train", "test")}
+
+
+def load_data(name, data_npz=None, seed=0):
+    """Loads a dataset into host memory; returns a Data.
+
+    Args:
+      name: one of DATASETS. With data_npz, any string: it only names the Data.
+      data_npz: path of an .npz with arrays x_train, y_train, x_test, y_test,
+        read without unpickling. x may be (N, H, W, C), (N, H, W) (a channel
+        is added) or (N, D) (a column image (N, D, 1, 1)); integer x is taken
+        as 0..255 pixels and divided by 255. y: integer class ids (integral
+        floats and (N, 1) are accepted); num_classes = max label + 1.
+      seed: non-negative int; draws the "synthetic" arrays. The "digits"
+        train/test split is fixed and does not depend on it.
+
+    Raises:
+      ValueError: unknown name, bad arrays, or a Keras dataset that is neither
+        cached nor downloadable (the message names the file to place).
+      ImportError: "digits" without scikit-learn installed.
+    """
+    _check_int("seed", seed, minimum=0)
+    if data_npz is not None:
+        return _from_arrays(str(name), *_read_npz(data_npz))
+    if name == "digits":
+        return _load_digits()
+    if name == "synthetic":
+        return _load_synthetic(seed)
+    if name in _KERAS_FILES:
+        return _load_keras(name)
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, "
+                     "or pass data_npz=PATH with your own arrays.")
+
+
+def train_dataset(data, global_batch_size, epoch, seed=0, skip_batches=0):
+    """One epoch of training batches, in the fixed order of (seed, epoch).
+
+    The order is np.random.default_rng([seed, epoch]).permutation(N): the same
+    for the same (seed, epoch), different from epoch to epoch. The last batch
+    is partial when global_batch_size does not divide N.
+
+    Args:
+      data: a Data.
+      global_batch_size: examples per batch, >= 1; towers split each batch.
+      epoch: int >= 0, the epoch index.
+      seed: int >= 0.
+      skip_batches: batches of this epoch already trained on (resuming a run),
+        0..steps_per_epoch(data, global_batch_size); the rest follow unchanged.
+
+    Returns:
+      A tf.data.Dataset of (x, y): x (B, H, W, C) float32, y (B,) int32.
+    """
+    steps = steps_per_epoch(data, global_batch_size)
+    _check_int("epoch", epoch, minimum=0)
+    _check_int("seed", seed, minimum=0)
+    _check_int("skip_batches", skip_batches, minimum=0)
+    if skip_batches > steps:
+        raise ValueError(
+            f"skip_batches={skip_batches} is more than the {steps} batches of one epoch "
+            f"({len(data.y_train)} examples, global_batch_size={global_batch_size}); "
+            "resume with the global_batch_size the run started with.")
+    order = np.random.default_rng([seed, epoch]).permutation(len(data.y_train))
+    # Skipping whole batches of the permutation is Dataset.skip(skip_batches),
+    # without gathering the skipped examples.
+    return _batches(data._host_tensors["train"], order[skip_batches * global_batch_size:],
+                    global_batch_size)
+
+
+def eval_dataset(data, global_batch_size):
+    """The test split in order as (x, y) batches, the last one partial if need be."""
+    _check_int("global_batch_size", global_batch_size, minimum=1)
+    return _batches(data._host_tensors["test"], np.arange(len(data.y_test)),
+                    global_batch_size)
+
+
+def steps_per_epoch(data, global_batch_size):
+    """Batches in one training epoch: ceil(N / global_batch_size)."""
+    _check_int("global_batch_size", global_batch_size, minimum=1)
+    return math.ceil(len(data.y_train) / global_batch_size)
+
+
+def _batches(arrays, order, global_batch_size):
+    """(x, y) batches of the examples at `order`, a 1-D array of row indices."""
+    x, y = arrays
+    options = tf.data.Options()
+    # The default graph rewrites serialise the pipeline, captured arrays included:
+    # about a second and a copy of cifar10 per epoch, for nothing this pipeline needs.
+    options.experimental_optimization.apply_default_optimizations = False
+    return (tf.data.Dataset.from_tensor_slices(order.astype(np.int64))
+            .batch(global_batch_size, drop_remainder=False)
+            .map(lambda i: (tf.gather(x, i), tf.gather(y, i)))  # one gather per batch
+            .prefetch(tf.data.AUTOTUNE)
+            .with_options(options))
+
+
+def _load_digits():
+    try:
+        from sklearn import datasets, model_selection
+    except ImportError:
+        raise ImportError("dataset 'digits' needs scikit-learn, which ships it (no download): "
+                          "pip install scikit-learn") from None
+    digits = datasets.load_digits()
+    x = digits.images.reshape(-1, 8, 8, 1) / 16.0  # pixels are counts 0..16
+    x_train, x_test, y_train, y_test = model_selection.train_test_split(
+        x, digits.target, test_size=0.2, stratify=digits.target,
+        random_state=_DIGITS_SPLIT_SEED)
+    return _from_arrays("digits", x_train, y_train, x_test, y_test, num_classes=10)
+
+
+def _load_synthetic(seed):
+    # Random pixels and labels, as tf_cnn_benchmarks feeds: measures speed, not learning.
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for size in (_SYNTHETIC_TRAIN, _SYNTHETIC_TEST):
+        arrays += [rng.random((size,) + _SYNTHETIC_SHAPE, dtype=np.float32),
+                   rng.integers(0, _SYNTHETIC_CLASSES, size)]
+    return _from_arrays("synthetic", *arrays, num_classes=_SYNTHETIC_CLASSES)
+
+
+def _load_keras(name):
+    """keras.datasets.<name>.load_data(), failing fast and in one line when offline."""
+    files = [(url, os.path.join(_keras_datasets_dir(), f)) for url, f in _KERAS_FILES[name]]
+    missing = [(url, path) for url, path in files if not os.path.exists(path)]
+    hint = (f"{name} is not in the Keras cache and could not be downloaded: copy "
+            + "; ".join(f"{url} to {path}" for url, path in missing or files)
+            + ", or pass data_npz=PATH with your own arrays.")
+    if missing and not _online(missing[0][0]):
+        raise ValueError(hint)
+    try:
+        (x_train, y_train), (x_test, y_test) = getattr(keras.datasets, name).load_data()
+    except Exception as error:  # a failed download, or a cached file that fails its hash
+        said = str(error).strip().splitlines() or [type(error).__name__]
+        raise ValueError(f"{hint} (Keras: {said[0]})") from None
+    if x_train.ndim == 4 and keras.config.image_data_format() == "channels_first":
+        x_train, x_test = x_train.transpose(0, 2, 3, 1), x_test.transpose(0, 2, 3, 1)
+    return _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=10)
+
+
+def _keras_datasets_dir():
+    """<keras home>/datasets, the folder keras.utils.get_file caches datasets in."""
+    try:
+        # Keras reads $KERAS_HOME (else ~/.keras) once, at import; there is no public
+        # accessor for it. Switch if keras.config ever exports one.
+        from keras.src.backend.config import keras_home
+        root = keras_home()
+    except ImportError:
+        root = os.environ.get("KERAS_HOME", os.path.join("~", ".keras"))
+    root = os.path.expanduser(root)
+    if not os.access(root, os.W_OK):  # get_file falls back like this
+        root = os.path.join("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir(),
+                            ".keras")
+    return os.path.join(root, "datasets")
+
+
+def _online(url, timeout_s=3.0):
+    """True if the host of `url` takes a TCP connection within timeout_s seconds."""
+    reachable = []
+
+    def probe():
+        try:
+            socket.create_connection((urllib.parse.urlsplit(url).hostname, 443),
+                                     timeout=timeout_s).close()
+            reachable.append(True)
+        except OSError:
+            pass
+
+    # In a daemon thread because name lookup ignores socket timeouts and can hang offline.
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(reachable)
+
+
+def _read_npz(path):
+    """x_train, y_train, x_test, y_test from an .npz file, never unpickling."""
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.isfile(path):
+        raise ValueError(f"data_npz file {path!r} does not exist; give an .npz with arrays "
+                         f"{', '.join(NPZ_KEYS)} (e.g. written by numpy.savez).")
+    try:
+        arrays = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+        raise ValueError(f"data_npz file {path!r} is not a NumPy .npz archive; write one "
+                         f"with numpy.savez(path, {'=..., '.join(NPZ_KEYS)}=...).") from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise ValueError(f"data_npz file {path!r} holds one array (.npy), not an .npz with "
+                         f"arrays {', '.join(NPZ_KEYS)}; write it with numpy.savez.")
+    with arrays:
+        missing = [key for key in NPZ_KEYS if key not in arrays.files]
+        if missing:
+            raise ValueError(f"data_npz file {path!r} lacks {', '.join(missing)}; it has "
+                             f"{', '.join(arrays.files) or 'no arrays'}, and needs "
+                             f"{', '.join(NPZ_KEYS)}.")
+        loaded = []
+        for key in NPZ_KEYS:
+            try:
+                loaded.append(arrays[key])
+            except ValueError:
+                raise ValueError(f"data_npz file {path!r}: {key} holds Python objects, which "
+                                 "are not unpickled; save numeric arrays.") from None
+    return loaded
+
+
+def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
+    """Checks raw arrays and converts them: x to (N, H, W, C) float32, y to (N,) int32."""
+    splits = []
+    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.ndim not in (2, 3, 4):
+            raise ValueError(f"{name}: x_{split} has shape {x.shape}; give (N, H, W, C), "
+                             "(N, H, W) or (N, D).")
+        if y.ndim == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)  # (N, 1) labels, as cifar10 has
+        if y.ndim != 1:
+            raise ValueError(f"{name}: y_{split} has shape {y.shape}; give one class id per "
+                             "example, shape (N,) (for one-hot labels: y.argmax(axis=1)).")
+        if len(x) != len(y):
+            raise ValueError(f"{name}: x_{split} has shape {x.shape} but y_{split} has shape "
+                             f"{y.shape}; give one label per example (the same N).")
+        if not len(y):
+            raise ValueError(f"{name}: the {split} split is empty; give at least one example.")
+        splits.append((_images(name, f"x_{split}", x), _labels(name, f"y_{split}", y)))
+    (x_train, y_train), (x_test, y_test) = splits
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise ValueError(f"{name}: x_train examples have shape {x_train.shape[1:]} but x_test "
+                         f"examples {x_test.shape[1:]}; both splits need the same shape.")
+    if num_classes is None:
+        num_classes = int(max(y_train.max(), y_test.max())) + 1
+    return Data(x_train, y_train, x_test, y_test, num_classes, name)
+
+
+def _images(name, what, x):
+    """x as (N, H, W, C) float32; integers are 0..255 pixels, scaled to [0, 1]."""
+    if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_:
+        low, high = int(x.min()), int(x.max())
+        if low < 0 or high > 255:
+            raise ValueError(f"{name}: {what} holds integers from {low} to {high}; integer "
+                             "images must be 0..255 pixels, else save floats in [0, 1].")
+        x = x.astype(np.float32)
+        x /= 255.0  # in place: cifar10 is 600 MB as float32
+    elif np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float32, copy=False)
+        if not np.isfinite(x).all():
+            raise ValueError(f"{name}: {what} contains NaN or Inf; every input must be finite.")
+        if x.min() < 0.0 or x.max() > 1.0:
+            logging.warning("%s: %s ranges over [%g, %g], not [0, 1]; using it as given.",
+                            name, what, x.min(), x.max())
+    else:
+        raise ValueError(f"{name}: {what} has dtype {x.dtype}; give uint8 pixels (0..255) "
+                         "or floats in [0, 1].")
+    if x.ndim == 2:
+        return x.reshape(x.shape + (1, 1))  # (N, D) -> a column image (N, D, 1, 1)
+    return x[..., np.newaxis] if x.ndim == 3 else x
+
+
+def _labels(name, what, y):
+    """y as (N,) int32 class ids; integral floats are accepted."""
+    integral = np.issubdtype(y.dtype, np.integer) or (
+        np.issubdtype(y.dtype, np.floating) and np.isfinite(y).all() and (y == np.round(y)).all())
+    if not integral:
+        raise ValueError(f"{name}: {what} (dtype {y.dtype}) is not integer class ids; "
+                         "labels must be whole numbers 0..num_classes-1.")
+    if y.min() < 0:
+        raise ValueError(f"{name}: {what} has a negative label ({int(y.min())}); class ids "
+                         "start at 0.")
+    return y.astype(np.int32)
+
+
+def _check_int(what, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
