@@ -5,6 +5,7 @@ and how to summarise what comes back.
 """
 
 import itertools
+import sys
 import time
 
 import keras
@@ -85,43 +86,144 @@ def evaluate(trainer, data):
     return logs
 
 
-def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None):
-    """Runs `epochs` epochs of tower steps; returns a History.
+def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
+        max_steps=None, checkpointer=None, log_dir=None, verbose="auto"):
+    """Runs epochs of tower steps; returns a History.
 
-    An epoch is one pass over `dataset`, or `steps_per_epoch` batches drawn
-    from one iterator that continues across epochs (then the dataset should
-    repeat; training stops early, with a warning, if it runs out).
+    Args:
+      dataset: a tf.data.Dataset or iterable of batches, or a callable
+        epoch -> one of those. A callable gives each epoch its own reproducible
+        order, which is what lets a checkpoint resume in the middle of an epoch.
+      epochs: epochs to reach (counting epochs already done in a restored run).
+      steps_per_epoch: batches per epoch; None = one pass over the data. With
+        a plain (non-callable) dataset one iterator continues across epochs.
+      validation_data: evaluated after each epoch (see `evaluate`), "val_" logs.
+      max_steps: stop once trainer.step reaches this many optimizer steps.
+      checkpointer: a towers.checkpoint.Checkpointer; the run first resumes from
+        its newest checkpoint, saves as it goes and once at the end.
+      log_dir: where TensorBoard summaries go (None = none).
+      verbose: "auto" (a progress bar on a terminal, else log lines), True, False.
     """
-    for name, value in (("epochs", epochs), ("steps_per_epoch", steps_per_epoch)):
+    _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
+    history = History()
+    epoch, skip = 0, 0
+    if checkpointer is not None and checkpointer.restore():
+        epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
+    summaries = _Summaries(log_dir)
+    shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
+    while epoch < epochs and not _reached(trainer, max_steps):
+        _reset(trainer.metrics)
+        batches = _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator)
+        progress = _Progress(epoch, epochs, steps_per_epoch, verbose)
+        start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
+        for batch in batches:
+            logs = trainer.train_step(batch)
+            batch_index += 1
+            size = int(tf.nest.flatten(batch)[0].shape[0])
+            loss_sum, examples = loss_sum + logs["loss"] * size, examples + size
+            logs["examples_per_sec"] = examples / (time.perf_counter() - start)
+            progress.update(batch_index, logs)
+            summaries.train(trainer, logs)
+            if checkpointer is not None:
+                checkpointer.batch_done(epoch, batch_index)
+            if _reached(trainer, max_steps):
+                break
+        if batch_index == 0:
+            logging.warning("epoch %d got no batches: the dataset ran out; stopping.", epoch + 1)
+            break
+        if examples:
+            epoch_logs = {**logs, "loss": loss_sum / examples}
+            if validation_data is not None:
+                val_logs = trainer.evaluate(validation_data)
+                epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+                summaries.evaluation(trainer, val_logs)
+            history.append(epoch, epoch_logs)
+            progress.finish(batch_index, epoch_logs)
+        stopped_early = _reached(trainer, max_steps) and batch_index != steps_per_epoch
+        epoch, skip = (epoch, batch_index) if stopped_early else (epoch + 1, 0)
+    if checkpointer is not None:
+        checkpointer.save(epoch, skip)
+    return history
+
+
+class _Progress:
+    """A keras.utils.Progbar on a terminal, else an absl log line every ~10% of an epoch."""
+
+    def __init__(self, epoch, epochs, steps, verbose):
+        self._header = f"epoch {epoch + 1}/{epochs}"
+        show_bar = verbose is True or (verbose == "auto" and sys.stdout.isatty())
+        self._log_lines = verbose == "auto" and not show_bar
+        self._log_every = max(1, steps // 10) if steps else 10
+        self._bar = None
+        if show_bar:
+            print(self._header)
+            self._bar = keras.utils.Progbar(steps, stateful_metrics=["examples_per_sec"])
+
+    def update(self, batch_index, logs):
+        if self._bar is not None:
+            self._bar.update(batch_index, _bar_values(logs))
+        elif self._log_lines and batch_index % self._log_every == 0:
+            logging.info("%s, batch %d: %s", self._header, batch_index, _format(logs))
+
+    def finish(self, batch_index, epoch_logs):
+        if self._bar is not None:
+            self._bar.update(batch_index, _bar_values(epoch_logs), finalize=True)
+        elif self._log_lines:
+            logging.info("%s done: %s", self._header, _format(epoch_logs))
+
+
+class _Summaries:
+    """TensorBoard scalars: train/* every step, eval/* after each evaluation."""
+
+    def __init__(self, log_dir):
+        self._writer = tf.summary.create_file_writer(log_dir) if log_dir else None
+
+    def train(self, trainer, logs):
+        learning_rate = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
+        self._write("train", trainer.step, {**logs, "learning_rate": learning_rate})
+
+    def evaluation(self, trainer, logs):
+        self._write("eval", trainer.step, logs)
+
+    def _write(self, prefix, step, logs):
+        if self._writer is None:
+            return
+        with self._writer.as_default(step=step):
+            for name, value in logs.items():
+                tf.summary.scalar(f"{prefix}/{name}", value)
+        self._writer.flush()
+
+
+def _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator):
+    """The batches of one epoch, from batch number `skip` on."""
+    remaining = None if steps_per_epoch is None else steps_per_epoch - skip
+    if shared_iterator is not None:
+        return itertools.islice(shared_iterator, remaining)
+    data = dataset(epoch) if callable(dataset) else dataset
+    if isinstance(data, tf.data.Dataset):
+        return itertools.islice(data.skip(skip), remaining)
+    return itertools.islice(data, skip, steps_per_epoch)
+
+
+def _reached(trainer, max_steps):
+    return max_steps is not None and trainer.step >= max_steps
+
+
+def _check_positive(**values):
+    for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    history = History()
-    iterator = iter(dataset) if steps_per_epoch else None
-    for epoch in range(epochs):
-        _reset(trainer.metrics)
-        batches = itertools.islice(iterator, steps_per_epoch) if iterator else iter(dataset)
-        start, loss_sum, examples, steps, logs = time.perf_counter(), 0.0, 0, 0, {}
-        for batch in batches:
-            logs = trainer.train_step(batch)
-            size = int(tf.nest.flatten(batch)[0].shape[0])
-            loss_sum, examples, steps = loss_sum + logs["loss"] * size, examples + size, steps + 1
-        if not steps:
-            logging.warning("epoch %d got no batches; stopping: the dataset ran out.", epoch + 1)
-            break
-        epoch_logs = {**logs, "loss": loss_sum / examples,
-                      "examples_per_sec": examples / (time.perf_counter() - start)}
-        if validation_data is not None:
-            val_logs = trainer.evaluate(validation_data)
-            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-        history.append(epoch, epoch_logs)
-        logging.info("epoch %d/%d: %s", epoch + 1, epochs,
-                     ", ".join(f"{k}={v:.4g}" for k, v in epoch_logs.items()))
-        if steps_per_epoch and steps < steps_per_epoch:
-            logging.warning("the dataset ran out after %d of %d steps in epoch %d; stopping.",
-                            steps, steps_per_epoch, epoch + 1)
-            break
-    return history
+
+
+def _bar_values(logs):
+    return [(name, value) for name, value in logs.items() if name != "skipped_steps"]
+
+
+def _format(logs):
+    """'loss=0.1234, accuracy=0.9' for a log line; skipped_steps only once there are some."""
+    return ", ".join(f"{k}={v:.4g}" for k, v in logs.items()
+                     if k != "skipped_steps" or v)
 
 
 def _accuracy_for(y, y_pred):

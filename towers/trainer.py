@@ -204,10 +204,17 @@ class TowerTrainer:
         """Mean loss (+ metrics) over a batch, a tf.data.Dataset or an iterable of batches."""
         return loop.evaluate(self, data)
 
-    def fit(self, dataset, epochs=1, steps_per_epoch=None, validation_data=None):
-        """Trains for `epochs` passes over `dataset`; returns a loop.History."""
+    def fit(self, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
+            max_steps=None, checkpointer=None, log_dir=None, verbose="auto"):
+        """Trains for `epochs` epochs over `dataset`; returns a loop.History.
+
+        See towers.loop.fit for every argument: `dataset` may be a callable
+        epoch -> batches, `checkpointer` resumes and saves, `log_dir` gets
+        TensorBoard summaries.
+        """
         return loop.fit(self, dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        validation_data=validation_data)
+                        validation_data=validation_data, max_steps=max_steps,
+                        checkpointer=checkpointer, log_dir=log_dir, verbose=verbose)
 
     def eval_step(self, batch):
         """Sum of per-example losses, example count and regularisation for one batch."""

@@ -1,0 +1,191 @@
+"""The towers-train command line: learning, crash safety, TensorBoard, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import flags
+from absl.testing import flagsaver, parameterized
+
+from towers import train
+
+if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = dict(model="mlp", num_towers=4, global_batch_size=64)
+
+
+def _run_cli(*args, timeout=300):
+    """Runs `python -m towers.train ARGS` in a fresh process; returns CompletedProcess."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, "-m", "towers.train", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def _checkpoint_values(directory):
+    """Every tensor of the newest checkpoint in `directory`, by name."""
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(directory))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("save_counter")}
+
+
+def _position(values):
+    """(epoch, batch_in_epoch): where the checkpointed run goes on."""
+    return tuple(int(values[f"{name}/.ATTRIBUTES/VARIABLE_VALUE"])
+                 for name in ("epoch", "batch_in_epoch"))
+
+
+class LearningTest(tf.test.TestCase):
+
+    def test_default_command_reaches_95_percent_on_digits(self):
+        output = os.path.join(self.create_tempdir().full_path, "out.json")
+        result = _run_cli(f"--output_json={output}")
+        self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+        with open(output) as f:
+            results = json.load(f)
+        self.assertGreaterEqual(results["eval_accuracy"], 0.95)
+        self.assertEqual((results["num_towers"], results["dataset"]), (4, "digits"))
+        for key in ("eval_loss", "train_loss", "steps", "examples_per_sec"):
+            self.assertGreater(results[key], 0)
+        self.assertIn(f"test accuracy {results['eval_accuracy']:.4f}", result.stdout)
+
+
+class CrashSafetyTest(tf.test.TestCase):
+
+    def test_sigkill_then_rerun_gives_the_uninterrupted_weights(self):
+        args = ["--model=mlp", "--steps=300", "--checkpoint_every=20", "--deterministic",
+                "--global_batch_size=32"]
+        interrupted = self.create_tempdir().full_path
+        command = [sys.executable, "-m", "towers.train", *args,
+                   f"--checkpoint_dir={interrupted}"]
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(interrupted, "checkpoint")):
+            self.assertIsNone(process.poll(), "the run ended before its first checkpoint")
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        killed_at = _position(_checkpoint_values(interrupted))
+
+        output = os.path.join(interrupted, "out.json")
+        resumed = _run_cli(*args, f"--checkpoint_dir={interrupted}", f"--output_json={output}")
+        self.assertEqual(resumed.returncode, 0, resumed.stderr[-2000:])
+        with open(output) as f:
+            self.assertEqual(json.load(f)["steps"], 300)
+
+        uninterrupted = self.create_tempdir().full_path
+        straight = _run_cli(*args, f"--checkpoint_dir={uninterrupted}")
+        self.assertEqual(straight.returncode, 0, straight.stderr[-2000:])
+        expected, actual = _checkpoint_values(uninterrupted), _checkpoint_values(interrupted)
+        self.assertBetween(killed_at, (0, 20), _position(expected))
+        self.assertNotEqual(killed_at, _position(expected))
+        self.assertEqual(sorted(expected), sorted(actual))
+        for name in expected:
+            self.assertAllEqual(expected[name], actual[name], msg=name)
+
+
+class InProcessTest(tf.test.TestCase, parameterized.TestCase):
+    """Runs train.train() under flagsaver: one TensorFlow start for many runs."""
+
+    def test_resume_skips_half_written_and_unreadable_checkpoints(self):
+        directory = self.create_tempdir().full_path
+        with flagsaver.flagsaver(**QUICK, steps=30, checkpoint_every=10,
+                                 checkpoint_dir=directory):
+            train.train()
+        # A save killed before it updated the index leaves files the index does not name.
+        for suffix in ("index", "data-00000-of-00001"):
+            with open(os.path.join(directory, f"ckpt-99.{suffix}"), "wb") as f:
+                f.write(b"half written")
+        newest = tf.train.latest_checkpoint(directory)
+        with open(newest + ".data-00000-of-00001", "wb") as f:
+            f.write(b"corrupted")  # and the newest complete one is damaged on disk
+        with flagsaver.flagsaver(**QUICK, steps=40, checkpoint_every=10,
+                                 checkpoint_dir=directory):
+            with self.assertLogs("absl", "WARNING") as logs:
+                results = train.train()
+        self.assertEqual(results["steps"], 40)
+        self.assertTrue(any("unreadable" in line for line in logs.output))
+
+    def test_checkpoint_of_another_model_is_refused_and_kept(self):
+        directory = self.create_tempdir().full_path
+        with flagsaver.flagsaver(**QUICK, steps=5, checkpoint_dir=directory):
+            train.train()
+        before = {name: os.path.getmtime(os.path.join(directory, name))
+                  for name in os.listdir(directory)}
+        with flagsaver.flagsaver(**{**QUICK, "model": "cnn"}, steps=5,
+                                 checkpoint_dir=directory):
+            with self.assertRaisesRegex(ValueError, "does not match this model"):
+                train.train()
+        after = {name: os.path.getmtime(os.path.join(directory, name))
+                 for name in os.listdir(directory)}
+        self.assertEqual(before, after)
+
+    def test_unwritable_checkpoint_dir_fails_before_training(self):
+        not_a_directory = self.create_tempfile().full_path
+        with flagsaver.flagsaver(**QUICK, steps=5,
+                                 checkpoint_dir=os.path.join(not_a_directory, "ckpt")):
+            with self.assertRaisesRegex(ValueError, "cannot write checkpoints"):
+                train.train()
+
+    def test_global_batch_smaller_than_towers_works_with_a_warning(self):
+        with flagsaver.flagsaver(**{**QUICK, "global_batch_size": 3}, steps=4):
+            with self.assertLogs("absl", "WARNING") as logs:
+                results = train.train()
+        self.assertEqual(results["steps"], 4)
+        self.assertTrue(any("smaller than --num_towers=4" in line for line in logs.output))
+
+    def test_npz_data_and_output_json(self):
+        rng = np.random.default_rng(0)
+        path = os.path.join(self.create_tempdir().full_path, "mine.npz")
+        x = rng.integers(0, 256, size=(40, 6, 6), dtype=np.uint8)
+        np.savez(path, x_train=x[:30], y_train=(x[:30, 0, 0] > 127).astype(np.int64),
+                 x_test=x[30:], y_test=(x[30:, 0, 0] > 127).astype(np.int64))
+        output = os.path.join(self.create_tempdir().full_path, "out.json")
+        with flagsaver.flagsaver(**QUICK, data_npz=path, epochs=2, output_json=output):
+            train.train()
+        with open(output) as f:
+            results = json.load(f)
+        self.assertEqual((results["dataset"], results["steps"]), ("npz", 2))
+        self.assertBetween(results["eval_accuracy"], 0.0, 1.0)
+
+    def test_tensorboard_scalars(self):
+        log_dir = self.create_tempdir().full_path
+        with flagsaver.flagsaver(**QUICK, steps=23, log_dir=log_dir):
+            train.train()
+        tags = set()
+        for name in os.listdir(log_dir):
+            for record in tf.data.TFRecordDataset(os.path.join(log_dir, name)):
+                event = tf.compat.v1.Event.FromString(record.numpy())
+                tags.update(value.tag for value in event.summary.value)
+        self.assertContainsSubset(
+            {"train/loss", "train/accuracy", "train/learning_rate", "train/examples_per_sec",
+             "eval/loss", "eval/accuracy"}, tags)
+
+
+class BadFlagsTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("unknown_dataset", "--dataset=imagenet", "--dataset", "digits|synthetic"),
+        ("unknown_model", "--model=vgg", "--model", "mlp|cnn|resnet|text"),
+        ("zero_towers", "--num_towers=0", "--num_towers", "positive integer"),
+        ("missing_npz", "--data_npz=/no/such/file.npz", "error", "/no/such/file.npz"),
+    )
+    def test_bad_flag_exits_with_one_line_naming_it(self, flag, name, allowed):
+        result = _run_cli(flag, "--steps=1")
+        self.assertNotEqual(result.returncode, 0)
+        message = [line for line in result.stderr.splitlines() if name in line]
+        self.assertLen(message, 1, result.stderr[-2000:])
+        self.assertIn(allowed, message[0])
+        self.assertNotIn("Traceback", result.stderr)
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,95 @@
+"""Checkpoints that survive a crash: model, optimizer, step and the position in the data.
+
+A save writes the checkpoint files first and only then, atomically, the
+`checkpoint` index that names the newest one (tf.train.CheckpointManager), so
+a process killed mid-save leaves the index on the previous, complete
+checkpoint: a half-written checkpoint is never loaded.
+"""
+
+import os
+import tempfile
+
+import tensorflow as tf
+from absl import logging
+
+
+class Checkpointer:
+    """Saves and restores a training run in `directory`.
+
+    Attributes:
+      directory: where the checkpoints go.
+      every_steps: save after every this many batches (None = only when asked).
+      epoch, batch_in_epoch: int64 tf.Variables, the position in the data of
+        the next batch to train on; saved with the model and optimizer.
+    """
+
+    def __init__(self, directory, model, optimizer, every_steps=None, max_to_keep=3):
+        if every_steps is not None and (isinstance(every_steps, bool)
+                                        or not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"every_steps must be a positive integer or None, got {every_steps!r}.")
+        _check_writable(directory)
+        self.directory = directory
+        self.every_steps = every_steps
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        self.batch_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                          name="batch_in_epoch")
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                               epoch=self.epoch,
+                                               batch_in_epoch=self.batch_in_epoch)
+        self._manager = tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep)
+        self._batches_since_save = 0
+
+    def restore(self):
+        """Loads the newest readable checkpoint, if any; returns its path or None.
+
+        The model and optimizer must be built. A checkpoint whose files are
+        unreadable is skipped for the one before it, with a warning.
+
+        Raises:
+          ValueError: the checkpoint holds a different model or optimizer.
+        """
+        for path in reversed(self._manager.checkpoints):
+            try:
+                status = self._checkpoint.restore(path)
+                status.assert_existing_objects_matched()
+            except (tf.errors.OpError, IndexError) as error:  # IndexError: a truncated file
+                logging.warning("checkpoint %s is unreadable (%s); trying the one before.",
+                                path, str(getattr(error, "message", error)).splitlines()[0])
+                continue
+            except (AssertionError, ValueError) as error:
+                detail = str(error).strip().splitlines()[0]
+                raise ValueError(
+                    f"the checkpoint {path} does not match this model and optimizer "
+                    f"({detail}); use another --checkpoint_dir, or delete this one to start "
+                    "over. Nothing was overwritten.") from None
+            logging.info("restored %s: epoch %d, batch %d of that epoch", path,
+                         int(self.epoch), int(self.batch_in_epoch))
+            return path
+        return None
+
+    def batch_done(self, epoch, batch_in_epoch):
+        """Records the position after a batch; saves when `every_steps` batches have passed."""
+        self._batches_since_save += 1
+        if self.every_steps and self._batches_since_save >= self.every_steps:
+            self.save(epoch, batch_in_epoch)
+
+    def save(self, epoch, batch_in_epoch):
+        """Saves now, recording that training continues at (epoch, batch_in_epoch)."""
+        self.epoch.assign(epoch)
+        self.batch_in_epoch.assign(batch_in_epoch)
+        path = self._manager.save()
+        self._batches_since_save = 0
+        logging.info("saved checkpoint %s", path)
+        return path
+
+
+def _check_writable(directory):
+    """Raises ValueError, before any training, if `directory` cannot hold checkpoints."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"cannot write checkpoints to {directory!r}: {error.strerror or error}; choose a "
+            "writable --checkpoint_dir.") from None

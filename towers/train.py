@@ -1,0 +1,144 @@
+"""towers-train: train a model data-parallel on tower devices from the command line.
+
+    python -m towers.train --dataset=digits --model=cnn --num_towers=4
+
+Rerunning the same command with --checkpoint_dir resumes from the newest
+checkpoint. This is the only module that defines flags.
+"""
+
+import json
+import math
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+import towers  # noqa: E402
+from towers import data as data_lib, models  # noqa: E402
+from towers.checkpoint import Checkpointer  # noqa: E402
+
+DEFAULT_EPOCHS = 10
+OPTIMIZERS = ("adam", "sgd")
+
+DATASET = flags.DEFINE_enum("dataset", "digits", data_lib.DATASETS,
+                            "Training data: the 8x8 digits scikit-learn ships (offline), random "
+                            "synthetic images, or a keras.datasets set.")
+DATA_NPZ = flags.DEFINE_string("data_npz", None,
+                               "Your own .npz with x_train, y_train, x_test, y_test; "
+                               "overrides --dataset.")
+MODEL = flags.DEFINE_enum("model", "cnn", models.MODELS, "Which model to train.")
+NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices).", lower_bound=1)
+DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", towers.devices.DEVICE_TYPES,
+                                "Tower device kind; auto = GPUs if any, else CPU devices.")
+GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64,
+                                         "Examples per step, split across all towers.",
+                                         lower_bound=1)
+EPOCHS = flags.DEFINE_integer("epochs", None,
+                              f"Epochs to train (default {DEFAULT_EPOCHS}); not with --steps.",
+                              lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", None, "Optimizer steps to train; not with --epochs.",
+                             lower_bound=1)
+OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.")
+LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
+AGGREGATION = flags.DEFINE_enum("aggregation", "main", ["main"],
+                                "How tower gradients are combined: gathered on the main device.")
+VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main", ["main"],
+                                       "Where variables live: one copy on the main device.")
+CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None,
+                                     "Where checkpoints go; a rerun resumes from the newest.")
+CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100,
+                                        "Save a checkpoint every this many steps (and at the end).",
+                                        lower_bound=1)
+# absl.logging already defines --log_dir, for log files it writes only when asked to; the
+# command-line contract names it as the TensorBoard directory, so it is shared, with our help.
+flags.FLAGS["log_dir"].help = "Where TensorBoard summaries go."
+OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write the final metrics here as JSON.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout.")
+DETERMINISTIC = flags.DEFINE_bool("deterministic", False,
+                                  "Also make TensorFlow's ops deterministic, so two runs of the "
+                                  "same command give identical weights.")
+flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        results = train()
+    except (ValueError, ImportError, towers.DeviceConfigError, towers.NonFiniteError) as error:
+        print(f"towers-train: error: {error}", file=sys.stderr)
+        return 1
+    print(f"test accuracy {results['eval_accuracy']:.4f} (loss {results['eval_loss']:.4f}) "
+          f"after {results['steps']} steps on {results['num_towers']} towers, "
+          f"{results['examples_per_sec']:.0f} examples/sec")
+    return 0
+
+
+def train():
+    """Runs the whole job described by the flags; returns the final metrics."""
+    devices = towers.configure_devices(NUM_TOWERS.value, DEVICE_TYPE.value)
+    keras.utils.set_random_seed(SEED.value)
+    if DETERMINISTIC.value:
+        tf.config.experimental.enable_op_determinism()
+    if GLOBAL_BATCH_SIZE.value < len(devices):
+        logging.warning("--global_batch_size=%d is smaller than --num_towers=%d: some towers "
+                        "get empty shards and idle.", GLOBAL_BATCH_SIZE.value, len(devices))
+    data = data_lib.load_data("npz" if DATA_NPZ.value else DATASET.value,
+                              data_npz=DATA_NPZ.value, seed=SEED.value)
+    with tf.device(devices[0]):  # the main device holds the variables
+        model = models.build_model(MODEL.value, data.input_shape, data.num_classes,
+                                   seed=SEED.value)
+    optimizer = (keras.optimizers.Adam(LEARNING_RATE.value) if OPTIMIZER.value == "adam"
+                 else keras.optimizers.SGD(LEARNING_RATE.value, momentum=0.9))
+    trainer = towers.TowerTrainer(
+        model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
+        devices=devices, metrics=["accuracy"])
+    checkpointer = None
+    if CHECKPOINT_DIR.value:
+        with tf.device(devices[0]):
+            optimizer.build(model.trainable_variables)  # its slots must exist to be restored
+        checkpointer = Checkpointer(CHECKPOINT_DIR.value, model, optimizer,
+                                    every_steps=CHECKPOINT_EVERY.value)
+
+    steps_per_epoch = data_lib.steps_per_epoch(data, GLOBAL_BATCH_SIZE.value)
+    epochs = (math.ceil(STEPS.value / steps_per_epoch) if STEPS.value
+              else EPOCHS.value or DEFAULT_EPOCHS)
+    test_batches = data_lib.eval_dataset(data, GLOBAL_BATCH_SIZE.value)
+    history = trainer.fit(
+        lambda epoch: data_lib.train_dataset(data, GLOBAL_BATCH_SIZE.value, epoch,
+                                             seed=SEED.value),
+        epochs=epochs, steps_per_epoch=steps_per_epoch, validation_data=test_batches,
+        max_steps=STEPS.value, checkpointer=checkpointer, log_dir=flags.FLAGS.log_dir or None)
+
+    final = trainer.evaluate(test_batches)
+    results = {
+        "eval_accuracy": final["accuracy"],
+        "eval_loss": final["loss"],
+        "train_loss": (history.history["loss"][-1] if history.epoch  # else a finished run resumed
+                       else trainer.evaluate(data_lib.train_dataset(
+                           data, GLOBAL_BATCH_SIZE.value, 0, seed=SEED.value))["loss"]),
+        "steps": trainer.step,
+        "examples_per_sec": history.history["examples_per_sec"][-1] if history.epoch else 0.0,
+        "num_towers": len(devices),
+        "devices": devices,
+        "dataset": data.name,
+        "model": MODEL.value,
+        "global_batch_size": GLOBAL_BATCH_SIZE.value,
+    }
+    if OUTPUT_JSON.value:
+        with open(OUTPUT_JSON.value, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def run():
+    """Entry point of the towers-train console script."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
