@@ -73,7 +73,8 @@ def main(argv):
         print(f"towers-train: error: {error}", file=sys.stderr)
         return 1
     print(f"test accuracy {results['eval_accuracy']:.4f} (loss {results['eval_loss']:.4f}) "
-          f"after {results['steps']} steps on {results['num_towers']} towers, "
+          f"after {results['steps']} steps on {results['num_towers']} tower"
+          f"{'s' if results['num_towers'] != 1 else ''}, "
           f"{results['examples_per_sec']:.0f} examples/sec")
     return 0
 
