@@ -75,7 +75,11 @@ class AverageGradientsTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "lengths \\[2, 1\\]"):
             towers.average_gradients([self.grads[0], self.grads[1][:1]])
 
-    @parameterized.parameters(([1, 2, 3],), ([0, 0, 0, 0],), ([1, -1, 1, 1],))
+    def test_all_zero_weights_give_zeros(self):
+        mean = towers.average_gradients(self.grads, weights=[0, 0, 0, 0])
+        self.assertAllEqual(np.zeros((3, 2)), mean[0])
+
+    @parameterized.parameters(([1, 2, 3],), ([1, -1, 1, 1],))
     def test_bad_weights(self, weights):
         with self.assertRaisesRegex(ValueError, "weights"):
             towers.average_gradients(self.grads, weights=weights)

@@ -17,11 +17,13 @@ from towers.aggregate import average_gradients
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError
 from towers.split import split_batch
-from towers.trainer import TowerTrainer, tower_gradients
+from towers.step import TowerOptions, tower_gradients
+from towers.trainer import TowerTrainer
 
 __all__ = [
     "DeviceConfigError",
     "NonFiniteError",
+    "TowerOptions",
     "TowerTrainer",
     "average_gradients",
     "configure_devices",

@@ -41,7 +41,8 @@ def average_gradients(tower_grads, weights=None, device=None):
         a variable that no tower has a gradient for gets None.
       weights: one non-negative number or scalar Tensor per tower (shard sizes,
         say), or None for equal weights. A tower of weight 0 contributes exactly
-        nothing, even if its gradient holds NaN (an empty shard).
+        nothing, even if its gradient holds NaN (an empty shard); if every
+        weight is 0 the result is all zeros.
       device: where the mean is computed and placed; None = the current device.
 
     Returns:
@@ -70,7 +71,7 @@ def average_state(tower_states, weights=None, device=None):
 
 def all_finite(values):
     """A scalar bool Tensor: True when no Tensor or IndexedSlices in `values` holds NaN or Inf."""
-    checks = [tf.reduce_all(tf.math.is_finite(_dense_part(value)))
+    checks = [tf.reduce_all(tf.math.is_finite(dense_part(value)))
               for value in values if value is not None]
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
@@ -93,9 +94,8 @@ def _weight_fractions(weights, num_towers):
     if len(weights) != num_towers:
         raise ValueError(f"got {len(weights)} weights for {num_towers} towers; give one per tower.")
     if all(isinstance(w, numbers.Number) for w in weights):
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(
-                f"weights must be non-negative with a positive sum, got {weights}.")
+        if any(w < 0 for w in weights):
+            raise ValueError(f"weights must be non-negative, got {weights}.")
     weights = tf.cast(tf.stack(weights), tf.float32)
     return tf.unstack(tf.math.divide_no_nan(weights, tf.reduce_sum(weights)))
 
@@ -131,5 +131,6 @@ def _is_float(value):
     return value is not None and value.dtype.is_floating
 
 
-def _dense_part(value):
+def dense_part(value):
+    """The values Tensor of a tf.IndexedSlices, or the Tensor itself."""
     return value.values if isinstance(value, tf.IndexedSlices) else value

@@ -1,156 +1,43 @@
-"""Steps 3, 4 and 7, and `TowerTrainer`, which runs all seven in one compiled step."""
-
-import collections
-import inspect
+"""TowerTrainer: the tower step compiled once, with batch checks, metrics and the loop."""
 
 import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import aggregate, devices as devices_lib, losses, loop, split
+from towers import aggregate, devices as devices_lib, losses, loop, split, tower
 from towers.errors import NonFiniteError
-
-ON_NONFINITE = ("raise", "skip")
-
-TowerResult = collections.namedtuple("TowerResult", ["grads", "loss", "state", "y_pred"])
-TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main device.
-
-grads: mean gradient per model.trainable_variables entry (None where unused).
-loss: scalar float32, mean loss over the global batch plus regularisation.
-state: new value per model.non_trainable_variables entry (None where unchanged).
-y_pred: model outputs for the whole batch, rows in batch order.
-"""
-
-
-def tower_gradients(model, loss, batch, devices, main_device=None):
-    """Steps 1-6: the shard-weighted mean gradient of `loss` on the whole batch.
-
-    Call it inside your own tf.function and apply the gradients yourself. The
-    model's non-trainable state (BatchNorm statistics) is updated, as calling
-    the model in training mode would.
-
-    Args:
-      model: a built keras.Model.
-      loss: a keras.losses.Loss or callable(y_true, y_pred) -> per-example losses.
-      batch: (x, y) or (x, y, sample_weight), dim 0 = global batch.
-      devices: tower device names, one shard each.
-      main_device: where gradients are gathered and averaged; None = devices[0].
-
-    Returns:
-      (grads, logs): one gradient per model.trainable_variables entry, on
-      main_device, and {"loss": scalar Tensor}.
-    """
-    result = run_towers(model, loss, batch, list(devices), main_device or devices[0])
-    assign_state(model, result.state)
-    return result.grads, {"loss": result.loss}
-
-
-def run_towers(model, loss, batch, devices, main_device):
-    """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult."""
-    shards = split.split_batch(batch, len(devices))                           # 1
-    shard_sizes = [split.batch_size(shard) for shard in shards]
-    weights = [v.value for v in model.trainable_variables]
-    state = [v.value for v in model.non_trainable_variables]
-    tower_grads, tower_losses, tower_states, tower_outputs = [], [], [], []
-    for i, (tower, shard) in enumerate(zip(devices, shards)):
-        with tf.device(tower), tf.name_scope(f"tower_{i}"):
-            tower_weights = devices_lib.broadcast_weights(weights, tower)     # 2
-            tower_state = devices_lib.broadcast_weights(state, tower)
-            with tf.GradientTape() as tape:
-                tape.watch(tower_weights)
-                y_pred, new_state, regularization = forward(                  # 3
-                    model, tower_weights, tower_state, shard[0], training=True)
-                tower_loss = shard_loss(loss, shard, y_pred, regularization)
-            tower_grads.append(tape.gradient(tower_loss, tower_weights))      # 4
-        tower_losses.append([tower_loss])
-        tower_states.append(new_state)
-        tower_outputs.append(y_pred)
-    tower_grads = aggregate.gather_gradients(tower_grads, main_device)        # 5
-    grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)  # 6
-    with tf.device(main_device):
-        return TowerResult(
-            grads=grads,
-            loss=aggregate.average_gradients(tower_losses, shard_sizes)[0],
-            state=aggregate.average_state(tower_states, shard_sizes),
-            y_pred=tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *tower_outputs))
-
-
-def forward(model, weights, state, x, training):
-    """Step 3: the model's forward pass on the current device, writing no variable.
-
-    Args:
-      weights, state: values for model.trainable_variables and
-        model.non_trainable_variables, already on this tower.
-      x: this tower's inputs.
-
-    Returns:
-      (y_pred, new_state, regularization): outputs; the new non-trainable
-      values (None where the layer did not change them); the sum of the model's
-      regularisation losses, a float32 scalar (0 when it has none).
-    """
-    kwargs = {"training": training} if _accepts_training(model) else {}
-    y_pred, new_state, extra_losses = model.stateless_call(
-        weights, state, x, return_losses=True, **kwargs)
-    new_state = [new if new is not old else None for new, old in zip(new_state, state)]
-    regularization = tf.add_n([tf.cast(l, tf.float32) for l in extra_losses]
-                              ) if extra_losses else tf.constant(0.0)
-    return y_pred, new_state, regularization
-
-
-def shard_loss(loss, shard, y_pred, regularization):
-    """Mean per-example loss of one shard plus the regularisation, a float32 scalar.
-
-    An empty shard gives just the regularisation; its weight in the average is 0.
-    Averaging these over towers by shard size gives the global-batch mean plus
-    the regularisation counted once.
-    """
-    _, y, sample_weight = split.unpack_batch(shard)
-    per_example = losses.per_example_loss(loss, y, y_pred, sample_weight)
-    count = tf.maximum(tf.cast(tf.shape(per_example)[0], tf.float32), 1.0)
-    return tf.reduce_sum(per_example) / count + regularization
-
-
-def apply_update(optimizer, grads, variables, main_device):
-    """Step 7: the optimizer applies the averaged gradients, once, on the main device."""
-    with tf.device(main_device):
-        optimizer.apply_gradients(zip(grads, variables))
-
-
-def assign_state(model, state):
-    """Writes the merged non-trainable values (None = unchanged) into the model."""
-    for variable, value in zip(model.non_trainable_variables, state):
-        if value is not None:
-            variable.assign(value)
-
-
-def _accepts_training(model):
-    parameters = inspect.signature(model.call).parameters
-    return "training" in parameters or any(
-        p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
+from towers.step import TowerOptions, apply_update, assign_state, clip_gradients, run_towers
 
 class TowerTrainer:
     """Trains a Keras model data-parallel over tower devices, one explicit step at a time.
 
     Attributes:
-      model, loss, optimizer: as given.
+      model, loss: as given.
+      optimizer: as given, wrapped in keras.optimizers.LossScaleOptimizer when
+        the model computes in float16 (a mixed_float16 policy) and it is not one.
       devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
       main_device: where the variables live and the gradients are averaged.
-      on_nonfinite: "raise" (NonFiniteError, nothing applied) or "skip"
-        (nothing applied, counted in logs["skipped_steps"]).
+      options: a TowerOptions (accum_steps, clip_global_norm, sparse_policy,
+        state_policy, on_nonfinite).
       metrics: Keras metrics updated on every train and evaluation batch.
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
-                 metrics=(), on_nonfinite="raise"):
+                 metrics=(), accum_steps=1, clip_global_norm=None, sparse_policy="keep",
+                 state_policy="mean", on_nonfinite="raise"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
-        if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}.")
+        self.options = TowerOptions(accum_steps=accum_steps, clip_global_norm=clip_global_norm,
+                                    sparse_policy=sparse_policy, state_policy=state_policy,
+                                    on_nonfinite=on_nonfinite)
+        if model.compute_dtype == "float16" and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer):
+            # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         devices = devices_lib.default_devices() if devices is None else list(devices)
         if not devices:
             raise ValueError("devices is empty; give at least one tower device.")
@@ -158,11 +45,11 @@ class TowerTrainer:
         self.main_device = devices_lib.canonical_name(main_device or self.devices[0])
         devices_lib.check_devices_exist(self.devices + [self.main_device])
         self.model, self.loss, self.optimizer = model, loss, optimizer
-        self.on_nonfinite = on_nonfinite
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
         self._functions = {}  # (kind, batch spec text) -> compiled step
         self._train_spec = None
+        self._densify = None  # per variable: densify its sparse gradient on the tower
         if model.built:
             self._check_model()
 
@@ -180,22 +67,24 @@ class TowerTrainer:
 
         Returns:
           {"loss": mean loss over the batch (+ regularisation), metric results...,
-           "skipped_steps": steps skipped as non-finite so far}.
+           "skipped_steps": steps skipped so far (non-finite, or a float16
+           overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
         Raises:
           ValueError: a malformed batch; nothing runs.
           NonFiniteError: on_nonfinite="raise" and the loss or gradients are
-            NaN/Inf; weights and optimizer state are left as they were.
+            NaN/Inf (with loss scaling: the loss); weights and optimizer state
+            are left as they were.
         """
         batch, train_function = self._prepare(batch, "train")
         logs = train_function(batch)
-        if not bool(logs.pop("applied")):
-            if self.on_nonfinite == "raise":
-                raise NonFiniteError(
-                    f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
-                    "Inf, so nothing was applied. Lower the learning rate, check the data, "
-                    "or pass on_nonfinite='skip' to skip such steps.")
-            self._skipped_steps += 1
+        finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
+        if not finite and self.options.on_nonfinite == "raise":
+            raise NonFiniteError(
+                f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
+                "Inf, so nothing was applied. Lower the learning rate, check the data, "
+                "or pass on_nonfinite='skip' to skip such steps.")
+        self._skipped_steps += not applied
         logs = {name: float(value) for name, value in logs.items()}
         logs["skipped_steps"] = self._skipped_steps
         return logs
@@ -222,17 +111,26 @@ class TowerTrainer:
         return eval_function(batch)
 
     def _compiled_train_step(self, batch):
-        result = run_towers(self.model, self.loss, batch, self.devices, self.main_device)
-        finite = aggregate.all_finite([result.loss] + result.grads)
+        scale = self._loss_scale()
+        result = run_towers(self.model, self.loss, batch, self.devices, self.main_device,
+                            self.options, loss_scale=scale, densify=self._densify)  # 1-6
+        with tf.device(self.main_device):
+            grads = clip_gradients(result.grads, self.options.clip_global_norm, scale)
+            grads_finite = aggregate.all_finite(grads)
+            # With loss scaling an overflowing gradient is routine: the
+            # LossScaleOptimizer skips it and halves the scale. Only the loss decides.
+            finite = aggregate.all_finite([result.loss]) & (grads_finite | (scale is not None))
 
         def apply():  # step 7, only for a finite step
-            apply_update(self.optimizer, result.grads, self.model.trainable_variables,
+            apply_update(self.optimizer, grads, self.model.trainable_variables,
                          self.main_device)
-            assign_state(self.model, result.state)
-            return tf.constant(True)
+            assign_state(self.model, result.state, when=grads_finite)
+            return grads_finite
 
         applied = tf.cond(finite, apply, lambda: tf.constant(False))
-        logs = {"loss": result.loss, "applied": applied}
+        logs = {"loss": result.loss, "finite": finite, "applied": applied}
+        if scale is not None:
+            logs["loss_scale"] = self.optimizer.dynamic_scale.value
         logs.update(loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device))
         return logs
 
@@ -241,19 +139,24 @@ class TowerTrainer:
         weights = [v.value for v in self.model.trainable_variables]
         state = [v.value for v in self.model.non_trainable_variables]
         loss_sums, outputs = [], []
-        for i, (tower, shard) in enumerate(zip(self.devices, shards)):
-            with tf.device(tower), tf.name_scope(f"tower_{i}"):
-                y_pred, _, regularization = forward(
-                    self.model, devices_lib.broadcast_weights(weights, tower),
-                    devices_lib.broadcast_weights(state, tower), shard[0], training=False)
+        for i, (device, shard) in enumerate(zip(self.devices, shards)):
+            with tf.device(device), tf.name_scope(f"tower_{i}"):
+                y_pred, _, regularization = tower.forward(
+                    self.model, devices_lib.broadcast_weights(weights, device),
+                    devices_lib.broadcast_weights(state, device), shard[0], training=False)
                 _, y, sample_weight = split.unpack_batch(shard)
                 loss_sums.append(tf.reduce_sum(
                     losses.per_example_loss(self.loss, y, y_pred, sample_weight)))
                 outputs.append(y_pred)
         with tf.device(self.main_device):
-            y_pred = tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
-            loop.update_metrics(self.metrics, batch, y_pred, self.main_device)
+            loop.update_metrics(self.metrics, batch, tower.concat_rows(outputs), self.main_device)
             return tf.add_n(loss_sums), tf.cast(split.batch_size(batch), tf.float32), regularization
+
+    def _loss_scale(self):
+        """The LossScaleOptimizer's current scale (float32 scalar), or None."""
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return self.optimizer.dynamic_scale.value
+        return None
 
     def _prepare(self, batch, kind):
         """Checks a batch; returns it as Tensors and the compiled `kind` step for it.
@@ -298,6 +201,9 @@ class TowerTrainer:
             self._check_model()
             if not self.optimizer.built:
                 self.optimizer.build(self.model.trainable_variables)
+            self._densify = tower.choose_dense_gradients(
+                self.model, self.loss, split.split_batch(batch, len(self.devices))[0],
+                self.options.sparse_policy)
         loop.build_metrics(self.metrics, y, y_pred)
 
     def _check_model(self):

@@ -1,0 +1,308 @@
+"""The training set-ups compared by the benchmark, each behind one small interface, `Mode`.
+
+Every mode trains a model built from the same seed (so all start from identical
+weights) with the same loss and optimizer on the same fixed global batch, which
+is made once and placed on the devices before timing (tf_cnn_benchmarks' synthetic
+data). Every step ends with the loss fetched as a Python float: one host sync per
+step in every mode, so no mode gains from queueing steps ahead of the host.
+
+    plain            one device, whole batch, a GradientTape step in a tf.function
+    keras_fit        one device, model.compile + model.fit
+    towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row
+    independent      N devices, no gradient exchange: each tower trains its own copy
+    mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
+    mirrored_fit     MirroredStrategy with model.compile + model.fit
+
+The Keras fit modes are fed through tf.data (the same batch, repeated), because
+that is how fit takes data and how it splits a batch over replicas; every other
+mode reads tensors that already sit on its devices. No mode uses XLA.
+"""
+
+import dataclasses
+import itertools
+import time
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import towers
+
+LEARNING_RATE = 0.01
+MOMENTUM = 0.9
+
+AGGREGATIONS = ("main", "tree", "collective", "nccl")
+VARIABLE_PLACEMENTS = ("main", "replicated")
+
+
+def _tower_configs():
+    """TowerTrainer keyword arguments per towers mode, by mode name.
+
+    "towers" is the library's defaults; then every aggregation x
+    variable_placement, and gradient packing. An option the library does not
+    know yet raises TypeError/ValueError when the trainer is built and the mode
+    is reported as unsupported, so its rows light up once the library has it.
+    """
+    configs = {"towers": {}}
+    for aggregation, placement in itertools.product(AGGREGATIONS, VARIABLE_PLACEMENTS):
+        if (aggregation, placement) != ("main", "main"):  # that is "towers"
+            configs[f"towers_{aggregation}_{placement}"] = {
+                "aggregation": aggregation, "variable_placement": placement}
+    configs["towers_packed"] = {"pack_gradients": True}
+    return configs
+
+
+TOWER_CONFIGS = _tower_configs()
+SINGLE_DEVICE_MODES = ("plain", "keras_fit")
+MULTI_DEVICE_MODES = (*TOWER_CONFIGS, "independent", "mirrored_custom", "mirrored_fit")
+MODES = SINGLE_DEVICE_MODES + MULTI_DEVICE_MODES
+
+
+class Unsupported(Exception):
+    """The library does not (yet) offer what a mode asks for; the message says what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every mode of one model shares.
+
+    Attributes:
+      make_model: callable() -> a built keras.Model, identical weights every call;
+        its variables go to the current device or strategy scope.
+      x, y: the global batch in host memory, (B, H, W, C) float32 and (B,) int32.
+    """
+    make_model: Callable[[], keras.Model]
+    x: np.ndarray
+    y: np.ndarray
+
+    @property
+    def global_batch_size(self):
+        return len(self.x)
+
+    def shards(self, num_towers):
+        """The batch split like towers.split_batch: sizes differ by at most one, larger first."""
+        sizes = towers.split.shard_sizes(self.global_batch_size, num_towers)
+        bounds = np.cumsum([0] + sizes)
+        return [(self.x[a:b], self.y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def dataset(self):
+        """The whole batch as one tf.data element, repeated forever (no copy per step)."""
+        return tf.data.Dataset.from_tensors((self.x, self.y)).repeat()
+
+
+class Mode:
+    """One way of training, built and ready to time.
+
+    Attributes:
+      name: e.g. "plain", "towers", "mirrored_custom".
+      num_towers: how many devices it trains on.
+      model: the keras.Model it trains (for independent: tower 0's copy).
+      info: extra facts for results.json (options, cross-device ops).
+    """
+
+    def __init__(self, name, num_towers, step, model, info=None):
+        self.name, self.num_towers, self.info = name, num_towers, dict(info or {})
+        self.model, self._step = model, step
+
+    def run(self, num_steps):
+        """Runs `num_steps` training steps; returns each one's wall time in seconds."""
+        times = []
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            self._step()  # returns the loss as a float: the step's host sync
+            times.append(time.perf_counter() - start)
+        return times
+
+    def weights(self):
+        """The weights now, as a list of NumPy arrays (for independent: tower 0's copy)."""
+        return self.model.get_weights()
+
+
+class FitMode(Mode):
+    """A compiled Keras model trained with model.fit; steps are timed by a callback."""
+
+    def __init__(self, name, num_towers, model, dataset, info=None):
+        super().__init__(name, num_towers, None, model, info)
+        self._dataset = dataset
+
+    def run(self, num_steps):
+        timer = _StepTimer()
+        self.model.fit(self._dataset, epochs=1, steps_per_epoch=num_steps, verbose=0,
+                        callbacks=[timer])
+        return timer.times
+
+
+class _StepTimer(keras.callbacks.Callback):
+    """Wall time of each fit step: from one batch's end to the next (the first from its begin).
+
+    Defining on_train_batch_end makes Keras convert the logs to Python floats
+    before calling it, every step: the same one host sync per step as the other
+    modes. Fit's own set-up before the first batch is not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.times, self._last = [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._last is None:
+            self._last = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        self.times.append(now - self._last)
+        self._last = now
+
+
+def build(name, setup, devices):
+    """Builds mode `name` on `devices`; returns a Mode. Raises Unsupported."""
+    if name in TOWER_CONFIGS:
+        return _towers(name, TOWER_CONFIGS[name], setup, devices)
+    return _BUILDERS[name](setup, devices)
+
+
+def make_optimizer():
+    return keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM)
+
+
+def make_loss(reduction="sum_over_batch_size"):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def _plain(setup, devices):
+    device = devices[0]
+    with tf.device(device):
+        model, optimizer = setup.make_model(), make_optimizer()
+        optimizer.build(model.trainable_variables)
+        x, y = tf.constant(setup.x), tf.constant(setup.y)
+    loss_fn = make_loss()
+
+    @tf.function
+    def step():
+        with tf.device(device):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True)) + _regularization(model)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+    return Mode("plain", 1, lambda: float(step()), model)
+
+
+def _keras_fit(setup, devices):
+    with tf.device(devices[0]):
+        model = setup.make_model()
+        # jit_compile=False: Keras would turn XLA on by itself on a GPU, no other mode uses it.
+        model.compile(optimizer=make_optimizer(), loss=make_loss(), jit_compile=False)
+    return FitMode("keras_fit", 1, model, setup.dataset())
+
+
+def _towers(name, options, setup, devices):
+    with tf.device(devices[0]):  # the main device holds the variables
+        model = setup.make_model()
+        batch = (tf.constant(setup.x), tf.constant(setup.y))
+    try:
+        trainer = towers.TowerTrainer(model, make_loss(), make_optimizer(), devices=devices,
+                                      **options)
+    except (TypeError, ValueError) as error:
+        raise Unsupported(f"{type(error).__name__}: {error}") from None
+    return Mode(name, len(devices), lambda: trainer.train_step(batch)["loss"], model,
+                {"options": options})
+
+
+def _independent(setup, devices):
+    """Each tower trains its own copy on its shard with its own optimizer: no communication."""
+    replicas = []
+    for device, (x, y) in zip(devices, setup.shards(len(devices))):
+        with tf.device(device):
+            model, optimizer = setup.make_model(), make_optimizer()
+            optimizer.build(model.trainable_variables)
+            replicas.append((model, optimizer, tf.constant(x), tf.constant(y)))
+    loss_fn = make_loss()
+
+    @tf.function
+    def step():
+        losses = []
+        for i, (device, (model, optimizer, x, y)) in enumerate(zip(devices, replicas)):
+            with tf.device(device), tf.name_scope(f"tower_{i}"):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True)) + _regularization(model)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                losses.append(loss)
+        with tf.device(devices[0]):
+            return tf.add_n(losses) / len(losses)
+
+    return Mode("independent", len(devices), lambda: float(step()), replicas[0][0])
+
+
+def _mirrored_custom(setup, devices):
+    strategy, cross_device_ops = _mirrored_strategy(devices)
+    with strategy.scope():
+        model, optimizer = setup.make_model(), make_optimizer()
+        # Keras 3 optimizers must create their slots in the scope before the first step.
+        optimizer.build(model.trainable_variables)
+    shards = setup.shards(len(devices))
+
+    def on_replica(context):
+        x, y = shards[context.replica_id_in_sync_group]
+        with tf.device(strategy.extended.worker_devices[context.replica_id_in_sync_group]):
+            return tf.constant(x), tf.constant(y)
+
+    x, y = strategy.experimental_distribute_values_from_function(on_replica)
+    per_example = make_loss(reduction=None)
+    global_batch_size = float(setup.global_batch_size)
+
+    def replica_step(x, y):
+        # Sum over the replica's examples / global batch: the strategy sums the gradients.
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(per_example(y, model(x, training=True))) / global_batch_size
+            loss += _regularization(model) / strategy.num_replicas_in_sync
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step():
+        losses = strategy.run(replica_step, args=(x, y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    return Mode("mirrored_custom", len(devices), lambda: float(step()), model,
+                {"cross_device_ops": cross_device_ops})
+
+
+def _mirrored_fit(setup, devices):
+    strategy, cross_device_ops = _mirrored_strategy(devices)
+    with strategy.scope():
+        model = setup.make_model()
+        model.compile(optimizer=make_optimizer(), loss=make_loss(), jit_compile=False)
+    return FitMode("mirrored_fit", len(devices), model, setup.dataset(),
+                   {"cross_device_ops": cross_device_ops})
+
+
+def _mirrored_strategy(devices):
+    """MirroredStrategy on `devices` and the name of its cross-device ops.
+
+    NCCL where every device is its own physical GPU, else ReductionToOneDevice
+    (NCCL cannot run two ranks on one GPU, nor on CPUs). Not the default
+    collective all-reduce: it numbers its groups from 1 in every strategy, so
+    strategies of different sizes in one process clash.
+    """
+    physical_gpus = tf.config.list_physical_devices("GPU")
+    logical_gpus = tf.config.list_logical_devices("GPU")
+    all_gpus = all("GPU" in towers.devices.canonical_name(d) for d in devices)
+    if all_gpus and len(physical_gpus) == len(logical_gpus) and len(devices) > 1:
+        cross_device_ops = tf.distribute.NcclAllReduce()
+    else:
+        cross_device_ops = tf.distribute.ReductionToOneDevice()
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+    return strategy, type(cross_device_ops).__name__
+
+
+def _regularization(model):
+    return tf.add_n(model.losses) if model.losses else 0.0
+
+
+_BUILDERS = {"plain": _plain, "keras_fit": _keras_fit, "independent": _independent,
+             "mirrored_custom": _mirrored_custom, "mirrored_fit": _mirrored_fit}

@@ -1,0 +1,156 @@
+"""The tower step: steps 1-6 in one function (`run_towers`), and step 7.
+
+`run_towers` is the whole algorithm on one screen, each line marked with its
+step number; TowerTrainer compiles it, with `apply_update`, into one tf.function.
+"""
+
+import collections
+import dataclasses
+from typing import Optional, Union
+
+import tensorflow as tf
+
+from towers import aggregate, devices as devices_lib, split, tower
+
+ON_NONFINITE = ("raise", "skip")
+STATE_POLICIES = ("mean", "first_tower")
+SPARSE_POLICIES = ("keep", "dense")
+
+TowerResult = collections.namedtuple("TowerResult", ["grads", "loss", "state", "y_pred"])
+TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main device.
+
+grads: mean gradient per model.trainable_variables entry (None where unused),
+  times the loss scale if one was given.
+loss: scalar float32, mean loss over the global batch plus regularisation.
+state: new value per model.non_trainable_variables entry (None where unchanged).
+y_pred: model outputs for the whole batch, rows in batch order.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerOptions:
+    """How the tower step treats gradients and state; checked on construction.
+
+    Attributes:
+      accum_steps: micro-batches each tower runs one after another per step;
+        their gradients are averaged (weighted by size) before the towers'.
+      clip_global_norm: None, or clip the averaged gradient to this global norm.
+      sparse_policy: "keep" (tf.IndexedSlices stay sparse), "dense" (densified
+        on each tower), or a float in (0, 1]: densify a variable's gradient when
+        a tower's first shard looks up more than that fraction of its rows.
+      state_policy: "mean" (new non-trainable values averaged by shard size) or
+        "first_tower" (tower 0's values, as the classic tutorials do).
+      on_nonfinite: "raise" (NonFiniteError, nothing applied) or "skip"
+        (nothing applied, counted in logs["skipped_steps"]).
+    """
+    accum_steps: int = 1
+    clip_global_norm: Optional[float] = None
+    sparse_policy: Union[str, float] = "keep"
+    state_policy: str = "mean"
+    on_nonfinite: str = "raise"
+
+    def __post_init__(self):
+        if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
+                or self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}.")
+        if self.clip_global_norm is not None and not (
+                isinstance(self.clip_global_norm, (int, float))
+                and not isinstance(self.clip_global_norm, bool) and self.clip_global_norm > 0):
+            raise ValueError(
+                f"clip_global_norm must be a positive number or None, got {self.clip_global_norm!r}.")
+        if self.sparse_policy not in SPARSE_POLICIES and not (
+                isinstance(self.sparse_policy, float) and 0 < self.sparse_policy <= 1):
+            raise ValueError(
+                f"sparse_policy must be one of {SPARSE_POLICIES} or a density threshold in "
+                f"(0, 1], got {self.sparse_policy!r}.")
+        if self.state_policy not in STATE_POLICIES:
+            raise ValueError(
+                f"state_policy must be one of {STATE_POLICIES}, got {self.state_policy!r}.")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}.")
+
+
+def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_steps=1,
+                    state_policy="mean", loss_scale=None):
+    """Steps 1-6: the shard-weighted mean gradient of `loss` on the whole batch.
+
+    Call it inside your own tf.function and apply the gradients yourself. The
+    model's non-trainable state (BatchNorm statistics) is updated, as calling
+    the model in training mode would.
+
+    Args:
+      model: a built keras.Model.
+      loss: a keras.losses.Loss or callable(y_true, y_pred) -> per-example losses.
+      batch: (x, y) or (x, y, sample_weight), dim 0 = global batch.
+      devices: tower device names, one shard each.
+      main_device: where gradients are gathered and averaged; None = devices[0].
+      accum_steps, state_policy: as in TowerOptions.
+      loss_scale: None or a float32 scalar each tower multiplies its loss by
+        (dynamic loss scaling); the gradients returned stay scaled.
+
+    Returns:
+      (grads, logs): one gradient per model.trainable_variables entry, on
+      main_device, and {"loss": scalar Tensor}.
+    """
+    options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
+    result = run_towers(model, loss, batch, list(devices), main_device or devices[0],
+                        options, loss_scale=loss_scale)
+    assign_state(model, result.state)
+    return result.grads, {"loss": result.loss}
+
+
+def run_towers(model, loss, batch, devices, main_device, options, loss_scale=None,
+               densify=None):
+    """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult."""
+    shards = split.split_batch(batch, len(devices))                               # 1
+    shard_sizes = [split.batch_size(shard) for shard in shards]
+    weights = [v.value for v in model.trainable_variables]
+    state = [v.value for v in model.non_trainable_variables]
+    outputs = []
+    for i, (device, shard) in enumerate(zip(devices, shards)):
+        with tf.device(device), tf.name_scope(f"tower_{i}"):
+            tower_weights = devices_lib.broadcast_weights(weights, device)        # 2
+            tower_state = devices_lib.broadcast_weights(state, device)
+            outputs.append(tower.run_tower(                                       # 3, 4
+                model, loss, shard, tower_weights, tower_state, i, options.accum_steps,
+                loss_scale, densify))
+    tower_grads = aggregate.gather_gradients([o.grads for o in outputs], main_device)  # 5
+    grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)    # 6
+    with tf.device(main_device):
+        if options.state_policy == "mean":
+            state = aggregate.average_state([o.state for o in outputs], shard_sizes)
+        else:
+            state = aggregate.gather_gradients([outputs[0].state], main_device)[0]
+        return TowerResult(
+            grads=grads,
+            loss=aggregate.average_gradients([[o.loss] for o in outputs], shard_sizes)[0],
+            state=state,
+            y_pred=tower.concat_rows([o.y_pred for o in outputs]))
+
+
+def clip_gradients(grads, clip_global_norm, loss_scale=None):
+    """The averaged gradients clipped to a global norm (of the unscaled gradients)."""
+    if clip_global_norm is None:
+        return grads
+    # Gradients carry the loss scale; clipping them at scale * norm is the same as
+    # clipping the unscaled gradients at norm.
+    limit = clip_global_norm if loss_scale is None else clip_global_norm * loss_scale
+    clipped, _ = tf.clip_by_global_norm(grads, limit)
+    return clipped
+
+
+def apply_update(optimizer, grads, variables, main_device):
+    """Step 7: the optimizer applies the averaged gradients, once, on the main device."""
+    with tf.device(main_device):
+        optimizer.apply_gradients(zip(grads, variables))
+
+
+def assign_state(model, state, when=None):
+    """Writes the merged non-trainable values (None = unchanged) into the model.
+
+    `when`: None, or a bool scalar Tensor; where False the old values stay.
+    """
+    for variable, value in zip(model.non_trainable_variables, state):
+        if value is not None:
+            variable.assign(value if when is None else tf.where(when, value, variable.value))
