@@ -129,7 +129,7 @@ class FitMode(Mode):
     def run(self, num_steps):
         timer = _StepTimer()
         self.model.fit(self._dataset, epochs=1, steps_per_epoch=num_steps, verbose=0,
-                        callbacks=[timer])
+                        shuffle=False, callbacks=[timer])
         return timer.times
 
 

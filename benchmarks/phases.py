@@ -8,9 +8,10 @@ and `write_chrome_trace` turns the whole recording into a Chrome trace file
 The phases come from op names: the library runs each tower under
 tf.name_scope("tower_i"), and the gradient tape prefixes that tower's backward
 ops with "gradient_tape/". The other phases are recognised by the names of the
-ops they use (SplitV for the split, _Send/_Recv for copies between devices,
-multiply_no_nan for the weighted mean, the optimizer's ops inside the
-non-finite tf.cond for the update); whatever matches nothing is "other".
+ops they use (split and the batch-size arithmetic for the split, _Send/_Recv
+for copies between devices, multiply_no_nan for the weighted mean, IsFinite
+for the non-finite check, the optimizer's ops inside its tf.cond for the
+update); whatever matches nothing is "other".
 A name scope "split", "broadcast", "gather", "reduce" or "apply" in the
 library would be recognised first, and exactly.
 """
@@ -24,6 +25,7 @@ import re
 import tensorflow as tf
 
 STEP_ANNOTATION = "towers_step"
+_OP_NAME = re.compile(r"^[^:]+:\w+$")  # "scope/op_name:OpType"
 
 # (phase, pattern on the op's name "scope/op_name:OpType"), first match wins;
 # "{tower}" in a phase name is replaced by the tower number the pattern captures.
@@ -33,7 +35,8 @@ PHASE_PATTERNS = (
     ("tower {tower} broadcast", re.compile(r"^tower_(?P<tower>\d+)/Identity[^/]*/")),
     ("tower {tower} backward", re.compile(r"^gradient_tape/tower_(?P<tower>\d+)/")),
     ("tower {tower} forward", re.compile(r"^tower_(?P<tower>\d+)/")),
-    ("split", re.compile(r"^split(_\d+)?[/:]")),
+    ("split", re.compile(r"^(split|floordiv|mod|Less|assert_equal|strided_slice)(_\d+)?[/:]")),
+    ("finite check", re.compile(r"^(IsFinite|All|and)(_\d+)?:")),
     ("apply", re.compile(r"(^|/)cond/|(^|/)(sgd|SGD|adam|Adam)/")),
     ("reduce", re.compile(r"^(multiply_no_nan|AddN|add_n|div_no_nan|stack|unstack)")),
     ("gather", re.compile(r":_(Send|Recv|HostSend|HostRecv)$")),
@@ -78,7 +81,8 @@ def phase_table(space, num_steps):
 
     Returns:
       {"step_ms": mean wall time of a traced step (profiler on, so slower than
-      untraced), "phases": [{"phase", "ops", "busy_ms"}], busy_ms being the sum
+      untraced), "busy_ms": all ops' time per step, "phases": [{"phase",
+      "ops", "busy_ms"}] with ops per step, busy_ms being the sum
       of the phase's op durations per step, across all threads and devices (so
       the phases can add up to more than step_ms when ops run concurrently)}.
     """
@@ -90,7 +94,8 @@ def phase_table(space, num_steps):
     steps = [d for name, d in _named_events(space, host_only=True) if name == STEP_ANNOTATION]
     phases = [{"phase": p, "ops": ops[p] / num_steps, "busy_ms": busy_ps[p] / num_steps / 1e9}
               for p in sorted(busy_ps, key=_phase_order)]
-    return {"step_ms": sum(steps) / max(len(steps), 1) / 1e9, "phases": phases}
+    return {"step_ms": sum(steps) / max(len(steps), 1) / 1e9,
+            "busy_ms": sum(busy_ps.values()) / num_steps / 1e9, "phases": phases}
 
 
 def classify(op_name):
@@ -136,7 +141,7 @@ def _op_events(space):
                         yield name, event.duration_ps
         return
     for name, duration in _named_events(space, host_only=True, line_prefix="tf_Compute"):
-        if ":" in name:  # "scope/op_name:OpType"; executor bookkeeping has no colon
+        if _OP_NAME.match(name):  # not the executor's own events ("ExecutorState::Process")
             yield name, duration
 
 
@@ -161,7 +166,7 @@ def _stat(plane, event, stat_name):
 
 
 def _phase_order(phase):
-    order = ("split", "broadcast", "tower", "gather", "reduce", "apply", "other")
+    order = ("split", "broadcast", "tower", "gather", "reduce", "finite", "apply", "other")
     rank = next(i for i, prefix in enumerate(order) if phase.startswith(prefix) or prefix == "other")
     number = re.search(r"\d+", phase)
     return rank, int(number.group()) if number else 0, "backward" in phase, phase

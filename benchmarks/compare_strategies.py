@@ -1,0 +1,102 @@
+"""Compares towers with a plain loop, Keras fit, MirroredStrategy and no-communication towers.
+
+    python benchmarks/compare_strategies.py --models=mlp,cnn --num_towers=1,2,4 \\
+        --global_batch_size=256 --steps=50 --output_dir=DIR
+
+writes DIR/results.json, DIR/results.md and DIR/results.png, prints the tables,
+and leaves a tf.profiler trace of one towers step per tower count under
+DIR/trace (with a Chrome trace, trace.json, beside each). The work is in
+benchmarks/harness.py (run_benchmark); this file only reads the flags.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+# Run as a script, Python puts benchmarks/ on the path, not the project root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+import towers  # noqa: E402
+from benchmarks import harness, modes, report  # noqa: E402
+from towers import models  # noqa: E402
+
+MODELS = flags.DEFINE_list("models", ["mlp", "cnn"],
+                           f"Comma-separated models to benchmark, from {','.join(models.MODELS)}.")
+NUM_TOWERS = flags.DEFINE_list("num_towers", ["1", "2", "4"],
+                               "Comma-separated tower counts N; each mode runs on the first N "
+                               "devices.")
+GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 256,
+                                         "Examples per step, split across all towers; the same "
+                                         "for every mode and N.", lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", 50, "Timed steps per mode (after the warm-up), spread "
+                             "over --rounds interleaved rounds.", lower_bound=1)
+WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 5, "Untimed steps per mode before timing "
+                                    "(tracing, memory allocation).", lower_bound=1)
+ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds: each round times a block of "
+                              "every mode in turn, so machine drift hits all modes alike.",
+                              lower_bound=1)
+DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", towers.devices.DEVICE_TYPES,
+                                "Tower device kind; auto = GPUs if any, else logical CPU devices.")
+MODES = flags.DEFINE_list("modes", list(modes.MODES),
+                          f"Comma-separated modes to run, from {','.join(modes.MODES)}. plain "
+                          "always runs: it is the baseline.")
+INPUT_SHAPE = flags.DEFINE_list("input_shape", ["32", "32", "3"],
+                                "Height,width,channels of the synthetic images.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights (identical in every mode) and data.")
+OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results",
+                                 "Where results.json, results.md and results.png go.")
+TRACE_DIR = flags.DEFINE_string("trace_dir", None,
+                                "Where the tf.profiler traces go; default OUTPUT_DIR/trace.")
+TRACE_STEPS = flags.DEFINE_integer("trace_steps", 3, "Towers steps traced per tower count for "
+                                   "the phase breakdown; 0 = no trace.", lower_bound=0)
+
+
+def _positive_ints(values, count=None):
+    try:
+        numbers = [int(v) for v in values]
+    except ValueError:
+        return False
+    return bool(numbers) and min(numbers) >= 1 and (count is None or len(numbers) == count)
+
+
+flags.register_validator("models", lambda v: bool(v) and set(v) <= set(models.MODELS),
+                         f"must be a comma-separated subset of {','.join(models.MODELS)}")
+flags.register_validator("num_towers", _positive_ints,
+                         "must be comma-separated positive integers, e.g. 1,2,4")
+flags.register_validator("modes", lambda v: bool(v) and set(v) <= set(modes.MODES),
+                         f"must be a comma-separated subset of {','.join(modes.MODES)}")
+flags.register_validator("input_shape", lambda v: _positive_ints(v, count=3),
+                         "must be three positive integers: height,width,channels, e.g. 32,32,3")
+flags.register_multi_flags_validator(
+    ["steps", "rounds"], lambda f: f["rounds"] <= f["steps"],
+    "--rounds must be at most --steps (each round times at least one step)")
+flags.register_multi_flags_validator(
+    ["global_batch_size", "num_towers"],
+    lambda f: not _positive_ints(f["num_towers"])
+    or f["global_batch_size"] >= max(int(n) for n in f["num_towers"]),
+    "--global_batch_size must be at least the largest --num_towers (every tower needs an example)")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    num_towers = [int(n) for n in NUM_TOWERS.value]
+    try:
+        devices = towers.configure_devices(max(num_towers), DEVICE_TYPE.value)  # before TF starts
+    except (ValueError, towers.DeviceConfigError) as error:
+        print(f"compare_strategies: error: {error}", file=sys.stderr)
+        return 1
+    results = harness.run_benchmark(
+        MODELS.value, num_towers, GLOBAL_BATCH_SIZE.value, STEPS.value,
+        warmup_steps=WARMUP_STEPS.value, rounds=ROUNDS.value, devices=devices,
+        modes=MODES.value, input_shape=[int(d) for d in INPUT_SHAPE.value], seed=SEED.value,
+        output_dir=OUTPUT_DIR.value, trace_steps=TRACE_STEPS.value, trace_dir=TRACE_DIR.value)
+    print(report.markdown(results))
+    print(f"Wrote results.json, results.md and results.png to {OUTPUT_DIR.value}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,139 @@
+"""The benchmark's outputs: results.json (everything), results.md (tables), results.png (plots)."""
+
+import json
+import os
+
+from absl import logging
+
+NOTES = """\
+- Every mode trains the same model (same seed, same initial weights) with SGD on the
+  same synthetic global batch, made once and reused every step; each step fetches its
+  loss as a Python float, so every mode pays one host sync per step.
+- plain and keras_fit run on one device; speedup = plain's time / this time at the
+  same global batch; efficiency = speedup / N; x mirrored and x independent = their
+  time / this time at the same N (> 1: this mode is faster).
+- independent exchanges no gradients (each tower trains its own copy on its shard):
+  the hardware's upper bound. Its max |dw| (tower 0's copy against plain) is expected
+  to be far from 0. Keras fit may differ from plain by float32 round-off.
+- Keras fit modes read the batch through tf.data; the others from tensors already on
+  their devices. No mode uses XLA.
+- Logical CPU devices share the same cores, so on a CPU more towers cannot add
+  compute: CPU numbers show each mode's overhead, not scaling.
+- % peak: achieved FLOP/s (3 x forward FLOPs of the Dense/Conv layers, counted
+  analytically) over the best float32 matmul FLOP/s of one device, times the number
+  of physical devices used.
+"""
+
+
+def write_all(results, output_dir):
+    """Writes results.json, results.md and results.png (when matplotlib is there) to output_dir."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(output_dir, "results.md"), "w") as f:
+        f.write(markdown(results))
+    write_plot(results, os.path.join(output_dir, "results.png"))
+
+
+def markdown(results):
+    """All results as Markdown: machine, one table per model, not-run modes, phases."""
+    config, machine = results["config"], results["machine"]
+    lines = ["# towers benchmark: compare_strategies", "",
+             f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
+             f"{machine['cpu_count']} CPUs, GPUs: {', '.join(machine['physical_gpus']) or 'none'}; "
+             f"towers on {', '.join(machine['tower_devices'])}.",
+             f"Global batch {config['global_batch_size']}, input {config['input_shape']}, "
+             f"{config['warmup_steps']} warm-up + {config['steps']} timed steps per mode in "
+             f"{config['rounds']} interleaved rounds. Matmul peak of one device: "
+             f"{results['matmul_flops_per_sec'] / 1e9:.1f} GFLOP/s.", "", NOTES]
+    for name, model in results["models"].items():
+        lines += model_markdown(name, model)
+    return "\n".join(lines) + "\n"
+
+
+def model_markdown(name, model):
+    """One model's table, then the modes not run and the towers phase tables."""
+    lines = [f"## {name}", "",
+             f"{model['flops_per_step'] / 1e9:.3g} GFLOP per training step (analytic, 3 x forward).",
+             "", "| mode | N | median ms ± unc | jitter ms | ex/s | speedup | efficiency "
+             "| × mirrored | × independent | % peak | max abs Δw |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in sorted(model["rows"], key=lambda r: (r["num_towers"], r["mode"] != "plain")):
+        lines.append(
+            f"| {row['mode']} | {row['num_towers']} | {row['median_ms']:.2f} ± "
+            f"{_number(row['uncertainty_ms'], '.2f')} | {row['jitter_ms']:.2f} | "
+            f"{row['examples_per_sec']:.0f} | {row['speedup']:.2f} | {row['efficiency']:.2f} | "
+            f"{_number(row['vs_mirrored_custom'], '.2f')} | {_number(row['vs_independent'], '.2f')} | "
+            f"{100 * row['fraction_of_matmul_peak']:.1f} | {row['max_abs_weight_diff']:.1e} |")
+    lines += _not_run_lines(model["not_run"])
+    for num_towers, table in model["phases"].items():
+        lines += phase_markdown(name, num_towers, table)
+    return lines + [""]
+
+
+def phase_markdown(name, num_towers, table):
+    """The phase table of one traced towers step."""
+    if "error" in table:
+        return ["", f"No phase breakdown for towers on {num_towers}: {table['error']}"]
+    lines = ["", f"### {name}: one towers step on {num_towers} tower(s), from tf.profiler", "",
+             f"Traced step: {table['step_ms']:.2f} ms wall (profiler on), of which TensorFlow "
+             f"ops were busy {table['busy_ms']:.2f} ms; the rest is host work (Python, "
+             "dispatch, the loss fetch) and waiting. Busy = the sum of a phase's op times per "
+             "step over all threads and devices, so concurrent ops can add up to more than "
+             f"the wall time. Chrome trace: `{table['chrome_trace']}`.", "",
+             "| phase | ops/step | busy ms/step |", "|---|--:|--:|"]
+    lines += [f"| {p['phase']} | {p['ops']:.0f} | {p['busy_ms']:.3f} |" for p in table["phases"]]
+    return lines
+
+
+def write_plot(results, path):
+    """Step time and scaling efficiency against tower count, per mode, one row per model."""
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use("Agg")
+        from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        logging.warning("matplotlib is not installed, so %s is not drawn; install it with "
+                        "`pip install matplotlib` (or `pip install -e .[bench]`).", path)
+        return
+    names = list(results["models"])
+    figure, axes = pyplot.subplots(len(names), 2, figsize=(11, 4 * len(names)), squeeze=False)
+    for (time_axis, efficiency_axis), name in zip(axes, names):
+        rows = results["models"][name]["rows"]
+        for index, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+            points = sorted((r["num_towers"], r["median_ms"], r["efficiency"])
+                            for r in rows if r["mode"] == mode)
+            n, ms, efficiency = zip(*points)
+            if len(points) == 1:  # a single-device mode: a level line to compare against
+                time_axis.axhline(ms[0], linestyle="--", linewidth=1, label=mode,
+                                  color=f"C{index}")
+                continue
+            time_axis.plot(n, ms, marker="o", label=mode, color=f"C{index}")
+            efficiency_axis.plot(n, efficiency, marker="o", label=mode, color=f"C{index}")
+        efficiency_axis.axhline(1.0, linestyle="--", linewidth=1, color="black", label="ideal")
+        time_axis.set(title=f"{name}: step time", xlabel="towers (N)", ylabel="median ms / step")
+        efficiency_axis.set(title=f"{name}: scaling efficiency", xlabel="towers (N)",
+                            ylabel="speedup over plain / N")
+        for axis in (time_axis, efficiency_axis):
+            axis.set_xticks(sorted({r["num_towers"] for r in rows}))
+            axis.grid(alpha=0.3)
+        time_axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+def _not_run_lines(not_run):
+    """One line per mode not run, with its tower counts and message."""
+    grouped = {}
+    for record in not_run:
+        key = (record["mode"], record["status"], record["message"])
+        grouped.setdefault(key, []).append(str(record["num_towers"]))
+    if not grouped:
+        return []
+    return ["", "Not run:"] + [f"- {mode} (N={','.join(ns)}): {status}, {message}"
+                               for (mode, status, message), ns in grouped.items()]
+
+
+def _number(value, spec):
+    return "–" if value is None else format(value, spec)

@@ -1,0 +1,114 @@
+"""The benchmark harness (benchmarks/): a tiny run of every mode, its outputs, its flags."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+from benchmarks import harness, modes, phases
+from towers import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = ["/device:CPU:0", "/device:CPU:1"]
+RUN_MODES = ["plain", "keras_fit", "towers", "towers_packed", "independent", "mirrored_custom",
+             "mirrored_fit"]
+
+
+class RunBenchmarkTest(tf.test.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.output_dir = tf.compat.v1.test.get_temp_dir() + "/bench"
+        cls.results = harness.run_benchmark(
+            ["mlp"], [1, 2], global_batch_size=8, steps=2, warmup_steps=1, rounds=2,
+            devices=DEVICES, modes=RUN_MODES, input_shape=(8, 8, 1), output_dir=cls.output_dir,
+            trace_steps=1)
+        cls.model = cls.results["models"]["mlp"]
+        cls.rows = {(r["mode"], r["num_towers"]): r for r in cls.model["rows"]}
+
+    def test_writes_json_markdown_and_plot(self):
+        with open(os.path.join(self.output_dir, "results.json")) as f:
+            self.assertEqual(json.load(f)["config"]["global_batch_size"], 8)
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            self.assertIn("| mirrored_custom | 2 |", f.read())
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(self.output_dir, "results.png")),
+                         has_matplotlib)
+
+    def test_every_mode_ran_or_says_why_not(self):
+        self.assertEqual([r for r in self.model["not_run"] if r["status"] == "failed"], [])
+        not_run = {(r["mode"], r["num_towers"]) for r in self.model["not_run"]}
+        for mode in RUN_MODES:
+            for n in ([1] if mode in modes.SINGLE_DEVICE_MODES else [1, 2]):
+                self.assertIn((mode, n), set(self.rows) | not_run)
+        self.assertNotIn(("plain", 2), self.rows)  # single-device modes run once
+
+    def test_times_are_real_and_plain_is_the_baseline(self):
+        for row in self.rows.values():
+            self.assertGreater(row["median_ms"], 0.0, row["mode"])
+            self.assertGreater(row["examples_per_sec"], 0.0, row["mode"])
+            self.assertEqual(row["n"], 2)
+        self.assertEqual(self.rows["plain", 1]["speedup"], 1.0)
+        self.assertEqual(self.rows["mirrored_custom", 2]["vs_mirrored_custom"], 1.0)
+        self.assertGreater(self.model["flops_per_step"], 0)
+
+    def test_weights_match_plain_except_independent(self):
+        for key in [("towers", 1), ("towers", 2), ("mirrored_custom", 1),
+                    ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2)]:
+            self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
+        # Tower 0 of independent trained on half the batch only.
+        self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
+
+    def test_phase_breakdown_and_chrome_trace(self):
+        table = self.model["phases"]["2"]
+        names = {p["phase"] for p in table["phases"]}
+        self.assertContainsSubset({"tower 0 forward", "tower 1 backward"}, names)
+        self.assertGreater(table["step_ms"], 0.0)
+        with open(table["chrome_trace"]) as f:
+            self.assertNotEmpty(json.load(f)["traceEvents"])
+
+
+class PiecesTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_unknown_trainer_option_is_unsupported(self):
+        setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
+                            x=np.zeros((4, 2, 2, 1), np.float32), y=np.zeros(4, np.int32))
+        with mock.patch.dict(modes.TOWER_CONFIGS, {"towers_new": {"no_such_option": True}}):
+            with self.assertRaisesRegex(modes.Unsupported, "no_such_option"):
+                modes.build("towers_new", setup, DEVICES)
+
+    @parameterized.parameters(
+        ("split:SplitV", "split"),
+        ("tower_1/Identity_4/ReadVariableOp:ReadVariableOp", "tower 1 broadcast"),
+        ("tower_0/dense/Relu:_FusedMatMul", "tower 0 forward"),
+        ("gradient_tape/tower_1/dense/MatMul/MatMul:MatMul", "tower 1 backward"),
+        ("gradient_tape/tower_1/dense/BiasAdd/BiasAddGrad/_21:_Send", "gather"),
+        ("multiply_no_nan_3:MulNoNan", "reduce"),
+        ("cond/then/_0/cond/sgd/Mul:Mul", "apply"),
+        ("gather/Identity_3:Identity", "gather"),
+        ("Sum_2:Sum", "other"),
+    )
+    def test_ops_are_sorted_into_phases(self, op_name, phase):
+        self.assertEqual(phases.classify(op_name), phase)
+
+    def test_bad_flag_exits_with_one_line_naming_it(self):
+        # One case only: each costs a fresh process that imports TensorFlow.
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "compare_strategies.py"),
+             "--models=mlp,vgg"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        self.assertNotEqual(result.returncode, 0)
+        message = [line for line in result.stderr.splitlines() if "--models" in line]
+        self.assertLen(message, 1, result.stderr[-2000:])
+        self.assertIn("mlp,cnn,resnet,text", message[0])
+        self.assertNotIn("Traceback", result.stderr)
+
+if __name__ == "__main__":
+    tf.test.main()
