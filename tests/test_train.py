@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl import flags
@@ -94,6 +95,24 @@ class CrashSafetyTest(tf.test.TestCase):
 
 class InProcessTest(tf.test.TestCase, parameterized.TestCase):
     """Runs train.train() under flagsaver: one TensorFlow start for many runs."""
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+        super().tearDown()
+
+    def test_accumulation_flag_gives_the_same_model(self):
+        results = []
+        for accum_steps in (1, 3):
+            with flagsaver.flagsaver(**QUICK, steps=8, accum_steps=accum_steps):
+                results.append(train.train())
+        self.assertAllClose(results[0]["eval_loss"], results[1]["eval_loss"], atol=1e-5)
+
+    @parameterized.parameters("mixed_float16", "mixed_bfloat16")
+    def test_mixed_precision_flag(self, policy):
+        with flagsaver.flagsaver(**QUICK, steps=8, mixed_precision=policy, clip_global_norm=1.0):
+            results = train.train()
+        self.assertEqual(results["mixed_precision"], policy)
+        self.assertTrue(np.isfinite(results["eval_loss"]))
 
     def test_resume_skips_half_written_and_unreadable_checkpoints(self):
         directory = self.create_tempdir().full_path

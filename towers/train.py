@@ -23,6 +23,7 @@ from towers.checkpoint import Checkpointer  # noqa: E402
 
 DEFAULT_EPOCHS = 10
 OPTIMIZERS = ("adam", "sgd")
+MIXED_PRECISION_POLICIES = ("none", "mixed_float16", "mixed_bfloat16")
 
 DATASET = flags.DEFINE_enum("dataset", "digits", data_lib.DATASETS,
                             "Training data: the 8x8 digits scikit-learn ships (offline), random "
@@ -48,6 +49,16 @@ AGGREGATION = flags.DEFINE_enum("aggregation", "main", ["main"],
                                 "How tower gradients are combined: gathered on the main device.")
 VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main", ["main"],
                                        "Where variables live: one copy on the main device.")
+ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 1,
+                                   "Micro-batches each tower runs one after another per step "
+                                   "(gradient accumulation: less memory, same result).",
+                                   lower_bound=1)
+MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
+                                    "Keras dtype policy; mixed_float16 adds dynamic loss "
+                                    "scaling shared by all towers.")
+CLIP_GLOBAL_NORM = flags.DEFINE_float("clip_global_norm", None,
+                                      "Clip the averaged gradient to this global norm.",
+                                      lower_bound=0.0)
 CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None,
                                      "Where checkpoints go; a rerun resumes from the newest.")
 CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100,
@@ -88,6 +99,8 @@ def train():
     if GLOBAL_BATCH_SIZE.value < len(devices):
         logging.warning("--global_batch_size=%d is smaller than --num_towers=%d: some towers "
                         "get empty shards and idle.", GLOBAL_BATCH_SIZE.value, len(devices))
+    keras.mixed_precision.set_global_policy(
+        "float32" if MIXED_PRECISION.value == "none" else MIXED_PRECISION.value)
     data = data_lib.load_data("npz" if DATA_NPZ.value else DATASET.value,
                               data_npz=DATA_NPZ.value, seed=SEED.value)
     with tf.device(devices[0]):  # the main device holds the variables
@@ -97,12 +110,13 @@ def train():
                  else keras.optimizers.SGD(LEARNING_RATE.value, momentum=0.9))
     trainer = towers.TowerTrainer(
         model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
-        devices=devices, metrics=["accuracy"])
+        devices=devices, metrics=["accuracy"], accum_steps=ACCUM_STEPS.value,
+        clip_global_norm=CLIP_GLOBAL_NORM.value or None)
     checkpointer = None
     if CHECKPOINT_DIR.value:
-        with tf.device(devices[0]):
-            optimizer.build(model.trainable_variables)  # its slots must exist to be restored
-        checkpointer = Checkpointer(CHECKPOINT_DIR.value, model, optimizer,
+        with tf.device(devices[0]):  # the slots must exist to be restored
+            trainer.optimizer.build(model.trainable_variables)
+        checkpointer = Checkpointer(CHECKPOINT_DIR.value, model, trainer.optimizer,
                                     every_steps=CHECKPOINT_EVERY.value)
 
     steps_per_epoch = data_lib.steps_per_epoch(data, GLOBAL_BATCH_SIZE.value)
@@ -129,6 +143,8 @@ def train():
         "dataset": data.name,
         "model": MODEL.value,
         "global_batch_size": GLOBAL_BATCH_SIZE.value,
+        "accum_steps": ACCUM_STEPS.value,
+        "mixed_precision": MIXED_PRECISION.value,
     }
     if OUTPUT_JSON.value:
         with open(OUTPUT_JSON.value, "w") as f:
