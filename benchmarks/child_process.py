@@ -1,0 +1,35 @@
+"""Runs one benchmark configuration in a fresh Python process, for an honest peak memory.
+
+Peak resident memory (ru_maxrss) only ever grows within a process, so each
+configuration gets its own: the parent passes a JSON config on the command
+line, the child prints one JSON line of results and exits.
+"""
+
+import json
+import resource
+import subprocess
+import sys
+
+RESULT_PREFIX = "RESULT "
+
+
+def run_child(script, config, timeout_s=600):
+    """Runs `python script --child_config=JSON`; returns the dict the child reported."""
+    completed = subprocess.run(
+        [sys.executable, script, f"--child_config={json.dumps(config)}"],
+        capture_output=True, text=True, timeout=timeout_s)
+    for line in completed.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise RuntimeError(f"{script} {config} failed (exit {completed.returncode}):\n"
+                       f"{completed.stderr[-3000:]}")
+
+
+def report(result):
+    """Child side: prints `result` for the parent to read."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def peak_rss_mb():
+    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
