@@ -16,6 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
 # Run as a script, Python puts benchmarks/ on the path, not the project root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import towers  # noqa: E402
@@ -83,6 +84,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     num_towers = [int(n) for n in NUM_TOWERS.value]
+    tf.get_logger().setLevel("WARNING")  # MirroredStrategy logs every reduction it sets up
     try:
         devices = towers.configure_devices(max(num_towers), DEVICE_TYPE.value)  # before TF starts
     except (ValueError, towers.DeviceConfigError) as error:

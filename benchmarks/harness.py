@@ -81,6 +81,8 @@ def _benchmark_model(name, num_towers, global_batch_size, steps, warmup_steps, r
         x=rng.uniform(size=(global_batch_size, *input_shape)).astype(np.float32),
         y=rng.integers(0, NUM_CLASSES, size=global_batch_size).astype(np.int32))
     built, not_run = _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps)
+    logging.info("%s: %d modes built and warmed up, timing %d steps each in %d rounds",
+                 name, len(built), steps, rounds)
     times = _time_interleaved(built, steps, rounds, seed)
     reference = built[0].weights()  # plain's
     flops = measure.training_flops_per_example(built[0].model) * global_batch_size
@@ -104,6 +106,7 @@ def _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps):
     wanted += [(m, n) for n in num_towers for m in modes_lib.MULTI_DEVICE_MODES if m in modes]
     built, not_run = [], []
     for mode_name, n in wanted:
+        logging.info("building %s on %d tower(s)", mode_name, n)
         try:
             mode = modes_lib.build(mode_name, setup, devices[:n])
             mode.run(warmup_steps)

@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import time
 
 import tensorflow as tf
 
@@ -45,6 +46,7 @@ PHASE_PATTERNS = (
 
 def trace_steps(step, num_steps, log_dir):
     """Runs `step()` num_steps times under tf.profiler; returns the .xplane.pb path written."""
+    started = time.time()
     tf.profiler.experimental.start(log_dir)
     try:
         for i in range(num_steps):
@@ -52,10 +54,12 @@ def trace_steps(step, num_steps, log_dir):
                 step()
     finally:
         tf.profiler.experimental.stop()
-    paths = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb")))
+    # Not a profile an earlier run left in the same log_dir.
+    paths = [p for p in glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.xplane.pb"))
+             if os.path.getmtime(p) >= started - 1]
     if not paths:
-        raise FileNotFoundError(f"tf.profiler wrote no .xplane.pb under {log_dir}")
-    return paths[-1]
+        raise FileNotFoundError(f"tf.profiler wrote no new .xplane.pb under {log_dir}")
+    return max(paths, key=os.path.getmtime)
 
 
 def load_xspace(path):
@@ -129,20 +133,17 @@ def write_chrome_trace(space, path):
 
 
 def _op_events(space):
-    """(op name, duration in ps) of every TensorFlow op: from the GPU planes when there
-    are any (kernels, named by their "tf_op" stat), else from the host's compute threads."""
-    device_planes = [p for p in space.planes if p.name.startswith("/device:GPU")]
-    if device_planes:
-        for plane in device_planes:
-            for line in plane.lines:
-                for event in line.events:
-                    name = _stat(plane, event, "tf_op")
-                    if name:
-                        yield name, event.duration_ps
-        return
-    for name, duration in _named_events(space, host_only=True, line_prefix="tf_Compute"):
-        if _OP_NAME.match(name):  # not the executor's own events ("ExecutorState::Process")
-            yield name, duration
+    """(op name, duration in ps) of every TensorFlow op: from the GPU planes when they
+    name any (kernels, by their "tf_op" stat), else from the host's compute threads."""
+    on_gpus = [(_stat(plane, event, "tf_op"), event.duration_ps)
+               for plane in space.planes if plane.name.startswith("/device:GPU")
+               for line in plane.lines for event in line.events]
+    on_gpus = [(name, duration) for name, duration in on_gpus if name]
+    if on_gpus:
+        return on_gpus
+    return [(name, duration)
+            for name, duration in _named_events(space, host_only=True, line_prefix="tf_Compute")
+            if _OP_NAME.match(name)]  # not the executor's own events ("ExecutorState::Process")
 
 
 def _named_events(space, host_only, line_prefix=""):

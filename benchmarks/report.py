@@ -13,8 +13,10 @@ NOTES = """\
   same global batch; efficiency = speedup / N; x mirrored and x independent = their
   time / this time at the same N (> 1: this mode is faster).
 - independent exchanges no gradients (each tower trains its own copy on its shard):
-  the hardware's upper bound. Its max |dw| (tower 0's copy against plain) is expected
-  to be far from 0. Keras fit may differ from plain by float32 round-off.
+  the hardware's upper bound. Its max |Δw| (tower 0's copy against plain) is expected
+  to be far from 0. Keras fit may differ from plain by float32 round-off. With
+  BatchNorm (resnet) each tower, like each MirroredStrategy replica, normalises with
+  its own shard's statistics, so there Δw > 0 for N > 1 is expected too.
 - Keras fit modes read the batch through tf.data; the others from tensors already on
   their devices. No mode uses XLA.
 - Logical CPU devices share the same cores, so on a CPU more towers cannot add
@@ -76,11 +78,11 @@ def phase_markdown(name, num_towers, table):
     if "error" in table:
         return ["", f"No phase breakdown for towers on {num_towers}: {table['error']}"]
     lines = ["", f"### {name}: one towers step on {num_towers} tower(s), from tf.profiler", "",
-             f"Traced step: {table['step_ms']:.2f} ms wall (profiler on), of which TensorFlow "
-             f"ops were busy {table['busy_ms']:.2f} ms; the rest is host work (Python, "
-             "dispatch, the loss fetch) and waiting. Busy = the sum of a phase's op times per "
-             "step over all threads and devices, so concurrent ops can add up to more than "
-             f"the wall time. Chrome trace: `{table['chrome_trace']}`.", "",
+             f"Traced step: {table['step_ms']:.2f} ms wall (profiler on). Its TensorFlow ops add "
+             f"up to {table['busy_ms']:.2f} ms of busy time over all threads and devices: ops that "
+             "run at the same time each count, so busy can exceed wall; far below wall, the "
+             "step waits on the host (Python, dispatch, the loss fetch). "
+             f"Chrome trace: `{table['chrome_trace']}`.", "",
              "| phase | ops/step | busy ms/step |", "|---|--:|--:|"]
     lines += [f"| {p['phase']} | {p['ops']:.0f} | {p['busy_ms']:.3f} |" for p in table["phases"]]
     return lines

@@ -3,8 +3,10 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from unittest import mock
 
 import numpy as np
@@ -25,13 +27,18 @@ class RunBenchmarkTest(tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.output_dir = tf.compat.v1.test.get_temp_dir() + "/bench"
+        cls.output_dir = tempfile.mkdtemp(prefix="test_benchmarks_")  # private: runs may overlap
         cls.results = harness.run_benchmark(
             ["mlp"], [1, 2], global_batch_size=8, steps=2, warmup_steps=1, rounds=2,
             devices=DEVICES, modes=RUN_MODES, input_shape=(8, 8, 1), output_dir=cls.output_dir,
             trace_steps=1)
         cls.model = cls.results["models"]["mlp"]
         cls.rows = {(r["mode"], r["num_towers"]): r for r in cls.model["rows"]}
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.output_dir, ignore_errors=True)
+        super().tearDownClass()
 
     def test_writes_json_markdown_and_plot(self):
         with open(os.path.join(self.output_dir, "results.json")) as f:

@@ -13,6 +13,7 @@ except ImportError:  # pragma: no cover - exercised only without TensorFlow
         "(CPU) or `pip install towers[gpu]` (NVIDIA GPU)."
     ) from None
 
+from towers import exchange  # noqa: F401  (towers.exchange.AGGREGATIONS)
 from towers.aggregate import average_gradients
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError

@@ -92,6 +92,38 @@ def broadcast_weights(values, tower):
         return [tf.identity(value) for value in values]
 
 
+VARIABLE_PLACEMENTS = ("main", "replicated")
+
+
+class Replicas:
+    """A copy of every model variable on every tower (variable_placement="replicated").
+
+    Towers then read their weights from local memory at the start of a step;
+    the price is writing the updated weights to every tower after it.
+    """
+
+    def __init__(self, model, devices):
+        self._variables = model.trainable_variables + model.non_trainable_variables
+        self._num_trainable = len(model.trainable_variables)
+        self._copies = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                self._copies.append([tf.Variable(v.value, trainable=False,
+                                                 name=f"tower_{i}_replica")
+                                     for v in self._variables])
+
+    def read(self, tower_index):
+        """Step 2, replicated: (weights, state) of tower `tower_index`, read on it."""
+        values = [copy.read_value() for copy in self._copies[tower_index]]
+        return values[:self._num_trainable], values[self._num_trainable:]
+
+    def refresh(self):
+        """Writes the model's (main) values to every tower's copy, after step 7."""
+        for copies in self._copies:
+            for copy, variable in zip(copies, self._variables):
+                copy.assign(variable.value)
+
+
 def _check_arguments(num_towers, device_type, memory_limit_mb):
     if isinstance(num_towers, bool) or not isinstance(num_towers, int) or num_towers < 1:
         raise ValueError(f"num_towers must be an integer >= 1, got {num_towers!r}.")

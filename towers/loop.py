@@ -109,6 +109,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     epoch, skip = 0, 0
     if checkpointer is not None and checkpointer.restore():
         epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
+        trainer.sync_replicas()
     summaries = _Summaries(log_dir)
     shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
     while epoch < epochs and not _reached(trainer, max_steps):

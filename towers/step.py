@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import tensorflow as tf
 
-from towers import aggregate, devices as devices_lib, split, tower
+from towers import aggregate, devices as devices_lib, exchange, split, tower
 
 ON_NONFINITE = ("raise", "skip")
 STATE_POLICIES = ("mean", "first_tower")
@@ -42,12 +42,20 @@ class TowerOptions:
         "first_tower" (tower 0's values, as the classic tutorials do).
       on_nonfinite: "raise" (NonFiniteError, nothing applied) or "skip"
         (nothing applied, counted in logs["skipped_steps"]).
+      aggregation: how gradients meet, one of exchange.AGGREGATIONS: "main"
+        (gathered on the main device), "tree", "collective" or "nccl".
+      pack_gradients: exchange each tower's dense gradients as one flat buffer.
+      variable_placement: "main" (towers read the main device's variables) or
+        "replicated" (each tower reads its own copy, refreshed after each step).
     """
     accum_steps: int = 1
     clip_global_norm: Optional[float] = None
     sparse_policy: Union[str, float] = "keep"
     state_policy: str = "mean"
     on_nonfinite: str = "raise"
+    aggregation: str = "main"
+    pack_gradients: bool = False
+    variable_placement: str = "main"
 
     def __post_init__(self):
         if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
@@ -69,6 +77,14 @@ class TowerOptions:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(
                 f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}.")
+        if self.aggregation not in exchange.AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {exchange.AGGREGATIONS}, got "
+                             f"{self.aggregation!r}.")
+        if not isinstance(self.pack_gradients, bool):
+            raise ValueError(f"pack_gradients must be True or False, got {self.pack_gradients!r}.")
+        if self.variable_placement not in devices_lib.VARIABLE_PLACEMENTS:
+            raise ValueError(f"variable_placement must be one of "
+                             f"{devices_lib.VARIABLE_PLACEMENTS}, got {self.variable_placement!r}.")
 
 
 def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_steps=1,
@@ -101,8 +117,11 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
 
 
 def run_towers(model, loss, batch, devices, main_device, options, loss_scale=None,
-               densify=None):
-    """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult."""
+               densify=None, replicas=None):
+    """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
+
+    `replicas`: a devices.Replicas for variable_placement="replicated", else None.
+    """
     shards = split.split_batch(batch, len(devices))                               # 1
     shard_sizes = [split.batch_size(shard) for shard in shards]
     weights = [v.value for v in model.trainable_variables]
@@ -110,13 +129,22 @@ def run_towers(model, loss, batch, devices, main_device, options, loss_scale=Non
     outputs = []
     for i, (device, shard) in enumerate(zip(devices, shards)):
         with tf.device(device), tf.name_scope(f"tower_{i}"):
-            tower_weights = devices_lib.broadcast_weights(weights, device)        # 2
-            tower_state = devices_lib.broadcast_weights(state, device)
+            if replicas is None:                                                  # 2
+                tower_weights = devices_lib.broadcast_weights(weights, device)
+                tower_state = devices_lib.broadcast_weights(state, device)
+            else:
+                tower_weights, tower_state = replicas.read(i)
             outputs.append(tower.run_tower(                                       # 3, 4
                 model, loss, shard, tower_weights, tower_state, i, options.accum_steps,
                 loss_scale, densify))
-    tower_grads = aggregate.gather_gradients([o.grads for o in outputs], main_device)  # 5
-    grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)    # 6
+    tower_grads = [o.grads for o in outputs]
+    if options.aggregation == "main" and not options.pack_gradients:
+        tower_grads = aggregate.gather_gradients(tower_grads, main_device)        # 5
+        grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)  # 6
+    else:
+        grads = exchange.exchange_gradients(                                      # 5, 6
+            tower_grads, shard_sizes, devices, main_device, options.aggregation,
+            options.pack_gradients)
     with tf.device(main_device):
         if options.state_policy == "mean":
             state = aggregate.average_state([o.state for o in outputs], shard_sizes)

@@ -45,10 +45,15 @@ STEPS = flags.DEFINE_integer("steps", None, "Optimizer steps to train; not with 
                              lower_bound=1)
 OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.")
 LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
-AGGREGATION = flags.DEFINE_enum("aggregation", "main", ["main"],
-                                "How tower gradients are combined: gathered on the main device.")
-VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main", ["main"],
-                                       "Where variables live: one copy on the main device.")
+AGGREGATION = flags.DEFINE_enum("aggregation", "main", towers.exchange.AGGREGATIONS,
+                                "How tower gradients meet: gathered on the main device, "
+                                "pairwise tree, collective all-reduce, or NCCL (GPUs).")
+PACK_GRADIENTS = flags.DEFINE_bool("pack_gradients", False,
+                                   "Exchange each tower's gradients as one flat buffer.")
+VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
+                                       towers.devices.VARIABLE_PLACEMENTS,
+                                       "One copy of the variables on the main device, or a "
+                                       "copy on every tower refreshed after each step.")
 ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 1,
                                    "Micro-batches each tower runs one after another per step "
                                    "(gradient accumulation: less memory, same result).",
@@ -110,7 +115,9 @@ def train():
                  else keras.optimizers.SGD(LEARNING_RATE.value, momentum=0.9))
     trainer = towers.TowerTrainer(
         model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
-        devices=devices, metrics=["accuracy"], accum_steps=ACCUM_STEPS.value,
+        devices=devices, metrics=["accuracy"], aggregation=AGGREGATION.value,
+        pack_gradients=PACK_GRADIENTS.value, variable_placement=VARIABLE_PLACEMENT.value,
+        accum_steps=ACCUM_STEPS.value,
         clip_global_norm=CLIP_GLOBAL_NORM.value or None)
     checkpointer = None
     if CHECKPOINT_DIR.value:
@@ -143,6 +150,8 @@ def train():
         "dataset": data.name,
         "model": MODEL.value,
         "global_batch_size": GLOBAL_BATCH_SIZE.value,
+        "aggregation": AGGREGATION.value,
+        "variable_placement": VARIABLE_PLACEMENT.value,
         "accum_steps": ACCUM_STEPS.value,
         "mixed_precision": MIXED_PRECISION.value,
     }

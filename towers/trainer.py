@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import aggregate, devices as devices_lib, losses, loop, split, tower
+from towers import aggregate, devices as devices_lib, exchange, losses, loop, split, tower
 from towers.errors import NonFiniteError
 from towers.step import TowerOptions, apply_update, assign_state, clip_gradients, run_towers
 
@@ -17,14 +17,15 @@ class TowerTrainer:
         the model computes in float16 (a mixed_float16 policy) and it is not one.
       devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
       main_device: where the variables live and the gradients are averaged.
-      options: a TowerOptions (accum_steps, clip_global_norm, sparse_policy,
-        state_policy, on_nonfinite).
+      options: a TowerOptions (aggregation, pack_gradients, variable_placement,
+        accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite).
       metrics: Keras metrics updated on every train and evaluation batch.
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
-                 metrics=(), accum_steps=1, clip_global_norm=None, sparse_policy="keep",
-                 state_policy="mean", on_nonfinite="raise"):
+                 metrics=(), aggregation="main", pack_gradients=False,
+                 variable_placement="main", accum_steps=1, clip_global_norm=None,
+                 sparse_policy="keep", state_policy="mean", on_nonfinite="raise"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -33,7 +34,9 @@ class TowerTrainer:
                 f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
         self.options = TowerOptions(accum_steps=accum_steps, clip_global_norm=clip_global_norm,
                                     sparse_policy=sparse_policy, state_policy=state_policy,
-                                    on_nonfinite=on_nonfinite)
+                                    on_nonfinite=on_nonfinite, aggregation=aggregation,
+                                    pack_gradients=pack_gradients,
+                                    variable_placement=variable_placement)
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
@@ -44,12 +47,14 @@ class TowerTrainer:
         self.devices = [devices_lib.canonical_name(d) for d in devices]
         self.main_device = devices_lib.canonical_name(main_device or self.devices[0])
         devices_lib.check_devices_exist(self.devices + [self.main_device])
+        exchange.check_aggregation(aggregation, self.devices)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
         self._functions = {}  # (kind, batch spec text) -> compiled step
         self._train_spec = None
         self._densify = None  # per variable: densify its sparse gradient on the tower
+        self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         if model.built:
             self._check_model()
 
@@ -113,7 +118,8 @@ class TowerTrainer:
     def _compiled_train_step(self, batch):
         scale = self._loss_scale()
         result = run_towers(self.model, self.loss, batch, self.devices, self.main_device,
-                            self.options, loss_scale=scale, densify=self._densify)  # 1-6
+                            self.options, loss_scale=scale, densify=self._densify,
+                            replicas=self._replicas)                               # 1-6
         with tf.device(self.main_device):
             grads = clip_gradients(result.grads, self.options.clip_global_norm, scale)
             grads_finite = aggregate.all_finite(grads)
@@ -125,6 +131,8 @@ class TowerTrainer:
             apply_update(self.optimizer, grads, self.model.trainable_variables,
                          self.main_device)
             assign_state(self.model, result.state, when=grads_finite)
+            if self._replicas is not None:
+                self._replicas.refresh()
             return grads_finite
 
         applied = tf.cond(finite, apply, lambda: tf.constant(False))
@@ -151,6 +159,15 @@ class TowerTrainer:
         with tf.device(self.main_device):
             loop.update_metrics(self.metrics, batch, tower.concat_rows(outputs), self.main_device)
             return tf.add_n(loss_sums), tf.cast(split.batch_size(batch), tf.float32), regularization
+
+    def sync_replicas(self):
+        """Copies the model's weights to every tower's replica (variable_placement="replicated").
+
+        The step does this itself after every update; call it after changing
+        the weights outside the step (set_weights, restoring a checkpoint).
+        """
+        if self._replicas is not None:
+            self._replicas.refresh()
 
     def _loss_scale(self):
         """The LossScaleOptimizer's current scale (float32 scalar), or None."""
@@ -201,6 +218,8 @@ class TowerTrainer:
             self._check_model()
             if not self.optimizer.built:
                 self.optimizer.build(self.model.trainable_variables)
+            if self.options.variable_placement == "replicated":
+                self._replicas = devices_lib.Replicas(self.model, self.devices)
             self._densify = tower.choose_dense_gradients(
                 self.model, self.loss, split.split_batch(batch, len(self.devices))[0],
                 self.options.sparse_policy)

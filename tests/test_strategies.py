@@ -1,0 +1,94 @@
+"""Aggregation and variable placement: every combination gives the "main"/"main" weights."""
+
+import itertools
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+from tests import reference
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+COMBINATIONS = list(itertools.product(["main", "tree", "collective"], [False, True],
+                                      ["main", "replicated"]))
+
+
+def _sparse_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((3,), dtype="int32"), keras.layers.Embedding(20, 4),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(reference.NUM_CLASSES)])
+
+
+def _weights(make_model, batches, devices, **options):
+    model = make_model()
+    trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.Adam(0.01),
+                                  devices=devices, **options)
+    for batch in batches:
+        trainer.train_step(batch)
+    return [v.numpy() for v in model.weights]
+
+
+class StrategyEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        (f"{agg}_{'packed' if pack else 'unpacked'}_{place}_{n}towers", agg, pack, place, n)
+        for (agg, pack, place), n in itertools.product(COMBINATIONS, [3, 4]))
+    def test_same_weights_as_main_main(self, aggregation, pack, placement, num_towers):
+        batches = reference.make_batches(10)  # uneven on 3 and 4 towers
+        expected = _weights(reference.make_model, batches, DEVICES[:num_towers])
+        actual = _weights(reference.make_model, batches, DEVICES[:num_towers],
+                          aggregation=aggregation, pack_gradients=pack,
+                          variable_placement=placement)
+        for want, got in zip(expected, actual):
+            self.assertAllClose(want, got, atol=1e-5, rtol=1e-5)
+
+    @parameterized.parameters(*COMBINATIONS)
+    def test_sparse_gradients_and_an_empty_tower(self, aggregation, pack, placement):
+        rng = np.random.default_rng(0)
+        batches = [(rng.integers(0, 20, (size, 3)).astype(np.int32),
+                    rng.integers(0, reference.NUM_CLASSES, size)) for size in (9, 3)]
+        expected = _weights(_sparse_model, batches, DEVICES)
+        actual = _weights(_sparse_model, batches, DEVICES, aggregation=aggregation,
+                          pack_gradients=pack, variable_placement=placement)
+        for want, got in zip(expected, actual):
+            self.assertAllClose(want, got, atol=1e-5, rtol=1e-5)
+
+    def test_replicas_follow_set_weights_after_sync(self):
+        batches = reference.make_batches(8, num_steps=2)
+        model = reference.make_model(seed=5)
+        trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.SGD(0.1),
+                                      devices=DEVICES, variable_placement="replicated")
+        trainer.train_step(batches[0])  # the replicas now hold seed 5's trained weights
+        model.set_weights(reference.make_model().get_weights())
+        trainer.sync_replicas()
+        trainer.train_step(batches[1])
+        expected = reference.make_model()  # plain SGD keeps no state, so one step suffices
+        towers.TowerTrainer(expected, reference.make_loss(), keras.optimizers.SGD(0.1),
+                            devices=DEVICES).train_step(batches[1])
+        for want, got in zip(expected.weights, model.weights):
+            self.assertAllClose(want, got, atol=1e-6)
+
+
+class StrategyErrorTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("unknown_aggregation", dict(aggregation="ring"), "aggregation must be one of"),
+        ("nccl_on_cpu", dict(aggregation="nccl"), "needs every tower on a GPU"),
+        ("collective_on_one_device_twice",
+         dict(aggregation="collective", devices=DEVICES[:1] * 2), "distinct tower devices"),
+        ("unknown_placement", dict(variable_placement="sharded"),
+         "variable_placement must be one of"),
+        ("pack_not_bool", dict(pack_gradients="yes"), "pack_gradients must be True or False"),
+    )
+    def test_rejected_at_construction(self, options, message):
+        options.setdefault("devices", DEVICES)
+        with self.assertRaisesRegex(ValueError, message):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                keras.optimizers.SGD(0.1), **options)
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,191 @@
+"""Steps 5 and 6 by other routes: how the towers' gradients meet.
+
+All routes give the same weighted mean on the main device; they differ in
+which device adds what, and so in how many bytes cross between devices:
+
+- "main": every tower sends its gradients to the main device, which adds them
+  (aggregate.gather_gradients + aggregate.average_gradients).
+- "tree": towers add pairwise, log2(N) rounds, each sum on the first device
+  of its pair; the total ends on tower 0 and is copied to the main device.
+- "collective": TensorFlow's collective all-reduce (CollectiveReduceV2, the op
+  MultiWorkerMirroredStrategy uses) sums on every tower at once; tower 0's
+  result is copied to the main device. Works on CPU and GPU.
+- "nccl": the same collective op told to use NCCL; GPUs only.
+
+`pack=True` first concatenates each tower's dense gradients into one flat
+buffer, exchanges that, and splits it again: one large transfer instead of
+one per variable (Horovod's tensor fusion, tf_cnn_benchmarks' repacking).
+Sparse gradients (tf.IndexedSlices) travel the "main" route in every mode:
+an all-reduce needs equal shapes on every tower, and rows looked up differ.
+"""
+
+import itertools
+
+import tensorflow as tf
+
+from towers import aggregate
+
+AGGREGATIONS = ("main", "tree", "collective", "nccl")
+
+# Collective ops find their peers by (group key, instance key): one group per
+# set of devices, one instance per all-reduce in a traced step.
+_group_keys = {}
+_instance_keys = itertools.count(1)
+_ordering_tokens = {}  # device -> tf.Variable
+
+
+def exchange_gradients(tower_grads, weights, devices, main_device, aggregation="main",
+                       pack=False):
+    """Steps 5-6 by `aggregation`: the weighted mean of the towers' gradients, on main_device.
+
+    (Plain "main" without packing is aggregate.gather_gradients followed by
+    aggregate.average_gradients, which step.run_towers calls directly.)
+
+    Args:
+      tower_grads: one list of gradients per tower, on that tower.
+      weights: one number or scalar Tensor per tower (shard sizes).
+      devices: the tower devices, in the order of tower_grads.
+      main_device: where the result goes.
+      aggregation: one of AGGREGATIONS.
+      pack: exchange dense gradients as one flat buffer per tower.
+
+    Returns:
+      one gradient per variable on main_device (None where no tower has one).
+    """
+    sparse = [any(isinstance(g[v], tf.IndexedSlices) for g in tower_grads)
+              for v in range(len(tower_grads[0]))]
+    dense_grads = [[None if s else g for g, s in zip(grads, sparse)] for grads in tower_grads]
+    sparse_grads = [[g if s else None for g, s in zip(grads, sparse)] for grads in tower_grads]
+    if pack:
+        dense_grads, unpack = _pack(dense_grads, devices)
+    fractions = _fractions_on_towers(weights, devices)
+    scaled = [[None if g is None else _scale(g, f) for g in grads]
+              for grads, f in zip(dense_grads, fractions)]
+    if aggregation == "main":
+        summed = _sum_on(main_device, aggregate.gather_gradients(scaled, main_device))  # 5, 6
+    elif aggregation == "tree":
+        summed = _tree_sum(scaled, devices)                                          # 5, 6
+    else:
+        summed = _all_reduce_sum(scaled, devices, aggregation)                       # 5, 6
+    with tf.device(main_device):
+        dense_mean = [None if g is None else tf.identity(g) for g in summed]
+        if pack:
+            dense_mean = unpack(dense_mean)
+        sparse_mean = aggregate.average_gradients(
+            aggregate.gather_gradients(sparse_grads, main_device), weights, main_device)
+    return [s if d is None else d for d, s in zip(dense_mean, sparse_mean)]
+
+
+def check_aggregation(aggregation, devices):
+    """Raises ValueError if `aggregation` is unknown or cannot run on `devices`."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}.")
+    if aggregation == "nccl" and not all(":GPU:" in d for d in devices):
+        raise ValueError(
+            f"aggregation='nccl' needs every tower on a GPU, but devices are {devices}; use "
+            "'collective' (CPU and GPU), 'tree' or 'main'.")
+    if aggregation in ("collective", "nccl") and len(set(devices)) != len(devices):
+        raise ValueError(
+            f"aggregation={aggregation!r} needs distinct tower devices, got {devices}; an "
+            "all-reduce has one member per device. Use 'main' or 'tree'.")
+
+
+def _fractions_on_towers(weights, devices):
+    """Per tower, its weight / total as a float32 scalar (read where it is used)."""
+    weights = tf.cast(tf.stack(list(weights)), tf.float32)
+    return tf.unstack(tf.math.divide_no_nan(weights, tf.reduce_sum(weights)))
+
+
+def _scale(grad, fraction):
+    # multiply_no_nan: an empty tower (fraction 0) adds exactly 0, even over NaN.
+    return tf.math.multiply_no_nan(grad, tf.cast(fraction, grad.dtype))
+
+
+def _sum_on(device, tower_grads):
+    """Per variable, the sum over towers on `device` (None where no tower has one)."""
+    with tf.device(device):
+        return [None if all(g is None for g in grads) else
+                tf.add_n([g for g in grads if g is not None]) for grads in zip(*tower_grads)]
+
+
+def _tree_sum(tower_grads, devices):
+    """Pairwise sums, log2(N) rounds; the total lands on devices[0]."""
+    level = list(zip(devices, tower_grads))
+    while len(level) > 1:
+        paired = []
+        for first, second in itertools.zip_longest(level[::2], level[1::2]):
+            if second is None:
+                paired.append(first)
+                continue
+            with tf.device(first[0]):
+                paired.append((first[0], [_add(a, b) for a, b in zip(first[1], second[1])]))
+        level = paired
+    return level[0][1]
+
+
+def _add(a, b):
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
+
+
+def _all_reduce_sum(tower_grads, devices, aggregation):
+    """CollectiveReduceV2 sums on every tower; returns tower 0's sums."""
+    group_key = _group_keys.setdefault(tuple(devices), 1000 + len(_group_keys))
+    hint = "nccl" if aggregation == "nccl" else "auto"
+    summed = []
+    for per_tower in zip(*tower_grads):
+        if all(g is None for g in per_tower):
+            summed.append(None)
+            continue
+        template = next(g for g in per_tower if g is not None)
+        instance_key = next(_instance_keys)
+        results = []
+        for device, grad in zip(devices, per_tower):
+            with tf.device(device):
+                results.append(tf.raw_ops.CollectiveReduceV2(
+                    input=tf.zeros_like(template) if grad is None else grad,
+                    group_size=len(devices), group_key=group_key, instance_key=instance_key,
+                    ordering_token=[_ordering_token(device)], merge_op="Add", final_op="Id",
+                    communication_hint=hint))
+        summed.append(results[0])
+    return summed
+
+
+def _ordering_token(device):
+    """A resource handle on `device` that orders its collectives.
+
+    tf.function runs stateful ops in program order; without a per-device token
+    the N members of one all-reduce would wait for each other in that order and
+    never meet. A token makes collectives ordered per device only (as
+    MirroredStrategy's CollectiveReplicaLauncher does).
+    """
+    if device not in _ordering_tokens:
+        with tf.init_scope(), tf.device(device):
+            _ordering_tokens[device] = tf.Variable(0.0, trainable=False, name="ordering_token")
+    return _ordering_tokens[device].handle
+
+
+def _pack(tower_grads, devices):
+    """Each tower's dense gradients as one flat buffer per dtype; returns (packed, unpack)."""
+    template = [next((g for g in grads if g is not None), None) for grads in zip(*tower_grads)]
+    groups = {}
+    for i, grad in enumerate(template):
+        if grad is not None:
+            groups.setdefault(grad.dtype, []).append(i)
+    packed = []
+    for device, grads in zip(devices, tower_grads):
+        with tf.device(device):
+            packed.append([tf.concat([tf.reshape(tf.zeros(template[i].shape, template[i].dtype) if grads[i] is None
+                                      else grads[i], [-1]) for i in members], 0)
+                           for members in groups.values()])
+
+    def unpack(buffers):
+        flat = [None] * len(template)
+        for buffer, members in zip(buffers, groups.values()):
+            pieces = tf.split(buffer, [template[i].shape.num_elements() for i in members])
+            for i, piece in zip(members, pieces):
+                flat[i] = tf.reshape(piece, template[i].shape)
+        return flat
+
+    return packed, unpack
