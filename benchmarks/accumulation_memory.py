@@ -12,7 +12,6 @@ activations of the live micro-batch included.
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
 
@@ -35,7 +34,6 @@ def measure(config):
     import towers
     devices = towers.configure_devices(config["num_towers"])
     import keras
-    from benchmarks import measure as stats
     from towers import models
 
     model = models.build_model(config["model"], (32, 32, 3), 10, seed=0)
@@ -45,16 +43,8 @@ def measure(config):
     rng = np.random.default_rng(0)
     batch = (rng.random((config["global_batch_size"], 32, 32, 3), dtype=np.float32),
              rng.integers(0, 10, config["global_batch_size"]))
-    setup_mb = child_process.peak_rss_mb()
-    trainer.train_step(batch)  # compiles
-    times = []
-    for _ in range(config["steps"]):
-        start = time.perf_counter()
-        trainer.train_step(batch)
-        times.append(time.perf_counter() - start)
-    peak_mb = child_process.peak_rss_mb()
-    return {"accum_steps": config["accum_steps"], "setup_mb": setup_mb, "peak_mb": peak_mb,
-            "step_mb": peak_mb - setup_mb, **stats.step_time_stats(times)}
+    return {"accum_steps": config["accum_steps"],
+            **child_process.time_steps(lambda: trainer.train_step(batch), config["steps"])}
 
 
 def main(argv):

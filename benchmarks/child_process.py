@@ -9,6 +9,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 
 RESULT_PREFIX = "RESULT "
 
@@ -33,3 +34,25 @@ def report(result):
 def peak_rss_mb():
     """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def time_steps(step, steps, warmup_steps=1):
+    """Runs `step()` warmup_steps times, then times `steps` calls.
+
+    Returns:
+      dict: setup_mb (peak MiB before the first call), peak_mb, step_mb (their
+      difference: what running the step needed), and the step-time statistics
+      of benchmarks.measure.step_time_stats (milliseconds).
+    """
+    from benchmarks import measure
+    setup_mb = peak_rss_mb()
+    for _ in range(warmup_steps):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak_mb = peak_rss_mb()
+    return {"setup_mb": setup_mb, "peak_mb": peak_mb, "step_mb": peak_mb - setup_mb,
+            **measure.step_time_stats(times)}

@@ -14,7 +14,6 @@ tower; dense, one full table per tower.
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
 
@@ -43,7 +42,6 @@ def measure(config):
     devices = towers.configure_devices(config["num_towers"])
     import keras
     import tensorflow as tf
-    from benchmarks import measure as stats
 
     def make_model():
         keras.utils.set_random_seed(0)
@@ -63,17 +61,7 @@ def measure(config):
         trainer = towers.TowerTrainer(make_model(), loss, keras.optimizers.SGD(0.1),
                                       devices=devices, sparse_policy=config["mode"])
         step = lambda: trainer.train_step((x, y))  # noqa: E731
-    setup_mb = child_process.peak_rss_mb()
-    step()
-    step()  # compiled and warm
-    times = []
-    for _ in range(config["steps"]):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak_mb = child_process.peak_rss_mb()
-    return {**config, "setup_mb": setup_mb, "step_mb": peak_mb - setup_mb, "peak_mb": peak_mb,
-            **stats.step_time_stats(times)}
+    return {**config, **child_process.time_steps(step, config["steps"], warmup_steps=2)}
 
 
 def _mirrored_step(make_model, loss, devices, x, y, tf, keras, np):
