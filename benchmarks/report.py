@@ -99,28 +99,33 @@ def write_plot(results, path):
                         "`pip install matplotlib` (or `pip install -e .[bench]`).", path)
         return
     names = list(results["models"])
-    figure, axes = pyplot.subplots(len(names), 2, figsize=(11, 4 * len(names)), squeeze=False)
+    all_modes = dict.fromkeys(r["mode"] for name in names for r in results["models"][name]["rows"])
+    palette = matplotlib.colormaps["tab20"].colors  # 20 distinct colours, one per mode
+    colors = {mode: palette[i % len(palette)] for i, mode in enumerate(all_modes)}
+    figure, axes = pyplot.subplots(len(names), 2, figsize=(13, 4 * len(names)), squeeze=False)
     for (time_axis, efficiency_axis), name in zip(axes, names):
         rows = results["models"][name]["rows"]
-        for index, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             points = sorted((r["num_towers"], r["median_ms"], r["efficiency"])
                             for r in rows if r["mode"] == mode)
             n, ms, efficiency = zip(*points)
             if len(points) == 1:  # a single-device mode: a level line to compare against
-                time_axis.axhline(ms[0], linestyle="--", linewidth=1, label=mode,
-                                  color=f"C{index}")
+                time_axis.axhline(ms[0], linestyle="--", linewidth=1.5, label=mode,
+                                  color=colors[mode])
                 continue
-            time_axis.plot(n, ms, marker="o", label=mode, color=f"C{index}")
-            efficiency_axis.plot(n, efficiency, marker="o", label=mode, color=f"C{index}")
-        efficiency_axis.axhline(1.0, linestyle="--", linewidth=1, color="black", label="ideal")
+            time_axis.plot(n, ms, marker="o", label=mode, color=colors[mode])
+            efficiency_axis.plot(n, efficiency, marker="o", label=mode, color=colors[mode])
+        efficiency_axis.axhline(1.0, linestyle=":", linewidth=1, color="black")
         time_axis.set(title=f"{name}: step time", xlabel="towers (N)", ylabel="median ms / step")
-        efficiency_axis.set(title=f"{name}: scaling efficiency", xlabel="towers (N)",
-                            ylabel="speedup over plain / N")
+        efficiency_axis.set(title=f"{name}: scaling efficiency (dotted: ideal)",
+                            xlabel="towers (N)", ylabel="speedup over plain / N")
         for axis in (time_axis, efficiency_axis):
             axis.set_xticks(sorted({r["num_towers"] for r in rows}))
             axis.grid(alpha=0.3)
-        time_axis.legend(fontsize=8)
-    figure.tight_layout()
+    handles = {label: handle for axis in axes[:, 0]
+               for handle, label in zip(*axis.get_legend_handles_labels())}
+    figure.legend(handles.values(), handles.keys(), loc="center right", fontsize=8)
+    figure.tight_layout(rect=(0, 0, 0.8, 1))  # the right fifth holds the legend
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
 

@@ -122,8 +122,9 @@ def run_towers(model, loss, batch, devices, main_device, options, loss_scale=Non
 
     `replicas`: a devices.Replicas for variable_placement="replicated", else None.
     """
-    shards = split.split_batch(batch, len(devices))                               # 1
-    shard_sizes = [split.batch_size(shard) for shard in shards]
+    with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
+        shards = split.split_batch(batch, len(devices))                           # 1
+        shard_sizes = [split.batch_size(shard) for shard in shards]
     weights = [v.value for v in model.trainable_variables]
     state = [v.value for v in model.non_trainable_variables]
     outputs = []
@@ -139,12 +140,15 @@ def run_towers(model, loss, batch, devices, main_device, options, loss_scale=Non
                 loss_scale, densify))
     tower_grads = [o.grads for o in outputs]
     if options.aggregation == "main" and not options.pack_gradients:
-        tower_grads = aggregate.gather_gradients(tower_grads, main_device)        # 5
-        grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)  # 6
+        with tf.name_scope("gather"):
+            tower_grads = aggregate.gather_gradients(tower_grads, main_device)    # 5
+        with tf.name_scope("reduce"):
+            grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)  # 6
     else:
-        grads = exchange.exchange_gradients(                                      # 5, 6
-            tower_grads, shard_sizes, devices, main_device, options.aggregation,
-            options.pack_gradients)
+        with tf.name_scope("reduce"):
+            grads = exchange.exchange_gradients(                                  # 5, 6
+                tower_grads, shard_sizes, devices, main_device, options.aggregation,
+                options.pack_gradients)
     with tf.device(main_device):
         if options.state_policy == "mean":
             state = aggregate.average_state([o.state for o in outputs], shard_sizes)
@@ -170,7 +174,7 @@ def clip_gradients(grads, clip_global_norm, loss_scale=None):
 
 def apply_update(optimizer, grads, variables, main_device):
     """Step 7: the optimizer applies the averaged gradients, once, on the main device."""
-    with tf.device(main_device):
+    with tf.device(main_device), tf.name_scope("apply"):
         optimizer.apply_gradients(zip(grads, variables))
 
 
