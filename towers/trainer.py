@@ -20,12 +20,14 @@ class TowerTrainer:
       options: a TowerOptions (aggregation, pack_gradients, variable_placement,
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite).
       metrics: Keras metrics updated on every train and evaluation batch.
+      jit_compile: whether the step is compiled with XLA (one tower only).
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
                  metrics=(), aggregation="main", pack_gradients=False,
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
-                 sparse_policy="keep", state_policy="mean", on_nonfinite="raise"):
+                 sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
+                 jit_compile=False):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -48,6 +50,13 @@ class TowerTrainer:
         self.main_device = devices_lib.canonical_name(main_device or self.devices[0])
         devices_lib.check_devices_exist(self.devices + [self.main_device])
         exchange.check_aggregation(aggregation, self.devices)
+        if jit_compile and len(set(self.devices + [self.main_device])) > 1:
+            # XLA compiles a function for one device; the tower step spans several.
+            raise ValueError(
+                f"jit_compile=True compiles the whole step with XLA for one device, but the "
+                f"towers and main device are {sorted(set(self.devices + [self.main_device]))}; "
+                "use it with a single tower, or leave jit_compile=False.")
+        self.jit_compile = bool(jit_compile)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
@@ -200,7 +209,8 @@ class TowerTrainer:
         key = (kind, _spec_text(spec))
         if key not in self._functions:
             step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
-            self._functions[key] = tf.function(step, input_signature=[spec])
+            self._functions[key] = tf.function(step, input_signature=[spec],
+                                               jit_compile=self.jit_compile)
         return batch, self._functions[key]
 
     def _first_batch_setup(self, batch):
