@@ -2,7 +2,6 @@
 
 import itertools
 
-import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 

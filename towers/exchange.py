@@ -58,7 +58,7 @@ def exchange_gradients(tower_grads, weights, devices, main_device, aggregation="
     sparse_grads = [[g if s else None for g, s in zip(grads, sparse)] for grads in tower_grads]
     if pack:
         dense_grads, unpack = _pack(dense_grads, devices)
-    fractions = _fractions_on_towers(weights, devices)
+    fractions = _fractions(weights)
     scaled = [[None if g is None else _scale(g, f) for g in grads]
               for grads, f in zip(dense_grads, fractions)]
     if aggregation == "main":
@@ -90,7 +90,7 @@ def check_aggregation(aggregation, devices):
             "all-reduce has one member per device. Use 'main' or 'tree'.")
 
 
-def _fractions_on_towers(weights, devices):
+def _fractions(weights):
     """Per tower, its weight / total as a float32 scalar (read where it is used)."""
     weights = tf.cast(tf.stack(list(weights)), tf.float32)
     return tf.unstack(tf.math.divide_no_nan(weights, tf.reduce_sum(weights)))
