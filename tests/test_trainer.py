@@ -59,7 +59,6 @@ class FailedStepTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual((trainer.step, logs["skipped_steps"]), (2, 1))
 
     @parameterized.named_parameters(
-        ("dropped_sample_weight", lambda b: b[:2]),
         ("extra_feature", lambda b: (np.ones((10, 6), np.float32),) + b[1:]),
         ("dict_batch", lambda b: {"x": b[0], "y": b[1]}),
         ("four_parts", lambda b: b + (b[2],)),
@@ -72,6 +71,18 @@ class FailedStepTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaises(ValueError):
             trainer.train_step(corrupt(self.batches[1]))
         self.assertUnchanged(before, trainer)
+
+
+    def test_sample_weights_may_come_and_go(self):
+        batches = reference.make_batches(10, num_steps=2)
+        batches[1] = batches[1][:2]  # the second batch has no sample weights
+        expected = reference.single_device_weights(
+            reference.make_model(), keras.optimizers.Adam(0.01), reference.make_loss(), batches)
+        trainer = _trainer()
+        for batch in batches:
+            trainer.train_step(batch)
+        for want, got in zip(expected, trainer.model.weights):
+            self.assertAllClose(want, got, atol=1e-5)
 
 
 class BadInputTest(tf.test.TestCase, parameterized.TestCase):

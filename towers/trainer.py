@@ -61,7 +61,6 @@ class TowerTrainer:
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
         self._functions = {}  # (kind, batch spec text) -> compiled step
-        self._train_spec = None
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         if model.built:
@@ -187,9 +186,9 @@ class TowerTrainer:
     def _prepare(self, batch, kind):
         """Checks a batch; returns it as Tensors and the compiled `kind` step for it.
 
-        The step is traced once per batch structure with dim 0 left as None, so
-        uneven and short batches reuse it. Training batches must all share the
-        structure, dtypes and feature shapes of the first one.
+        The step is traced once per batch structure (with or without sample
+        weights, dtypes, feature shapes) with dim 0 left as None, so uneven and
+        short batches reuse it.
         """
         split.unpack_batch(batch)
         batch = tuple(tf.nest.map_structure(_as_tensor, tuple(batch)))
@@ -199,13 +198,6 @@ class TowerTrainer:
             lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), batch)
         if not self._functions:
             self._first_batch_setup(batch)
-        if kind == "train" and self._train_spec is None:
-            self._train_spec = spec
-        if kind == "train" and not _same_spec(spec, self._train_spec):
-            raise ValueError(
-                f"this batch's structure, dtypes or feature shapes {_spec_text(spec)} differ "
-                f"from the first batch's {_spec_text(self._train_spec)}; every batch must "
-                "match (only the batch size may change).")
         key = (kind, _spec_text(spec))
         if key not in self._functions:
             step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
@@ -253,14 +245,6 @@ def _as_tensor(value):
     tensor = tf.convert_to_tensor(value)
     # NumPy's default float64 would make a float64 graph; Keras models compute in floatx.
     return tf.cast(tensor, keras.config.floatx()) if tensor.dtype == tf.float64 else tensor
-
-
-def _same_spec(a, b):
-    try:
-        tf.nest.assert_same_structure(a, b)
-    except (ValueError, TypeError):
-        return False
-    return all(x == y for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)))
 
 
 def _spec_text(spec):
