@@ -180,6 +180,8 @@ class _Summaries:
         self._writer = tf.summary.create_file_writer(log_dir) if log_dir else None
 
     def train(self, trainer, logs):
+        if self._writer is None:  # reading the step and learning rate costs host syncs
+            return
         learning_rate = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
         self._write("train", trainer.step, {**logs, "learning_rate": learning_rate})
 
