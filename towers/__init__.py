@@ -15,19 +15,25 @@ except ImportError:  # pragma: no cover - exercised only without TensorFlow
 
 from towers import exchange  # noqa: F401  (towers.exchange.AGGREGATIONS)
 from towers.aggregate import average_gradients
+from towers.cluster import Cluster, cluster_from_tf_config
+from towers.cluster import join as join_cluster
 from towers.devices import configure_devices
-from towers.errors import DeviceConfigError, NonFiniteError
+from towers.errors import DeviceConfigError, NonFiniteError, WorkerLostError
 from towers.split import split_batch
 from towers.step import TowerOptions, tower_gradients
 from towers.trainer import TowerTrainer
 
 __all__ = [
+    "Cluster",
     "DeviceConfigError",
     "NonFiniteError",
     "TowerOptions",
     "TowerTrainer",
+    "WorkerLostError",
     "average_gradients",
+    "cluster_from_tf_config",
     "configure_devices",
+    "join_cluster",
     "split_batch",
     "tower_gradients",
 ]

@@ -134,3 +134,11 @@ def _is_float(value):
 def dense_part(value):
     """The values Tensor of a tf.IndexedSlices, or the Tensor itself."""
     return value.values if isinstance(value, tf.IndexedSlices) else value
+
+
+def to_dense(grad):
+    """A tf.IndexedSlices as the dense Tensor it stands for; a Tensor as it is."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    # unsorted_segment_sum adds repeated rows, as the sparse update would.
+    return tf.math.unsorted_segment_sum(grad.values, grad.indices, grad.dense_shape[0])

@@ -19,16 +19,21 @@ class Checkpointer:
     Attributes:
       directory: where the checkpoints go.
       every_steps: save after every this many batches (None = only when asked).
+      writer: False on every worker but the chief of a cluster: it restores
+        the chief's checkpoints and never writes.
       epoch, batch_in_epoch: int64 tf.Variables, the position in the data of
         the next batch to train on; saved with the model and optimizer.
     """
 
-    def __init__(self, directory, model, optimizer, every_steps=None, max_to_keep=3):
+    def __init__(self, directory, model, optimizer, every_steps=None, max_to_keep=3,
+                 writer=True):
         if every_steps is not None and (isinstance(every_steps, bool)
                                         or not isinstance(every_steps, int) or every_steps < 1):
             raise ValueError(f"every_steps must be a positive integer or None, got {every_steps!r}.")
-        _check_writable(directory)
+        if writer:
+            _check_writable(directory)
         self.directory = directory
+        self.writer = writer
         self.every_steps = every_steps
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.batch_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -74,7 +79,12 @@ class Checkpointer:
             self.save(epoch, batch_in_epoch)
 
     def save(self, epoch, batch_in_epoch):
-        """Saves now, recording that training continues at (epoch, batch_in_epoch)."""
+        """Saves now, recording that training continues at (epoch, batch_in_epoch).
+
+        Returns the checkpoint's path, or None when this is not the writer.
+        """
+        if not self.writer:
+            return None
         self.epoch.assign(epoch)
         self.batch_in_epoch.assign(batch_in_epoch)
         path = self._manager.save()

@@ -20,6 +20,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from towers import split
+
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
@@ -105,7 +107,8 @@ def load_data(name, data_npz=None, seed=0):
                      "or pass data_npz=PATH with your own arrays.")
 
 
-def train_dataset(data, global_batch_size, epoch, seed=0, skip_batches=0):
+def train_dataset(data, global_batch_size, epoch, seed=0, skip_batches=0, worker_index=0,
+                  num_workers=1):
     """One epoch of training batches, in the fixed order of (seed, epoch).
 
     The order is np.random.default_rng([seed, epoch]).permutation(N): the same
@@ -119,11 +122,19 @@ def train_dataset(data, global_batch_size, epoch, seed=0, skip_batches=0):
       seed: int >= 0.
       skip_batches: batches of this epoch already trained on (resuming a run),
         0..steps_per_epoch(data, global_batch_size); the rest follow unchanged.
+      worker_index, num_workers: with several workers each reads only its part
+        of every global batch: towers.split_batch's shard `worker_index` of
+        `num_workers` (sizes differ by at most one, larger first).
 
     Returns:
-      A tf.data.Dataset of (x, y): x (B, H, W, C) float32, y (B,) int32.
+      A tf.data.Dataset of (x, y): x (B, H, W, C) float32, y (B,) int32, with
+      B the global batch size, or this worker's part of it.
     """
     steps = steps_per_epoch(data, global_batch_size)
+    _check_int("num_workers", num_workers, minimum=1)
+    _check_int("worker_index", worker_index, minimum=0)
+    if worker_index >= num_workers:
+        raise ValueError(f"worker_index={worker_index} is not below num_workers={num_workers}.")
     _check_int("epoch", epoch, minimum=0)
     _check_int("seed", seed, minimum=0)
     _check_int("skip_batches", skip_batches, minimum=0)
@@ -136,7 +147,7 @@ def train_dataset(data, global_batch_size, epoch, seed=0, skip_batches=0):
     # Skipping whole batches of the permutation is Dataset.skip(skip_batches),
     # without gathering the skipped examples.
     return _batches(data._host_tensors["train"], order[skip_batches * global_batch_size:],
-                    global_batch_size)
+                    global_batch_size, worker_index, num_workers)
 
 
 def eval_dataset(data, global_batch_size):
@@ -152,8 +163,11 @@ def steps_per_epoch(data, global_batch_size):
     return math.ceil(len(data.y_train) / global_batch_size)
 
 
-def _batches(arrays, order, global_batch_size):
-    """(x, y) batches of the examples at `order`, a 1-D array of row indices."""
+def _batches(arrays, order, global_batch_size, worker_index=0, num_workers=1):
+    """(x, y) batches of the examples at `order`, a 1-D array of row indices.
+
+    With num_workers > 1 only this worker's rows of each batch are gathered.
+    """
     x, y = arrays
     options = tf.data.Options()
     # The default graph rewrites serialise the pipeline, captured arrays included:
@@ -161,6 +175,7 @@ def _batches(arrays, order, global_batch_size):
     options.experimental_optimization.apply_default_optimizations = False
     return (tf.data.Dataset.from_tensor_slices(order.astype(np.int64))
             .batch(global_batch_size, drop_remainder=False)
+            .map(lambda i: split.split_batch(i, num_workers)[worker_index])
             .map(lambda i: (tf.gather(x, i), tf.gather(y, i)))  # one gather per batch
             .prefetch(tf.data.AUTOTUNE)
             .with_options(options))

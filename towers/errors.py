@@ -7,3 +7,7 @@ class DeviceConfigError(RuntimeError):
 
 class NonFiniteError(FloatingPointError):
     """A training step produced a NaN or Inf loss or gradient; nothing was applied."""
+
+
+class WorkerLostError(RuntimeError):
+    """Another worker of the cluster stopped answering during a step; nothing was applied."""

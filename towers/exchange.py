@@ -19,7 +19,9 @@ Sparse gradients (tf.IndexedSlices) travel the "main" route in every mode:
 an all-reduce needs equal shapes on every tower, and rows looked up differ.
 """
 
+import collections
 import itertools
+import zlib
 
 import tensorflow as tf
 
@@ -28,9 +30,10 @@ from towers import aggregate
 AGGREGATIONS = ("main", "tree", "collective", "nccl")
 
 # Collective ops find their peers by (group key, instance key): one group per
-# set of devices, one instance per all-reduce in a traced step.
-_group_keys = {}
-_instance_keys = itertools.count(1)
+# set of devices, one instance per all-reduce in a traced step. Across workers
+# both must come out the same on every worker, so they are derived from the
+# members and counted per group.
+_instance_keys = collections.defaultdict(lambda: itertools.count(1))
 _ordering_tokens = {}  # device -> tf.Variable
 
 
@@ -131,7 +134,8 @@ def _add(a, b):
 
 def _all_reduce_sum(tower_grads, devices, aggregation):
     """CollectiveReduceV2 sums on every tower; returns tower 0's sums."""
-    group_key = _group_keys.setdefault(tuple(devices), 1000 + len(_group_keys))
+    # This worker's task is part of the key: other workers have devices of the same names.
+    group_key = _group_key((tf.config.list_logical_devices()[0].name, tuple(devices)))
     hint = "nccl" if aggregation == "nccl" else "auto"
     summed = []
     for per_tower in zip(*tower_grads):
@@ -139,7 +143,7 @@ def _all_reduce_sum(tower_grads, devices, aggregation):
             summed.append(None)
             continue
         template = next(g for g in per_tower if g is not None)
-        instance_key = next(_instance_keys)
+        instance_key = next(_instance_keys[group_key])
         results = []
         for device, grad in zip(devices, per_tower):
             with tf.device(device):
@@ -150,6 +154,68 @@ def _all_reduce_sum(tower_grads, devices, aggregation):
                     communication_hint=hint))
         summed.append(results[0])
     return summed
+
+
+def mean_across_workers(values, weight, cluster, device):
+    """Step 6 across workers: per value, sum_w weight_w * value_w / sum_w weight_w.
+
+    Every worker calls it with its own values (gradients averaged over its
+    towers, its loss, its state) and weight (its example count, so the result
+    is the mean over the global batch); every worker gets the same result.
+    Integer values (counters, seed states) are the chief's. Everything
+    travels packed in one buffer per dtype, one all-reduce each; sparse
+    gradients are densified first (their rows differ between workers).
+
+    Args:
+      values: Tensors, tf.IndexedSlices or None, on `device`.
+      weight: this worker's weight, a number or scalar Tensor (0: adds nothing).
+      cluster: a towers.cluster.Cluster.
+      device: this worker's main device; the same device type on every worker.
+
+    Returns:
+      (means, total): one Tensor (or None where the value is None) per value,
+      and sum_w weight_w as a float32 scalar, on `device`.
+    """
+    if cluster.num_workers == 1 or all(v is None for v in values):
+        return list(values), tf.cast(weight, tf.float32)
+    with tf.device(device), tf.name_scope("across_workers"):
+        weight = tf.cast(weight, tf.float32)
+        scaled = [None if v is None else
+                  _scale(aggregate.to_dense(v), weight) if v.dtype.is_floating else
+                  v * tf.constant(int(cluster.is_chief), v.dtype) for v in values]
+        summed = sum_across_workers(scaled + [weight], cluster, device)
+        total = summed.pop()
+        return [s if s is None or not s.dtype.is_floating else
+                tf.math.divide_no_nan(s, tf.cast(total, s.dtype)) for s in summed], total
+
+
+def sum_across_workers(values, cluster, device):
+    """Per value (Tensor or None), its sum over workers: one all-reduce per dtype, packed."""
+    [buffers], unpack = _pack([values], [device])
+    return unpack(all_reduce_across_workers(buffers, cluster, device))
+
+
+def all_reduce_across_workers(tensors, cluster, device, merge_op="Add", timeout_s=0):
+    """One CollectiveReduceV2 per tensor over the workers' `device`s; same result on each.
+
+    timeout_s: 0 = wait for the others as long as it takes (a step relies on
+    cluster.Watchdog instead); else DeadlineExceededError after that long.
+    """
+    if cluster.num_workers == 1:
+        return list(tensors)
+    kind = tf.DeviceSpec.from_string(device).device_type
+    group_key = _group_key(("workers", kind, cluster.workers))
+    with tf.device(device):
+        return [tf.raw_ops.CollectiveReduceV2(
+            input=tensor, group_size=cluster.num_workers, group_key=group_key,
+            instance_key=next(_instance_keys[group_key]),
+            ordering_token=[_ordering_token(device)], merge_op=merge_op, final_op="Id",
+            timeout_seconds=float(timeout_s)) for tensor in tensors]
+
+
+def _group_key(members):
+    """A group key every process derives alike from the group's members."""
+    return zlib.crc32(repr(members).encode()) & 0x3FFFFFFF
 
 
 def _ordering_token(device):

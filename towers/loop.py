@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import split
+from towers import exchange, split
 
 _ACCURACY_NAMES = ("accuracy", "acc")
 
@@ -57,12 +57,25 @@ def build_metrics(metrics, y, y_pred):
             metrics[i] = _accuracy_for(y, y_pred)
 
 
-def update_metrics(metrics, batch, y_pred, device):
-    """Updates every metric with the whole batch on `device`; returns their results."""
+def update_metrics(metrics, batch, y_pred, device, cluster=None):
+    """Updates every metric with the whole batch on `device`; returns their results.
+
+    With a cluster (`batch` is this worker's part) the workers' updates are
+    added up, so every worker holds the global batch's metrics. That is
+    right for metrics whose state variables are sums (counts, totals,
+    confusion matrices), as Keras's built-in metrics are.
+    """
     _, y, sample_weight = split.unpack_batch(batch)
+    variables = [v for metric in metrics for v in metric.variables] if cluster else []
+    before = [tf.identity(v.value) for v in variables]  # .value is the variable itself
     with tf.device(device):
         for metric in metrics:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
+        if variables:
+            added = exchange.sum_across_workers(
+                [v.value - old for v, old in zip(variables, before)], cluster, device)
+            for variable, old, update in zip(variables, before, added):
+                variable.assign(old + update)
         return {metric.name: metric.result() for metric in metrics}
 
 
@@ -120,7 +133,9 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         for batch in batches:
             logs = trainer.train_step(batch)
             batch_index += 1
-            size = int(tf.nest.flatten(batch)[0].shape[0])
+            # With a cluster the batch is this worker's part; the step counts them all.
+            size = (int(logs.pop("examples")) if "examples" in logs
+                    else int(tf.nest.flatten(batch)[0].shape[0]))
             loss_sum, examples = loss_sum + logs["loss"] * size, examples + size
             logs["examples_per_sec"] = examples / (time.perf_counter() - start)
             progress.update(batch_index, logs)

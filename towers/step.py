@@ -16,7 +16,8 @@ ON_NONFINITE = ("raise", "skip")
 STATE_POLICIES = ("mean", "first_tower")
 SPARSE_POLICIES = ("keep", "dense")
 
-TowerResult = collections.namedtuple("TowerResult", ["grads", "loss", "state", "y_pred"])
+TowerResult = collections.namedtuple("TowerResult",
+                                     ["grads", "loss", "state", "y_pred", "examples"])
 TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main device.
 
 grads: mean gradient per model.trainable_variables entry (None where unused),
@@ -24,6 +25,9 @@ grads: mean gradient per model.trainable_variables entry (None where unused),
 loss: scalar float32, mean loss over the global batch plus regularisation.
 state: new value per model.non_trainable_variables entry (None where unchanged).
 y_pred: model outputs for the whole batch, rows in batch order.
+examples: float32 scalar, the number of examples in the batch.
+
+With a cluster, all but y_pred are the global batch's, the same on every worker.
 """
 
 
@@ -88,7 +92,7 @@ class TowerOptions:
 
 
 def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_steps=1,
-                    state_policy="mean", loss_scale=None):
+                    state_policy="mean", loss_scale=None, cluster=None):
     """Steps 1-6: the shard-weighted mean gradient of `loss` on the whole batch.
 
     Call it inside your own tf.function and apply the gradients yourself. The
@@ -104,6 +108,9 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
       accum_steps, state_policy: as in TowerOptions.
       loss_scale: None or a float32 scalar each tower multiplies its loss by
         (dynamic loss scaling); the gradients returned stay scaled.
+      cluster: None, or a joined towers.Cluster: `batch` is then this worker's
+        part of the global batch and the result is the global batch's mean,
+        the same on every worker (towers.join_cluster first).
 
     Returns:
       (grads, logs): one gradient per model.trainable_variables entry, on
@@ -111,16 +118,20 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     """
     options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
     result = run_towers(model, loss, batch, list(devices), main_device or devices[0],
-                        options, loss_scale=loss_scale)
+                        options, loss_scale=loss_scale, cluster=cluster)
     assign_state(model, result.state)
     return result.grads, {"loss": result.loss}
 
 
 def run_towers(model, loss, batch, devices, main_device, options, loss_scale=None,
-               densify=None, replicas=None):
+               densify=None, replicas=None, cluster=None, first_tower=0):
     """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
 
     `replicas`: a devices.Replicas for variable_placement="replicated", else None.
+    `cluster`: None, or the towers.cluster.Cluster this worker belongs to; then
+    `batch` is this worker's part of the global batch, its towers are numbered
+    from `first_tower` (for their dropout seeds), and the result is the whole
+    global batch's, the same on every worker.
     """
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
         shards = split.split_batch(batch, len(devices))                           # 1
@@ -136,8 +147,8 @@ def run_towers(model, loss, batch, devices, main_device, options, loss_scale=Non
             else:
                 tower_weights, tower_state = replicas.read(i)
             outputs.append(tower.run_tower(                                       # 3, 4
-                model, loss, shard, tower_weights, tower_state, i, options.accum_steps,
-                loss_scale, densify))
+                model, loss, shard, tower_weights, tower_state, first_tower + i,
+                options.accum_steps, loss_scale, densify))
     tower_grads = [o.grads for o in outputs]
     if options.aggregation == "main" and not options.pack_gradients:
         with tf.name_scope("gather"):
@@ -154,11 +165,36 @@ def run_towers(model, loss, batch, devices, main_device, options, loss_scale=Non
             state = aggregate.average_state([o.state for o in outputs], shard_sizes)
         else:
             state = aggregate.gather_gradients([outputs[0].state], main_device)[0]
-        return TowerResult(
+        result = TowerResult(
             grads=grads,
             loss=aggregate.average_gradients([[o.loss] for o in outputs], shard_sizes)[0],
             state=state,
-            y_pred=tower.concat_rows([o.y_pred for o in outputs]))
+            y_pred=tower.concat_rows([o.y_pred for o in outputs]),
+            examples=tf.cast(split.batch_size(batch), tf.float32))
+    if cluster is None:
+        return result
+    return across_workers(result, cluster, main_device, options.state_policy)    # 6
+
+
+def across_workers(result, cluster, main_device, state_policy):
+    """Step 6 across workers: this worker's TowerResult -> the global batch's.
+
+    Gradients, loss and (state_policy "mean") state are averaged weighted by
+    each worker's example count; with "first_tower" the state is the chief's.
+    y_pred stays this worker's own rows.
+    """
+    shared = list(result.grads) + [result.loss]
+    if state_policy == "mean":
+        shared += list(result.state)
+    merged, examples = exchange.mean_across_workers(shared, result.examples, cluster,
+                                                    main_device)
+    grads, loss, state = merged[:len(result.grads)], merged[len(result.grads)], result.state
+    if state_policy == "mean":
+        state = merged[len(result.grads) + 1:]
+    else:
+        state, _ = exchange.mean_across_workers(state, float(cluster.is_chief), cluster,
+                                                main_device)
+    return result._replace(grads=grads, loss=loss, state=state, examples=examples)
 
 
 def clip_gradients(grads, clip_global_norm, loss_scale=None):

@@ -73,7 +73,7 @@ def run_tower(model, loss, shard, weights, state, tower_index, accum_steps=1,
     else:
         tower_loss = micro_loss
     if densify is not None:
-        grads = [_dense(g) if dense else g for g, dense in zip(grads, densify)]
+        grads = [aggregate.to_dense(g) if dense else g for g, dense in zip(grads, densify)]
     return TowerOutput(grads, tower_loss, changed, concat_rows(outputs))
 
 
@@ -144,13 +144,6 @@ def _offset_seeds(model, state, tower_index):
     offset = tf.constant([tower_index, 0], tf.int64)
     return [value + tf.cast(offset, value.dtype) if variable.path.endswith(_SEED_STATE_SUFFIX)
             else value for variable, value in zip(model.non_trainable_variables, state)]
-
-
-def _dense(grad):
-    if not isinstance(grad, tf.IndexedSlices):
-        return grad
-    # unsorted_segment_sum adds repeated rows, as the sparse update would.
-    return tf.math.unsorted_segment_sum(grad.values, grad.indices, grad.dense_shape[0])
 
 
 def _accepts_training(model):

@@ -3,7 +3,9 @@
     python -m towers.train --dataset=digits --model=cnn --num_towers=4
 
 Rerunning the same command with --checkpoint_dir resumes from the newest
-checkpoint. This is the only module that defines flags.
+checkpoint. With TF_CONFIG set, or --worker_hosts and --task_index, the
+process is one worker of a cluster (docs/multi_worker.md). This is the only
+module that defines flags.
 """
 
 import json
@@ -32,12 +34,13 @@ DATA_NPZ = flags.DEFINE_string("data_npz", None,
                                "Your own .npz with x_train, y_train, x_test, y_test; "
                                "overrides --dataset.")
 MODEL = flags.DEFINE_enum("model", "cnn", models.MODELS, "Which model to train.")
-NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices).", lower_bound=1)
+NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices) on this worker.",
+                                  lower_bound=1)
 DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", towers.devices.DEVICE_TYPES,
                                 "Tower device kind; auto = GPUs if any, else CPU devices.")
 GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64,
-                                         "Examples per step, split across all towers.",
-                                         lower_bound=1)
+                                         "Examples per step, split across all workers and "
+                                         "their towers.", lower_bound=1)
 EPOCHS = flags.DEFINE_integer("epochs", None,
                               f"Epochs to train (default {DEFAULT_EPOCHS}); not with --steps.",
                               lower_bound=1)
@@ -77,6 +80,20 @@ SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout
 DETERMINISTIC = flags.DEFINE_bool("deterministic", False,
                                   "Also make TensorFlow's ops deterministic, so two runs of the "
                                   "same command give identical weights.")
+WORKER_HOSTS = flags.DEFINE_list("worker_hosts", None,
+                                 "host:port of every worker, the chief first; builds the "
+                                 "cluster instead of TF_CONFIG. Needs --task_index.")
+TASK_INDEX = flags.DEFINE_integer("task_index", None,
+                                  "This worker's position in --worker_hosts (0 = chief).",
+                                  lower_bound=0)
+PEER_TIMEOUT_S = flags.DEFINE_float("peer_timeout_s", towers.cluster.DEFAULT_PEER_TIMEOUT_S,
+                                    "A worker that does not answer for this many seconds "
+                                    "during a step stops every worker with an error.",
+                                    lower_bound=1.0)
+STARTUP_TIMEOUT_S = flags.DEFINE_float("startup_timeout_s",
+                                       towers.cluster.DEFAULT_STARTUP_TIMEOUT_S,
+                                       "How long each worker waits for all the others to start.",
+                                       lower_bound=1.0)
 flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
 
 
@@ -85,7 +102,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
         results = train()
-    except (ValueError, ImportError, towers.DeviceConfigError, towers.NonFiniteError) as error:
+    except (ValueError, ImportError, towers.DeviceConfigError, towers.NonFiniteError,
+            towers.WorkerLostError) as error:
         print(f"towers-train: error: {error}", file=sys.stderr)
         return 1
     print(f"test accuracy {results['eval_accuracy']:.4f} (loss {results['eval_loss']:.4f}) "
@@ -98,12 +116,19 @@ def main(argv):
 def train():
     """Runs the whole job described by the flags; returns the final metrics."""
     devices = towers.configure_devices(NUM_TOWERS.value, DEVICE_TYPE.value)
+    cluster = _cluster()
+    if cluster is not None:
+        towers.join_cluster(cluster)
+    is_chief = cluster is None or cluster.is_chief
+    worker_index, num_workers = (0, 1) if cluster is None else (cluster.task_index,
+                                                                cluster.num_workers)
     keras.utils.set_random_seed(SEED.value)
     if DETERMINISTIC.value:
         tf.config.experimental.enable_op_determinism()
-    if GLOBAL_BATCH_SIZE.value < len(devices):
-        logging.warning("--global_batch_size=%d is smaller than --num_towers=%d: some towers "
-                        "get empty shards and idle.", GLOBAL_BATCH_SIZE.value, len(devices))
+    if GLOBAL_BATCH_SIZE.value < len(devices) * num_workers:
+        logging.warning("--global_batch_size=%d is smaller than the %d towers: some towers "
+                        "get empty shards and idle.", GLOBAL_BATCH_SIZE.value,
+                        len(devices) * num_workers)
     keras.mixed_precision.set_global_policy(
         "float32" if MIXED_PRECISION.value == "none" else MIXED_PRECISION.value)
     data = data_lib.load_data("npz" if DATA_NPZ.value else DATASET.value,
@@ -118,13 +143,13 @@ def train():
         devices=devices, metrics=["accuracy"], aggregation=AGGREGATION.value,
         pack_gradients=PACK_GRADIENTS.value, variable_placement=VARIABLE_PLACEMENT.value,
         accum_steps=ACCUM_STEPS.value,
-        clip_global_norm=CLIP_GLOBAL_NORM.value or None)
+        clip_global_norm=CLIP_GLOBAL_NORM.value or None, cluster=cluster)
     checkpointer = None
     if CHECKPOINT_DIR.value:
         with tf.device(devices[0]):  # the slots must exist to be restored
             trainer.optimizer.build(model.trainable_variables)
         checkpointer = Checkpointer(CHECKPOINT_DIR.value, model, trainer.optimizer,
-                                    every_steps=CHECKPOINT_EVERY.value)
+                                    every_steps=CHECKPOINT_EVERY.value, writer=is_chief)
 
     steps_per_epoch = data_lib.steps_per_epoch(data, GLOBAL_BATCH_SIZE.value)
     epochs = (math.ceil(STEPS.value / steps_per_epoch) if STEPS.value
@@ -132,9 +157,11 @@ def train():
     test_batches = data_lib.eval_dataset(data, GLOBAL_BATCH_SIZE.value)
     history = trainer.fit(
         lambda epoch: data_lib.train_dataset(data, GLOBAL_BATCH_SIZE.value, epoch,
-                                             seed=SEED.value),
+                                             seed=SEED.value, worker_index=worker_index,
+                                             num_workers=num_workers),
         epochs=epochs, steps_per_epoch=steps_per_epoch, validation_data=test_batches,
-        max_steps=STEPS.value, checkpointer=checkpointer, log_dir=flags.FLAGS.log_dir or None)
+        max_steps=STEPS.value, checkpointer=checkpointer,
+        log_dir=(flags.FLAGS.log_dir or None) if is_chief else None)
 
     final = trainer.evaluate(test_batches)
     results = {
@@ -145,7 +172,8 @@ def train():
                            data, GLOBAL_BATCH_SIZE.value, 0, seed=SEED.value))["loss"]),
         "steps": trainer.step,
         "examples_per_sec": history.history["examples_per_sec"][-1] if history.epoch else 0.0,
-        "num_towers": len(devices),
+        "num_towers": len(devices) * num_workers,
+        "num_workers": num_workers,
         "devices": devices,
         "dataset": data.name,
         "model": MODEL.value,
@@ -155,10 +183,24 @@ def train():
         "accum_steps": ACCUM_STEPS.value,
         "mixed_precision": MIXED_PRECISION.value,
     }
-    if OUTPUT_JSON.value:
+    if OUTPUT_JSON.value and is_chief:
         with open(OUTPUT_JSON.value, "w") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def _cluster():
+    """The Cluster from --worker_hosts/--task_index, else from TF_CONFIG; None for one process."""
+    timeouts = {"peer_timeout_s": PEER_TIMEOUT_S.value,
+                "startup_timeout_s": STARTUP_TIMEOUT_S.value}
+    if WORKER_HOSTS.value is None:
+        if TASK_INDEX.value is not None:
+            raise ValueError("--task_index needs --worker_hosts (or use TF_CONFIG alone).")
+        return towers.cluster_from_tf_config(**timeouts)
+    if TASK_INDEX.value is None:
+        raise ValueError("--worker_hosts needs --task_index: this worker's position in it, "
+                         "0 for the chief.")
+    return towers.Cluster(tuple(WORKER_HOSTS.value), TASK_INDEX.value, **timeouts)
 
 
 def run():

@@ -1,10 +1,13 @@
 """TowerTrainer: the tower step compiled once, with batch checks, metrics and the loop."""
 
+import contextlib
+
 import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import aggregate, devices as devices_lib, exchange, losses, loop, split, tower
+from towers import aggregate, cluster as cluster_lib, devices as devices_lib, exchange, losses
+from towers import loop, split, tower
 from towers.errors import NonFiniteError
 from towers.step import TowerOptions, apply_update, assign_state, clip_gradients, run_towers
 
@@ -21,13 +24,16 @@ class TowerTrainer:
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite).
       metrics: Keras metrics updated on every train and evaluation batch.
       jit_compile: whether the step is compiled with XLA (one tower only).
+      cluster: None, or the joined towers.Cluster this process is a worker of:
+        each batch is then this worker's part of the global batch, and every
+        worker applies the same update of the whole global batch.
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
                  metrics=(), aggregation="main", pack_gradients=False,
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
-                 jit_compile=False):
+                 jit_compile=False, cluster=None):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -57,6 +63,9 @@ class TowerTrainer:
                 f"towers and main device are {sorted(set(self.devices + [self.main_device]))}; "
                 "use it with a single tower, or leave jit_compile=False.")
         self.jit_compile = bool(jit_compile)
+        self.cluster = cluster
+        self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
+        self._first_tower = 0  # global index of this worker's first tower
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
@@ -83,14 +92,20 @@ class TowerTrainer:
            "skipped_steps": steps skipped so far (non-finite, or a float16
            overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
+        With a cluster, `batch` is this worker's part of the global batch (it
+        may be empty) and "loss", "examples" are the global batch's.
+
         Raises:
           ValueError: a malformed batch; nothing runs.
+          WorkerLostError: with a cluster, another worker stopped answering.
           NonFiniteError: on_nonfinite="raise" and the loss or gradients are
             NaN/Inf (with loss scaling: the loss); weights and optimizer state
             are left as they were.
         """
-        batch, train_function = self._prepare(batch, "train")
-        logs = train_function(batch)
+        with (self._watchdog.step(self.step + 1) if self._watchdog
+              else contextlib.nullcontext()):
+            batch, train_function = self._prepare(batch, "train")
+            logs = train_function(batch)
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         if not finite and self.options.on_nonfinite == "raise":
             raise NonFiniteError(
@@ -127,7 +142,8 @@ class TowerTrainer:
         scale = self._loss_scale()
         result = run_towers(self.model, self.loss, batch, self.devices, self.main_device,
                             self.options, loss_scale=scale, densify=self._densify,
-                            replicas=self._replicas)                               # 1-6
+                            replicas=self._replicas, cluster=self.cluster,
+                            first_tower=self._first_tower)                         # 1-6
         with tf.device(self.main_device):
             grads = clip_gradients(result.grads, self.options.clip_global_norm, scale)
             grads_finite = aggregate.all_finite(grads)
@@ -145,9 +161,12 @@ class TowerTrainer:
 
         applied = tf.cond(finite, apply, lambda: tf.constant(False))
         logs = {"loss": result.loss, "finite": finite, "applied": applied}
+        if self.cluster is not None:
+            logs["examples"] = result.examples
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
-        logs.update(loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device))
+        logs.update(loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device,
+                                        self.cluster))
         return logs
 
     def _compiled_eval_step(self, batch):
@@ -192,7 +211,7 @@ class TowerTrainer:
         """
         split.unpack_batch(batch)
         batch = tuple(tf.nest.map_structure(_as_tensor, tuple(batch)))
-        if split.batch_size(batch) == 0:
+        if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError("the batch is empty (batch size 0); give at least one example.")
         spec = tf.nest.map_structure(
             lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), batch)
@@ -226,6 +245,34 @@ class TowerTrainer:
                 self.model, self.loss, split.split_batch(batch, len(self.devices))[0],
                 self.options.sparse_policy)
         loop.build_metrics(self.metrics, y, y_pred)
+        if self.cluster is not None:
+            self._first_tower = self._join_workers()
+
+    def _join_workers(self):
+        """Checks that every worker trains alike and copies the chief's weights to all.
+
+        Returns the global index of this worker's first tower.
+        """
+        cluster_lib.check_same(self.cluster, {
+            "the model's variables": [(v.path, v.shape, v.dtype) for v in self.model.variables],
+            "the optimizer": (type(self.optimizer).__name__, self.optimizer.get_config()),
+            "the trainer's options": self.options,
+            "the main device type": tf.DeviceSpec.from_string(self.main_device).device_type,
+            "the optimizer steps taken (every worker must restore the same checkpoint)":
+                self.step,
+        })
+        # Models initialised without a common seed would start apart; the chief's win.
+        variables = self.model.variables + self.optimizer.variables
+        chiefs, _ = exchange.mean_across_workers(
+            [v.value for v in variables], float(self.cluster.is_chief), self.cluster,
+            cluster_lib.HOST_DEVICE)
+        for variable, value in zip(variables, chiefs):
+            variable.assign(value)
+        self.sync_replicas()
+        towers_per_worker = exchange.all_reduce_across_workers(
+            [tf.one_hot(self.cluster.task_index, self.cluster.num_workers, dtype=tf.int64)
+             * len(self.devices)], self.cluster, cluster_lib.HOST_DEVICE)[0].numpy()
+        return int(towers_per_worker[:self.cluster.task_index].sum())
 
     def _check_model(self):
         if not self.model.trainable_variables:

@@ -1,0 +1,299 @@
+"""Past one machine: the workers of a cluster, joined by TensorFlow's own runtime.
+
+Every worker runs the same program with its own task index; worker 0 is the
+chief. `join` starts this worker's TensorFlow gRPC server with collective
+ops enabled (what MultiWorkerMirroredStrategy does underneath), waits until
+every worker has joined, and starts a watchdog that ends a step whose peers
+stopped answering. The cross-worker all-reduce of the gradients is
+exchange.all_reduce_across_workers; the tower step is unchanged.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+import zlib
+
+import tensorflow as tf
+from absl import logging
+# Public TensorFlow has no call that starts a collective-enabled server for an
+# eager program; MultiWorkerMirroredStrategy uses exactly these two.
+from tensorflow.core.protobuf import tensorflow_server_pb2
+from tensorflow.python.eager import context
+
+from towers import exchange
+from towers.errors import WorkerLostError
+
+JOB = "worker"
+DEFAULT_PEER_TIMEOUT_S = 30.0
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+HOST_DEVICE = "/device:CPU:0"  # every worker has one: control messages go there
+_JOBS_IN_ORDER = ("chief", "worker")  # TF_CONFIG jobs, in task-index order
+# The Watchdog of the cluster this process joined; a process joins at most one.
+_joined = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The workers of a synchronous data-parallel job and which one this process is.
+
+    Attributes:
+      workers: "host:port" of every worker; the position is its task index.
+      task_index: this process's position in `workers`; 0 is the chief.
+      peer_timeout_s: a worker that does not answer for this long during a
+        step ends the step on every other worker (WorkerLostError).
+      startup_timeout_s: how long `join` waits for every worker to join.
+    """
+    workers: tuple
+    task_index: int
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+
+    def __post_init__(self):
+        object.__setattr__(self, "workers", tuple(self.workers))
+        if not self.workers:
+            raise ValueError("the cluster has no workers; list at least one 'host:port'.")
+        for address in self.workers:
+            _check_address(address)
+        duplicates = sorted({a for a in self.workers if self.workers.count(a) > 1})
+        if duplicates:
+            raise ValueError(f"the cluster lists {duplicates} more than once; give every "
+                             "worker its own host:port.")
+        if (isinstance(self.task_index, bool) or not isinstance(self.task_index, int)
+                or not 0 <= self.task_index < len(self.workers)):
+            raise ValueError(f"task index {self.task_index!r} is not a worker of this cluster "
+                             f"of {len(self.workers)}; use 0..{len(self.workers) - 1}.")
+        for name in ("peer_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+
+    @property
+    def num_workers(self):
+        return len(self.workers)
+
+    @property
+    def is_chief(self):
+        """True on worker 0, the one that writes checkpoints, summaries and results."""
+        return self.task_index == 0
+
+    def task_name(self, index):
+        """TensorFlow's name of worker `index`, e.g. '/job:worker/replica:0/task:1'."""
+        return f"/job:{JOB}/replica:0/task:{index}"
+
+
+def cluster_from_tf_config(tf_config=None, **timeouts):
+    """The Cluster that TF_CONFIG describes, or None when it is unset or empty.
+
+    TF_CONFIG is the JSON every TensorFlow worker gets, e.g.
+    {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
+     "task": {"type": "worker", "index": 1}}. A "chief" job, if given, is
+    worker 0 and the "worker" job follows it.
+
+    Args:
+      tf_config: the JSON text; None = the TF_CONFIG environment variable.
+      **timeouts: peer_timeout_s, startup_timeout_s as in Cluster.
+    """
+    text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
+    if not text.strip():
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({error}); it should look like "
+                         '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": '
+                         '"worker", "index": 0}}.') from None
+    cluster, task = config.get("cluster"), config.get("task")
+    if not isinstance(cluster, dict) or not isinstance(task, dict):
+        raise ValueError('TF_CONFIG needs a "cluster" object and a "task" object, got keys '
+                         f"{sorted(config) if isinstance(config, dict) else type(config).__name__}.")
+    others = sorted(set(cluster) - set(_JOBS_IN_ORDER))
+    if others:
+        raise ValueError(f"TF_CONFIG's cluster has jobs {others}; towers trains synchronously "
+                         "on 'chief' and 'worker' tasks only (no parameter servers or "
+                         "evaluators): remove them.")
+    jobs = {job: cluster.get(job, []) for job in _JOBS_IN_ORDER}
+    if not all(isinstance(hosts, list) for hosts in jobs.values()):
+        raise ValueError("TF_CONFIG's cluster must map each job to a list of 'host:port'.")
+    task_type, index = task.get("type"), task.get("index")
+    if task_type not in _JOBS_IN_ORDER or not jobs[task_type]:
+        raise ValueError(f"TF_CONFIG's task type {task_type!r} is not a job of its cluster "
+                         f"{sorted(j for j in jobs if jobs[j])}.")
+    if isinstance(index, bool) or not isinstance(index, int) \
+            or not 0 <= index < len(jobs[task_type]):
+        raise ValueError(f"TF_CONFIG's task index {index!r} is out of range: its "
+                         f"{task_type!r} job has {len(jobs[task_type])} task(s).")
+    offset = len(jobs["chief"]) if task_type == "worker" else 0
+    return Cluster(tuple(jobs["chief"] + jobs["worker"]), offset + index, **timeouts)
+
+
+def join(cluster):
+    """Starts this worker's server and waits until every worker of `cluster` has joined.
+
+    Call it once per process (towers.join_cluster), after
+    towers.configure_devices; then pass `cluster` to TowerTrainer.
+
+    Raises:
+      ValueError: this worker's port is in use, the workers disagree on the
+        cluster, or not all of them joined within cluster.startup_timeout_s.
+    """
+    global _joined
+    if _joined is not None:
+        if _joined.cluster != cluster:
+            raise ValueError(f"this process already joined the cluster {_joined.cluster}; "
+                             "a process can join one cluster only.")
+        return cluster
+    _check_port_free(cluster)
+    config = context.context().config
+    # Collective groups are formed by the chief; each worker talks only to its own task.
+    config.experimental.collective_group_leader = cluster.task_name(0)
+    del config.device_filters[:]
+    config.device_filters.append(cluster.task_name(cluster.task_index))
+    server_def = tensorflow_server_pb2.ServerDef(
+        cluster=tf.train.ClusterSpec({JOB: list(cluster.workers)}).as_cluster_def(),
+        default_session_config=config, job_name=JOB, task_index=cluster.task_index,
+        protocol="grpc", port=_port(cluster.workers[cluster.task_index]))
+    try:
+        context.context().enable_collective_ops(server_def)
+        context.context().ensure_initialized()
+    except tf.errors.OpError as error:
+        raise ValueError(f"worker {cluster.task_index} could not start its server on "
+                         f"{cluster.workers[cluster.task_index]}: {_first_line(error)}.") from None
+    logging.info("worker %d of %d: waiting up to %.0f s for the others to join",
+                 cluster.task_index, cluster.num_workers, cluster.startup_timeout_s)
+    check_same(cluster, {"cluster addresses": cluster.workers},
+               timeout_s=cluster.startup_timeout_s)
+    _joined = Watchdog(cluster)
+    logging.info("worker %d of %d: all workers joined", cluster.task_index, cluster.num_workers)
+    return cluster
+
+
+def watchdog(cluster):
+    """The Watchdog of `cluster`, which this process must have joined."""
+    if _joined is None or _joined.cluster != cluster:
+        raise ValueError(f"this process has not joined {cluster}; call "
+                         "towers.join_cluster(cluster) first, on every worker.")
+    return _joined
+
+
+def check_same(cluster, values, timeout_s=None):
+    """Raises ValueError naming each entry of `values` that differs between workers.
+
+    `values`: dict name -> anything with a stable repr; every worker must call
+    this with the same names in the same order (it is one all-reduce).
+    """
+    fingerprints = tf.constant([zlib.crc32(repr(v).encode()) for v in values.values()],
+                               tf.int64)
+    try:
+        with tf.device(HOST_DEVICE):
+            # max(f) and max(-f) = -min(f): equal on every worker only if all agree.
+            highest = exchange.all_reduce_across_workers(
+                [tf.concat([fingerprints, -fingerprints], 0)], cluster, HOST_DEVICE,
+                merge_op="Max", timeout_s=timeout_s or 0)[0].numpy()
+    except tf.errors.DeadlineExceededError:
+        raise ValueError(
+            f"not every one of the {cluster.num_workers} workers {list(cluster.workers)} joined "
+            f"within {timeout_s:.0f} s. Start each of them with the same cluster and its own "
+            "task index, and check that they can reach each other's ports.") from None
+    except tf.errors.OpError as error:
+        raise ValueError(f"the workers could not agree on the cluster ({_first_line(error)}); "
+                         "give every worker the same list of addresses.") from None
+    count = len(values)
+    differ = [name for i, name in enumerate(values) if highest[i] != -highest[count + i]]
+    if differ:
+        raise ValueError(f"the workers disagree on: {', '.join(differ)}. Every worker must run "
+                         "the same program with the same flags, apart from its task index.")
+
+
+class Watchdog:
+    """Pings the other workers while a step runs; aborts the step when one is lost.
+
+    A worker that died refuses connections, and its peers' all-reduce fails at
+    once; one that hangs is noticed within peer_timeout_s plus one ping
+    interval. Either way every surviving worker raises WorkerLostError.
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self._stepping = threading.Event()
+        self._lost = None  # (task index, reason) of the first worker found lost
+        self._interval_s = min(5.0, cluster.peer_timeout_s / 3)
+        if cluster.num_workers > 1:
+            threading.Thread(target=self._watch, daemon=True, name="towers-watchdog").start()
+
+    @contextlib.contextmanager
+    def step(self, step_number):
+        """Runs one step under watch; a lost worker turns its failure into WorkerLostError."""
+        self._stepping.set()
+        try:
+            yield
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                tf.errors.AbortedError, tf.errors.CancelledError,
+                tf.errors.FailedPreconditionError) as error:
+            lost = self._lost or self._find_lost()
+            who = (f"worker {lost[0]} ({self.cluster.workers[lost[0]]}) stopped answering "
+                   f"({lost[1]})" if lost else
+                   f"the all-reduce across workers failed ({_first_line(error)})")
+            raise WorkerLostError(
+                f"step {step_number}: {who}, so worker {self.cluster.task_index} stops too; "
+                "nothing of this step was applied. Restart every worker with the same "
+                "checkpoint directory to resume from the last checkpoint.") from None
+        finally:
+            self._stepping.clear()
+
+    def _watch(self):
+        while self._lost is None:
+            self._stepping.wait()
+            lost = self._find_lost(self.cluster.peer_timeout_s)
+            if lost and self._stepping.is_set():
+                self._lost = lost
+                logging.error("worker %d is lost (%s); aborting this step", *lost)
+                context.context().abort_collective_ops(
+                    tf.errors.UNAVAILABLE, f"worker {lost[0]} stopped answering")
+                return
+            time.sleep(self._interval_s)
+
+    def _find_lost(self, timeout_s=1.0):
+        """(task index, reason) of the first peer that does not answer, or None."""
+        for index in range(self.cluster.num_workers):
+            if index == self.cluster.task_index:
+                continue
+            try:
+                context.context().check_collective_ops_peer_health(
+                    self.cluster.task_name(index), timeout_in_ms=int(timeout_s * 1000))
+            except tf.errors.OpError as error:
+                return index, _first_line(error)
+        return None
+
+
+def _check_address(address):
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address {address!r} is not 'host:port' with a port in "
+                         "1..65535, e.g. '127.0.0.1:2222'.")
+
+
+def _port(address):
+    return int(address.rpartition(":")[2])
+
+
+def _check_port_free(cluster):
+    # TensorFlow's gRPC server listens on 0.0.0.0:port, so that is what must be free.
+    port = _port(cluster.workers[cluster.task_index])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As gRPC does: a port whose old connections linger in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as error:
+            raise ValueError(
+                f"port {port} of worker {cluster.task_index} "
+                f"({cluster.workers[cluster.task_index]}) is in use ({error.strerror}); stop "
+                "what holds it or give this worker another port.") from None
+
+
+def _first_line(error):
+    return str(getattr(error, "message", error)).strip().splitlines()[0]

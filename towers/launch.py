@@ -1,0 +1,97 @@
+"""Starts N towers-train workers on this machine, a cluster on 127.0.0.1 ports.
+
+    python -m towers.launch N [towers-train flags]    (scripts/launch_local_workers)
+
+Every worker runs `python -m towers.train` with the same flags plus its own
+--worker_hosts and --task_index; its output lines are prefixed "[worker i]".
+The launcher waits for all of them and exits 0 only if every worker did. A
+worker that fails makes the others stop by themselves (within --peer_timeout_s);
+any still running GRACE_S seconds after the first failure are terminated.
+Rerunning the same command with --checkpoint_dir resumes every worker.
+"""
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_S = 120.0
+USAGE = "usage: python -m towers.launch NUM_WORKERS [towers-train flags]"
+
+
+def main(argv):
+    if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+        print(f"{USAGE}\nlaunch: error: NUM_WORKERS must be a positive integer, got "
+              f"{argv[1] if len(argv) > 1 else 'nothing'}.", file=sys.stderr)
+        return 2
+    num_workers, train_flags = int(argv[1]), argv[2:]
+    taken = [f for f in train_flags if f.startswith(("--worker_hosts", "--task_index"))]
+    if taken:
+        print(f"launch: error: {taken[0]} is set by the launcher for each worker; remove it.",
+              file=sys.stderr)
+        return 2
+    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_ports(num_workers))
+    workers = []
+    for index in range(num_workers):
+        command = [sys.executable, "-m", "towers.train", *train_flags,
+                   f"--worker_hosts={hosts}", f"--task_index={index}"]
+        worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace")
+        print(f"launch: worker {index} pid {worker.pid} on {hosts.split(',')[index]}",
+              flush=True)
+        threading.Thread(target=_relay, args=(index, worker.stdout), daemon=True).start()
+        workers.append(worker)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: _terminate(workers))
+    codes = _wait(workers)
+    failed = [i for i, code in enumerate(codes) if code != 0]
+    for i in failed:
+        print(f"launch: worker {i} exited with status {codes[i]}", file=sys.stderr, flush=True)
+    print(f"launch: {num_workers - len(failed)} of {num_workers} workers succeeded", flush=True)
+    return 1 if failed else 0
+
+
+def _free_ports(count):
+    """`count` distinct ports that are free on this machine now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            probe.bind(("127.0.0.1", 0))
+            sockets.append(probe)
+        return [probe.getsockname()[1] for probe in sockets]
+    finally:
+        for probe in sockets:
+            probe.close()
+
+
+def _relay(index, stream):
+    for line in stream:
+        sys.stdout.write(f"[worker {index}] {line}")
+        sys.stdout.flush()
+
+
+def _wait(workers):
+    """Exit codes of all workers; stragglers are terminated GRACE_S after a failure."""
+    first_failure = None
+    while any(w.poll() is None for w in workers):
+        if first_failure is None and any(w.poll() not in (None, 0) for w in workers):
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > GRACE_S:
+            print(f"launch: workers still running {GRACE_S:.0f} s after a failure; "
+                  "terminating them", file=sys.stderr, flush=True)
+            _terminate(workers)
+        time.sleep(0.2)
+    return [w.returncode for w in workers]
+
+
+def _terminate(workers):
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
