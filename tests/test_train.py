@@ -159,7 +159,7 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
             with self.assertLogs("absl", "WARNING") as logs:
                 results = train.train()
         self.assertEqual(results["steps"], 4)
-        self.assertTrue(any("smaller than --num_towers=4" in line for line in logs.output))
+        self.assertTrue(any("smaller than the 4 towers" in line for line in logs.output))
 
     def test_npz_data_and_output_json(self):
         rng = np.random.default_rng(0)

@@ -203,8 +203,9 @@ def all_reduce_across_workers(tensors, cluster, device, merge_op="Add", timeout_
     """
     if cluster.num_workers == 1:
         return list(tensors)
-    kind = tf.DeviceSpec.from_string(device).device_type
-    group_key = _group_key(("workers", kind, cluster.workers))
+    # Not keyed by the addresses: workers that list them differently must still
+    # meet, for cluster.check_same to tell them so.
+    group_key = _group_key(("workers", tf.DeviceSpec.from_string(device).device_type))
     with tf.device(device):
         return [tf.raw_ops.CollectiveReduceV2(
             input=tensor, group_size=cluster.num_workers, group_key=group_key,

@@ -32,7 +32,7 @@ def main(argv):
         print(f"launch: error: {taken[0]} is set by the launcher for each worker; remove it.",
               file=sys.stderr)
         return 2
-    hosts = ",".join(f"127.0.0.1:{port}" for port in _free_ports(num_workers))
+    hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(num_workers))
     workers = []
     for index in range(num_workers):
         command = [sys.executable, "-m", "towers.train", *train_flags,
@@ -53,7 +53,7 @@ def main(argv):
     return 1 if failed else 0
 
 
-def _free_ports(count):
+def free_ports(count):
     """`count` distinct ports that are free on this machine now."""
     sockets = []
     try:

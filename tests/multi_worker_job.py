@@ -1,0 +1,54 @@
+"""One worker of the 2-worker equivalence test, run as its own process.
+
+    python -m tests.multi_worker_job '{"worker_hosts": [...], "task_index": 0, ...}'
+
+Trains reference.make_model on BATCH_SIZES global batches, feeding this worker
+its towers.split_batch part of each, and saves the weights, the per-step
+losses and the final accuracy to the "output" .npz.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import towers  # noqa: E402
+from tests import reference  # noqa: E402
+
+# 7 splits unevenly over 2 workers (4 + 3); 1 leaves worker 1 with no rows at all.
+BATCH_SIZES = (12, 7, 3, 1, 10)
+
+
+def global_batches():
+    return [reference.make_batches(size, num_steps=1, seed=step)[0]
+            for step, size in enumerate(BATCH_SIZES)]
+
+
+def make_trainer(devices, cluster=None, **options):
+    """The same model, loss, optimizer and metric in every process."""
+    with tf.device(devices[0]):
+        model = reference.make_model()
+    return towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
+                               devices=devices, metrics=["accuracy"], cluster=cluster,
+                               **options)
+
+
+def main(config):
+    devices = towers.configure_devices(config["num_towers"], "cpu")
+    cluster = towers.Cluster(config["worker_hosts"], config["task_index"])
+    towers.join_cluster(cluster)
+    trainer = make_trainer(devices, cluster, **config.get("options", {}))
+    losses = []
+    for batch in global_batches():
+        part = towers.split_batch(batch, cluster.num_workers)[cluster.task_index]
+        losses.append(trainer.train_step(part)["loss"])
+    np.savez(config["output"], losses=np.array(losses), accuracy=trainer.metrics[0].result(),
+             steps=trainer.step, **{f"w{i}": v.numpy() for i, v in enumerate(trainer.model.weights)})
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

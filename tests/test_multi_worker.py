@@ -1,0 +1,252 @@
+"""Several workers: 2 processes x 2 towers train exactly as 1 process x 4 towers.
+
+Worker processes run on 127.0.0.1 ports of this machine; tests that need none
+check the cluster description and the errors a user can make.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import flags
+from absl.testing import flagsaver, parameterized
+
+import towers
+from tests import multi_worker_job, reference
+from towers import launch, train
+
+if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+TOLERANCE = 1e-5
+# The training every CLI test runs: 2 workers x 2 towers, checkpoints every 20 steps.
+CLI_ARGS = ["--model=mlp", "--num_towers=2", "--global_batch_size=32", "--steps=120",
+            "--checkpoint_every=20", "--deterministic"]
+
+
+def _hosts(count):
+    return [f"127.0.0.1:{port}" for port in launch.free_ports(count)]
+
+
+def _start_worker(hosts, index, *args):
+    """One `towers-train` worker process; its stderr is captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "towers.train", *args, f"--worker_hosts={','.join(hosts)}",
+         f"--task_index={index}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+
+
+def _launch(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "towers.launch", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _error_line(stderr):
+    lines = [line for line in stderr.splitlines() if line.startswith("towers-train: error:")]
+    return lines[-1] if lines else stderr[-2000:]
+
+
+def _checkpoint_values(directory):
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(directory))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("save_counter")}
+
+
+def _wait_for_checkpoint(directory, processes, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(os.path.join(directory, "checkpoint")):
+        assert all(p.poll() is None for p in processes), "a worker ended before a checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.02)
+
+
+class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(("main", "main", False), ("collective_packed", "collective", True))
+    def test_two_workers_of_two_towers_match_one_process_of_four(self, aggregation, pack):
+        options = {"aggregation": aggregation, "pack_gradients": pack}
+        hosts, directory = _hosts(2), self.create_tempdir().full_path
+        workers = [subprocess.Popen(
+            [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
+                "worker_hosts": hosts, "task_index": i, "num_towers": 2, "options": options,
+                "output": os.path.join(directory, f"worker{i}.npz")})],
+            cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        for worker in workers:
+            _, stderr = worker.communicate(timeout=300)
+            self.assertEqual(worker.returncode, 0, stderr[-3000:])
+        results = [np.load(os.path.join(directory, f"worker{i}.npz")) for i in range(2)]
+
+        batches = multi_worker_job.global_batches()
+        single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)])
+        losses = [single.train_step(batch)["loss"] for batch in batches]
+        expected = [v.numpy() for v in single.model.weights]
+        plain = reference.single_device_weights(
+            reference.make_model(), reference.OPTIMIZERS["adam"](), reference.make_loss(),
+            batches)
+        for result in results:
+            self.assertEqual(int(result["steps"]), len(batches))
+            weights = [result[f"w{i}"] for i in range(len(expected))]
+            self.assertAllClose(weights, expected, atol=TOLERANCE, rtol=0)
+            self.assertAllClose(weights, plain, atol=TOLERANCE, rtol=0)
+            self.assertAllClose(result["losses"], losses, atol=TOLERANCE, rtol=0)
+            self.assertAllClose(result["accuracy"], single.metrics[0].result(), atol=1e-6)
+        # Every worker applies the same all-reduced update: the copies stay identical.
+        for name in results[0].files:
+            self.assertAllEqual(results[0][name], results[1][name], msg=name)
+
+
+class FaultTest(tf.test.TestCase):
+
+    def test_killed_worker_stops_the_others_and_a_relaunch_resumes(self):
+        directory = self.create_tempdir().full_path
+        args = [*CLI_ARGS, f"--checkpoint_dir={directory}", "--peer_timeout_s=5"]
+        launcher = subprocess.Popen([sys.executable, "-m", "towers.launch", "2", *args],
+                                    cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+        pids = [int(launcher.stdout.readline().split()[4]) for _ in range(2)]
+        _wait_for_checkpoint(directory, [launcher])
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = launcher.communicate(timeout=120)
+        self.assertLess(time.monotonic() - killed, 5 + 30)  # peer timeout + slack
+        self.assertEqual(launcher.returncode, 1, output[-3000:])
+        self.assertRegex(output, r"\[worker 0\] towers-train: error: step \d+: worker 1 "
+                                 r"\(127.0.0.1:\d+\) stopped answering .*Restart every worker")
+        self.assertIn("launch: worker 1 exited with status -9", output)
+        killed_at = tuple(int(_checkpoint_values(directory)[f"{name}/.ATTRIBUTES/VARIABLE_VALUE"])
+                          for name in ("epoch", "batch_in_epoch"))
+        self.assertBetween(killed_at, (0, 20), (2, 29))  # 45 batches an epoch: not finished
+
+        result_file = os.path.join(directory, "out.json")
+        resumed = _launch("2", *args, f"--output_json={result_file}")
+        self.assertEqual(resumed.returncode, 0, resumed.stdout[-3000:])
+        with open(result_file) as f:
+            self.assertEqual(json.load(f)["steps"], 120)
+        straight_dir = self.create_tempdir().full_path
+        straight = _launch("2", *CLI_ARGS, f"--checkpoint_dir={straight_dir}")
+        self.assertEqual(straight.returncode, 0, straight.stdout[-3000:])
+        expected, actual = _checkpoint_values(straight_dir), _checkpoint_values(directory)
+        self.assertEqual(sorted(expected), sorted(actual))
+        for name in expected:
+            self.assertAllEqual(expected[name], actual[name], msg=name)
+
+    def test_hung_worker_is_noticed_within_the_peer_timeout(self):
+        hosts, directory = _hosts(2), self.create_tempdir().full_path
+        args = [*CLI_ARGS, f"--checkpoint_dir={directory}", "--peer_timeout_s=3"]
+        workers = [_start_worker(hosts, i, *args) for i in range(2)]
+        try:
+            _wait_for_checkpoint(directory, workers)
+            os.kill(workers[1].pid, signal.SIGSTOP)  # alive, holding its port, silent
+            stopped = time.monotonic()
+            _, stderr = workers[0].communicate(timeout=60)
+            self.assertLess(time.monotonic() - stopped, 3 + 20)
+            self.assertEqual(workers[0].returncode, 1)
+            self.assertRegex(_error_line(stderr),
+                             r"towers-train: error: step \d+: worker 1 \(127.0.0.1:\d+\) "
+                             r"stopped answering")
+        finally:
+            workers[1].kill()
+            workers[1].wait()
+
+
+class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("other_spelling", lambda hosts: [hosts[0], hosts[1].replace("127.0.0.1", "localhost")],
+         "the workers disagree on: cluster addresses"),
+        ("one_more_worker", lambda hosts: hosts + ["127.0.0.1:1"],
+         "could not agree on the cluster .*joining a group with size3, but that group has size 2"),
+    )
+    def test_workers_with_different_clusters_both_refuse(self, other_cluster, message):
+        hosts = _hosts(2)
+        workers = [_start_worker(hosts, 0, *CLI_ARGS),
+                   _start_worker(other_cluster(hosts), 1, *CLI_ARGS)]
+        for worker in workers:
+            _, stderr = worker.communicate(timeout=120)
+            self.assertEqual(worker.returncode, 1)
+            self.assertRegex(_error_line(stderr), message)
+
+    def test_workers_with_different_flags_both_refuse(self):
+        hosts = _hosts(2)
+        workers = [_start_worker(hosts, i, *CLI_ARGS, f"--learning_rate={rate}")
+                   for i, rate in enumerate((0.01, 0.02))]
+        for worker in workers:
+            _, stderr = worker.communicate(timeout=120)
+            self.assertEqual(worker.returncode, 1)
+            self.assertIn("the workers disagree on: the optimizer", _error_line(stderr))
+
+    def test_missing_worker_times_out_at_startup(self):
+        worker = _start_worker(_hosts(2), 0, *CLI_ARGS, "--startup_timeout_s=2")
+        _, stderr = worker.communicate(timeout=120)
+        self.assertEqual(worker.returncode, 1)
+        self.assertIn("not every one of the 2 workers", _error_line(stderr))
+        self.assertIn("joined within 2 s", _error_line(stderr))
+
+    def test_port_in_use_is_refused_before_anything_starts(self):
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            cluster = towers.Cluster([f"127.0.0.1:{port}", "127.0.0.1:1"], 0)
+            with self.assertRaisesRegex(ValueError, f"port {port} of worker 0 .* is in use"):
+                towers.join_cluster(cluster)
+
+    def test_trainer_needs_a_joined_cluster(self):
+        cluster = towers.Cluster(["127.0.0.1:1", "127.0.0.1:2"], 1)
+        with self.assertRaisesRegex(ValueError, "join_cluster"):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                reference.OPTIMIZERS["sgd"](), cluster=cluster)
+
+    def test_tf_config_chief_and_workers(self):
+        config = {"cluster": {"chief": ["a:1"], "worker": ["b:2", "c:3"]},
+                  "task": {"type": "worker", "index": 1}}
+        cluster = towers.cluster_from_tf_config(json.dumps(config), peer_timeout_s=7)
+        self.assertEqual(cluster.workers, ("a:1", "b:2", "c:3"))
+        self.assertEqual((cluster.task_index, cluster.is_chief, cluster.peer_timeout_s),
+                         (2, False, 7))
+        self.assertIsNone(towers.cluster_from_tf_config(""))
+
+    @parameterized.named_parameters(
+        ("not_json", "{cluster:", "not valid JSON"),
+        ("no_task", '{"cluster": {"worker": ["a:1"]}}', 'needs a "cluster" object and a "task"'),
+        ("parameter_server", '{"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, '
+                             '"task": {"type": "worker", "index": 0}}', r"jobs \['ps'\]"),
+        ("index_out_of_range", '{"cluster": {"worker": ["a:1", "b:2"]}, '
+                               '"task": {"type": "worker", "index": 2}}', "index 2 is out of range"),
+        ("unknown_task_type", '{"cluster": {"worker": ["a:1"]}, '
+                              '"task": {"type": "chief", "index": 0}}', "task type 'chief'"),
+        ("bad_address", '{"cluster": {"worker": ["a:1", "b"]}, '
+                        '"task": {"type": "worker", "index": 0}}', "'b' is not 'host:port'"),
+        ("duplicate", '{"cluster": {"worker": ["a:1", "a:1"]}, '
+                      '"task": {"type": "worker", "index": 0}}', "more than once"),
+    )
+    def test_bad_tf_config(self, text, message):
+        with self.assertRaisesRegex(ValueError, message):
+            towers.cluster_from_tf_config(text)
+
+    def test_bad_timeouts(self):
+        with self.assertRaisesRegex(ValueError, "peer_timeout_s must be a positive number"):
+            towers.Cluster(["a:1"], 0, peer_timeout_s=0)
+
+    @parameterized.named_parameters(
+        ("hosts_without_index", {"worker_hosts": ["a:1", "b:2"]}, "needs --task_index"),
+        ("index_without_hosts", {"task_index": 1}, "--task_index needs --worker_hosts"),
+        ("index_out_of_range", {"worker_hosts": ["a:1", "b:2"], "task_index": 2},
+         "task index 2 is not a worker"),
+    )
+    def test_bad_cluster_flags(self, flag_values, message):
+        with flagsaver.flagsaver(**flag_values):
+            with self.assertRaisesRegex(ValueError, message):
+                train._cluster()
+
+    def test_launcher_rejects_what_it_sets_itself(self):
+        self.assertEqual(launch.main(["launch", "2", "--task_index=1"]), 2)
+        self.assertEqual(launch.main(["launch", "zero"]), 2)
