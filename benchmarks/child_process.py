@@ -16,14 +16,23 @@ RESULT_PREFIX = "RESULT "
 
 def run_child(script, config, timeout_s=600):
     """Runs `python script --child_config=JSON`; returns the dict the child reported."""
-    completed = subprocess.run(
-        [sys.executable, script, f"--child_config={json.dumps(config)}"],
-        capture_output=True, text=True, timeout=timeout_s)
-    for line in completed.stdout.splitlines():
+    return child_result(start_child(script, config), timeout_s)
+
+
+def start_child(script, config):
+    """Starts `python script --child_config=JSON` (for children that must run together)."""
+    return subprocess.Popen([sys.executable, script, f"--child_config={json.dumps(config)}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def child_result(child, timeout_s=600):
+    """Waits for a started child; returns the dict it reported."""
+    stdout, stderr = child.communicate(timeout=timeout_s)
+    for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
-    raise RuntimeError(f"{script} {config} failed (exit {completed.returncode}):\n"
-                       f"{completed.stderr[-3000:]}")
+    raise RuntimeError(f"{' '.join(child.args[:2])} {child.args[2]} failed "
+                       f"(exit {child.returncode}):\n{stderr[-3000:]}")
 
 
 def report(result):

@@ -130,6 +130,26 @@ def test_skip_batches_gives_the_tail_of_the_epoch(skip_batches):
         np.testing.assert_array_equal(y, y_full)
 
 
+@pytest.mark.parametrize("num_workers", [2, 3, 5])
+def test_workers_read_their_parts_of_every_global_batch(num_workers):
+    # NUM_TRAIN = 10 in batches of 4: the last batch (2) leaves 3 and 5 workers some empty parts.
+    data = _small_data()
+    full = _batches(data_lib.train_dataset(data, 4, epoch=1, seed=2, skip_batches=1))
+    parts = [_batches(data_lib.train_dataset(data, 4, epoch=1, seed=2, skip_batches=1,
+                                             worker_index=i, num_workers=num_workers))
+             for i in range(num_workers)]
+    for step, (x_full, y_full) in enumerate(full):
+        sizes = [len(worker[step][1]) for worker in parts]
+        assert sizes == [len(p) for p in np.array_split(y_full, num_workers)]
+        np.testing.assert_array_equal(np.concatenate([w[step][1] for w in parts]), y_full)
+        np.testing.assert_array_equal(np.concatenate([w[step][0] for w in parts]), x_full)
+
+
+def test_worker_index_must_be_below_num_workers():
+    with pytest.raises(ValueError, match="worker_index=2 is not below num_workers=2"):
+        data_lib.train_dataset(_small_data(), 4, epoch=0, worker_index=2, num_workers=2)
+
+
 def test_skip_more_than_an_epoch_is_an_error():
     with pytest.raises(ValueError, match="skip_batches=4 is more than the 3 batches"):
         data_lib.train_dataset(_small_data(), 4, epoch=0, skip_batches=4)

@@ -20,7 +20,8 @@ class Checkpointer:
       directory: where the checkpoints go.
       every_steps: save after every this many batches (None = only when asked).
       writer: False on every worker but the chief of a cluster: it restores
-        the chief's checkpoints and never writes.
+        the chief's checkpoints and never writes (fit saves on the chief only
+        anyway), so `directory` need not be writable there.
       epoch, batch_in_epoch: int64 tf.Variables, the position in the data of
         the next batch to train on; saved with the model and optimizer.
     """

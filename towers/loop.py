@@ -115,6 +115,8 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
       checkpointer: a towers.checkpoint.Checkpointer; the run first resumes from
         its newest checkpoint, saves as it goes and once at the end.
       log_dir: where TensorBoard summaries go (None = none).
+      With a cluster only the chief saves checkpoints and writes summaries;
+      every worker restores.
       verbose: "auto" (a progress bar on a terminal, else log lines), True, False.
     """
     _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
@@ -123,7 +125,9 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     if checkpointer is not None and checkpointer.restore():
         epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
         trainer.sync_replicas()
-    summaries = _Summaries(log_dir)
+    chief = trainer.cluster is None or trainer.cluster.is_chief
+    saver = checkpointer if chief else None
+    summaries = _Summaries(log_dir if chief else None)
     shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
     while epoch < epochs and not _reached(trainer, max_steps):
         _reset(trainer.metrics)
@@ -140,8 +144,8 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             logs["examples_per_sec"] = examples / (time.perf_counter() - start)
             progress.update(batch_index, logs)
             summaries.train(trainer, logs)
-            if checkpointer is not None:
-                checkpointer.batch_done(epoch, batch_index)
+            if saver is not None:
+                saver.batch_done(epoch, batch_index)
             if _reached(trainer, max_steps):
                 break
         if batch_index == 0:
@@ -157,8 +161,8 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             progress.finish(batch_index, epoch_logs)
         stopped_early = _reached(trainer, max_steps) and batch_index != steps_per_epoch
         epoch, skip = (epoch, batch_index) if stopped_early else (epoch + 1, 0)
-    if checkpointer is not None:
-        checkpointer.save(epoch, skip)
+    if saver is not None:
+        saver.save(epoch, skip)
     return history
 
 

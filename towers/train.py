@@ -160,8 +160,7 @@ def train():
                                              seed=SEED.value, worker_index=worker_index,
                                              num_workers=num_workers),
         epochs=epochs, steps_per_epoch=steps_per_epoch, validation_data=test_batches,
-        max_steps=STEPS.value, checkpointer=checkpointer,
-        log_dir=(flags.FLAGS.log_dir or None) if is_chief else None)
+        max_steps=STEPS.value, checkpointer=checkpointer, log_dir=flags.FLAGS.log_dir or None)
 
     final = trainer.evaluate(test_batches)
     results = {
