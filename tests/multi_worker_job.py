@@ -46,8 +46,9 @@ def main(config):
     for batch in global_batches():
         part = towers.split_batch(batch, cluster.num_workers)[cluster.task_index]
         losses.append(trainer.train_step(part)["loss"])
+    weights = {f"w{i}": v.numpy() for i, v in enumerate(trainer.model.weights)}
     np.savez(config["output"], losses=np.array(losses), accuracy=trainer.metrics[0].result(),
-             steps=trainer.step, **{f"w{i}": v.numpy() for i, v in enumerate(trainer.model.weights)})
+             steps=trainer.step, **weights)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def _wait_for_checkpoint(directory, processes, timeout_s=120):
 
 class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.named_parameters(("main", "main", False), ("collective_packed", "collective", True))
+    @parameterized.named_parameters(("main", "main", False),
+                                    ("collective_packed", "collective", True))
     def test_two_workers_of_two_towers_match_one_process_of_four(self, aggregation, pack):
         options = {"aggregation": aggregation, "pack_gradients": pack}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
@@ -121,12 +122,15 @@ class FaultTest(tf.test.TestCase):
         self.assertRegex(output, r"\[worker 0\] towers-train: error: step \d+: worker 1 "
                                  r"\(127.0.0.1:\d+\) stopped answering .*Restart every worker")
         self.assertIn("launch: worker 1 exited with status -9", output)
-        killed_at = tuple(int(_checkpoint_values(directory)[f"{name}/.ATTRIBUTES/VARIABLE_VALUE"])
+        saved = _checkpoint_values(directory)
+        killed_at = tuple(int(saved[f"{name}/.ATTRIBUTES/VARIABLE_VALUE"])
                           for name in ("epoch", "batch_in_epoch"))
         self.assertBetween(killed_at, (0, 20), (2, 29))  # 45 batches an epoch: not finished
 
         result_file = os.path.join(directory, "out.json")
-        resumed = _launch("2", *args, f"--output_json={result_file}")
+        resumed = subprocess.run(  # as a user relaunches: the script the README gives
+            ["bash", "scripts/launch_local_workers", "2", *args, f"--output_json={result_file}"],
+            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
         self.assertEqual(resumed.returncode, 0, resumed.stdout[-3000:])
         with open(result_file) as f:
             self.assertEqual(json.load(f)["steps"], 120)
@@ -174,14 +178,18 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(worker.returncode, 1)
             self.assertRegex(_error_line(stderr), message)
 
-    def test_workers_with_different_flags_both_refuse(self):
+    @parameterized.named_parameters(
+        ("learning_rate", ["--learning_rate=0.01", "--learning_rate=0.02"], "the optimizer"),
+        ("seed", ["--seed=1", "--seed=2"], "--seed"),
+    )
+    def test_workers_with_different_flags_both_refuse(self, flag_per_worker, what):
         hosts = _hosts(2)
-        workers = [_start_worker(hosts, i, *CLI_ARGS, f"--learning_rate={rate}")
-                   for i, rate in enumerate((0.01, 0.02))]
+        workers = [_start_worker(hosts, i, *CLI_ARGS, flag)
+                   for i, flag in enumerate(flag_per_worker)]
         for worker in workers:
             _, stderr = worker.communicate(timeout=120)
             self.assertEqual(worker.returncode, 1)
-            self.assertIn("the workers disagree on: the optimizer", _error_line(stderr))
+            self.assertIn(f"the workers disagree on: {what}", _error_line(stderr))
 
     def test_missing_worker_times_out_at_startup(self):
         worker = _start_worker(_hosts(2), 0, *CLI_ARGS, "--startup_timeout_s=2")
@@ -220,7 +228,8 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
         ("parameter_server", '{"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, '
                              '"task": {"type": "worker", "index": 0}}', r"jobs \['ps'\]"),
         ("index_out_of_range", '{"cluster": {"worker": ["a:1", "b:2"]}, '
-                               '"task": {"type": "worker", "index": 2}}', "index 2 is out of range"),
+                               '"task": {"type": "worker", "index": 2}}',
+         "index 2 is out of range"),
         ("unknown_task_type", '{"cluster": {"worker": ["a:1"]}, '
                               '"task": {"type": "chief", "index": 0}}', "task type 'chief'"),
         ("bad_address", '{"cluster": {"worker": ["a:1", "b"]}, '

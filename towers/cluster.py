@@ -108,8 +108,8 @@ def cluster_from_tf_config(tf_config=None, **timeouts):
                          '"worker", "index": 0}}.') from None
     cluster, task = config.get("cluster"), config.get("task")
     if not isinstance(cluster, dict) or not isinstance(task, dict):
-        raise ValueError('TF_CONFIG needs a "cluster" object and a "task" object, got keys '
-                         f"{sorted(config) if isinstance(config, dict) else type(config).__name__}.")
+        got = sorted(config) if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f'TF_CONFIG needs a "cluster" object and a "task" object, got {got}.')
     others = sorted(set(cluster) - set(_JOBS_IN_ORDER))
     if others:
         raise ValueError(f"TF_CONFIG's cluster has jobs {others}; towers trains synchronously "

@@ -292,22 +292,22 @@ def _read_npz(path):
 def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
     """Checks raw arrays and converts them: x to (N, H, W, C) float32, y to (N,) int32."""
     splits = []
-    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+    for part, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         x, y = np.asarray(x), np.asarray(y)
         if x.ndim not in (2, 3, 4):
-            raise ValueError(f"{name}: x_{split} has shape {x.shape}; give (N, H, W, C), "
+            raise ValueError(f"{name}: x_{part} has shape {x.shape}; give (N, H, W, C), "
                              "(N, H, W) or (N, D).")
         if y.ndim == 2 and y.shape[1] == 1:
             y = y.reshape(-1)  # (N, 1) labels, as cifar10 has
         if y.ndim != 1:
-            raise ValueError(f"{name}: y_{split} has shape {y.shape}; give one class id per "
+            raise ValueError(f"{name}: y_{part} has shape {y.shape}; give one class id per "
                              "example, shape (N,) (for one-hot labels: y.argmax(axis=1)).")
         if len(x) != len(y):
-            raise ValueError(f"{name}: x_{split} has shape {x.shape} but y_{split} has shape "
+            raise ValueError(f"{name}: x_{part} has shape {x.shape} but y_{part} has shape "
                              f"{y.shape}; give one label per example (the same N).")
         if not len(y):
-            raise ValueError(f"{name}: the {split} split is empty; give at least one example.")
-        splits.append((_images(name, f"x_{split}", x), _labels(name, f"y_{split}", y)))
+            raise ValueError(f"{name}: the {part} part is empty; give at least one example.")
+        splits.append((_images(name, f"x_{part}", x), _labels(name, f"y_{part}", y)))
     (x_train, y_train), (x_test, y_test) = splits
     if x_train.shape[1:] != x_test.shape[1:]:
         raise ValueError(f"{name}: x_train examples have shape {x_train.shape[1:]} but x_test "

@@ -243,8 +243,10 @@ def _pack(tower_grads, devices):
     packed = []
     for device, grads in zip(devices, tower_grads):
         with tf.device(device):
-            packed.append([tf.concat([tf.reshape(tf.zeros(template[i].shape, template[i].dtype) if grads[i] is None
-                                      else grads[i], [-1]) for i in members], 0)
+            flat = [None if t is None else tf.reshape(
+                tf.zeros(t.shape, t.dtype) if g is None else g, [-1])
+                for g, t in zip(grads, template)]
+            packed.append([tf.concat([flat[i] for i in members], 0)
                            for members in groups.values()])
 
     def unpack(buffers):

@@ -119,6 +119,9 @@ def train():
     cluster = _cluster()
     if cluster is not None:
         towers.join_cluster(cluster)
+        # What decides which examples each step reads; the trainer checks the rest.
+        data_flags = (DATASET, DATA_NPZ, GLOBAL_BATCH_SIZE, EPOCHS, STEPS, SEED)
+        towers.cluster.check_same(cluster, {f"--{f.name}": f.value for f in data_flags})
     is_chief = cluster is None or cluster.is_chief
     worker_index, num_workers = (0, 1) if cluster is None else (cluster.task_index,
                                                                 cluster.num_workers)

@@ -159,14 +159,17 @@ class TowerTrainer:
                 self._replicas.refresh()
             return grads_finite
 
-        applied = tf.cond(finite, apply, lambda: tf.constant(False))
-        logs = {"loss": result.loss, "finite": finite, "applied": applied}
+        metric_logs = loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device,
+                                          self.cluster)
+        # Across workers the metrics have an all-reduce of their own: it too comes
+        # before the update, so a worker lost during the step leaves the weights alone.
+        with tf.control_dependencies(list(metric_logs.values())):
+            applied = tf.cond(finite, apply, lambda: tf.constant(False))
+        logs = {"loss": result.loss, "finite": finite, "applied": applied, **metric_logs}
         if self.cluster is not None:
             logs["examples"] = result.examples
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
-        logs.update(loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device,
-                                        self.cluster))
         return logs
 
     def _compiled_eval_step(self, batch):
