@@ -2,9 +2,9 @@
 
     python -m tests.multi_worker_job '{"worker_hosts": [...], "task_index": 0, ...}'
 
-Trains reference.make_model on BATCH_SIZES global batches, feeding this worker
-its towers.split_batch part of each, and saves the weights, the per-step
-losses and the final accuracy to the "output" .npz.
+Trains make_model(config["model"]) on BATCH_SIZES global batches, feeding
+this worker its towers.split_batch part of each, and saves the weights, the
+per-step losses and the final accuracy to the "output" .npz.
 """
 
 import json
@@ -13,6 +13,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -21,17 +22,34 @@ from tests import reference  # noqa: E402
 
 # 7 splits unevenly over 2 workers (4 + 3); 1 leaves worker 1 with no rows at all.
 BATCH_SIZES = (12, 7, 3, 1, 10)
+VOCABULARY, TOKENS = 40, 6
 
 
-def global_batches():
-    return [reference.make_batches(size, num_steps=1, seed=step)[0]
-            for step, size in enumerate(BATCH_SIZES)]
+def make_model(kind):
+    """reference.make_model, or ("embedding") one whose gradient is a tf.IndexedSlices."""
+    if kind == "dense":
+        return reference.make_model()
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((TOKENS,), dtype="int32"),
+                             keras.layers.Embedding(VOCABULARY, 4),
+                             keras.layers.GlobalAveragePooling1D(),
+                             keras.layers.Dense(reference.NUM_CLASSES)])
 
 
-def make_trainer(devices, cluster=None, **options):
+def global_batches(kind):
+    batches = [reference.make_batches(size, num_steps=1, seed=step)[0]
+               for step, size in enumerate(BATCH_SIZES)]
+    if kind == "dense":
+        return batches
+    rng = np.random.default_rng(7)  # few tokens, so workers look up the same rows too
+    return [(rng.integers(0, VOCABULARY, (len(y), TOKENS)).astype("int32"), y, w)
+            for _, y, w in batches]
+
+
+def make_trainer(devices, kind, cluster=None, **options):
     """The same model, loss, optimizer and metric in every process."""
     with tf.device(devices[0]):
-        model = reference.make_model()
+        model = make_model(kind)
     return towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
                                devices=devices, metrics=["accuracy"], cluster=cluster,
                                **options)
@@ -41,9 +59,9 @@ def main(config):
     devices = towers.configure_devices(config["num_towers"], "cpu")
     cluster = towers.Cluster(config["worker_hosts"], config["task_index"])
     towers.join_cluster(cluster)
-    trainer = make_trainer(devices, cluster, **config.get("options", {}))
+    trainer = make_trainer(devices, config["model"], cluster, **config.get("options", {}))
     losses = []
-    for batch in global_batches():
+    for batch in global_batches(config["model"]):
         part = towers.split_batch(batch, cluster.num_workers)[cluster.task_index]
         losses.append(trainer.train_step(part)["loss"])
     weights = {f"w{i}": v.numpy() for i, v in enumerate(trainer.model.weights)}

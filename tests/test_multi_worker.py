@@ -70,14 +70,20 @@ def _wait_for_checkpoint(directory, processes, timeout_s=120):
 
 class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.named_parameters(("main", "main", False),
-                                    ("collective_packed", "collective", True))
-    def test_two_workers_of_two_towers_match_one_process_of_four(self, aggregation, pack):
+    @parameterized.named_parameters(
+        ("main", "dense", "main", False),
+        ("collective_packed", "dense", "collective", True),
+        # Adam updates only the rows a sparse gradient names: the workers' rows
+        # must arrive as one device's would, not densified.
+        ("sparse_embedding", "embedding", "main", False))
+    def test_two_workers_of_two_towers_match_one_process_of_four(self, model, aggregation,
+                                                                 pack):
         options = {"aggregation": aggregation, "pack_gradients": pack}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
         workers = [subprocess.Popen(
             [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
-                "worker_hosts": hosts, "task_index": i, "num_towers": 2, "options": options,
+                "worker_hosts": hosts, "task_index": i, "num_towers": 2, "model": model,
+                "options": options,
                 "output": os.path.join(directory, f"worker{i}.npz")})],
             cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]
         for worker in workers:
@@ -85,13 +91,13 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(worker.returncode, 0, stderr[-3000:])
         results = [np.load(os.path.join(directory, f"worker{i}.npz")) for i in range(2)]
 
-        batches = multi_worker_job.global_batches()
-        single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)])
+        batches = multi_worker_job.global_batches(model)
+        single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)], model)
         losses = [single.train_step(batch)["loss"] for batch in batches]
         expected = [v.numpy() for v in single.model.weights]
         plain = reference.single_device_weights(
-            reference.make_model(), reference.OPTIMIZERS["adam"](), reference.make_loss(),
-            batches)
+            multi_worker_job.make_model(model), reference.OPTIMIZERS["adam"](),
+            reference.make_loss(), batches)
         for result in results:
             self.assertEqual(int(result["steps"]), len(batches))
             weights = [result[f"w{i}"] for i in range(len(expected))]

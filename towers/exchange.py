@@ -17,6 +17,9 @@ buffer, exchanges that, and splits it again: one large transfer instead of
 one per variable (Horovod's tensor fusion, tf_cnn_benchmarks' repacking).
 Sparse gradients (tf.IndexedSlices) travel the "main" route in every mode:
 an all-reduce needs equal shapes on every tower, and rows looked up differ.
+
+Across workers (mean_across_workers, step 6 of a cluster) the dense values
+are all-reduced packed, and sparse gradients are all-gathered.
 """
 
 import collections
@@ -35,6 +38,7 @@ AGGREGATIONS = ("main", "tree", "collective", "nccl")
 # members and counted per group.
 _instance_keys = collections.defaultdict(lambda: itertools.count(1))
 _ordering_tokens = {}  # device -> tf.Variable
+_SHAPE_KEYS = 64  # gathered tensors of up to 2**63 rows
 
 
 def exchange_gradients(tower_grads, weights, devices, main_device, aggregation="main",
@@ -162,9 +166,10 @@ def mean_across_workers(values, weight, cluster, device):
     Every worker calls it with its own values (gradients averaged over its
     towers, its loss, its state) and weight (its example count, so the result
     is the mean over the global batch); every worker gets the same result.
-    Integer values (counters, seed states) are the chief's. Everything
-    travels packed in one buffer per dtype, one all-reduce each; sparse
-    gradients are densified first (their rows differ between workers).
+    Integer values (counters, seed states) are the chief's. Dense values
+    travel packed in one buffer per dtype, one all-reduce each. A
+    tf.IndexedSlices stays one: the workers' rows are gathered, in worker
+    order, as one device would have them for the whole batch.
 
     Args:
       values: Tensors, tf.IndexedSlices or None, on `device`.
@@ -173,20 +178,27 @@ def mean_across_workers(values, weight, cluster, device):
       device: this worker's main device; the same device type on every worker.
 
     Returns:
-      (means, total): one Tensor (or None where the value is None) per value,
-      and sum_w weight_w as a float32 scalar, on `device`.
+      (means, total): one Tensor, tf.IndexedSlices or None per value, and
+      sum_w weight_w as a float32 scalar, on `device`.
     """
     if cluster.num_workers == 1 or all(v is None for v in values):
         return list(values), tf.cast(weight, tf.float32)
     with tf.device(device), tf.name_scope("across_workers"):
         weight = tf.cast(weight, tf.float32)
-        scaled = [None if v is None else
-                  _scale(aggregate.to_dense(v), weight) if v.dtype.is_floating else
-                  v * tf.constant(int(cluster.is_chief), v.dtype) for v in values]
+        sparse = [isinstance(v, tf.IndexedSlices) for v in values]
+        scaled = [None if v is None or s else
+                  _scale(v, weight) if v.dtype.is_floating else
+                  v * tf.constant(int(cluster.is_chief), v.dtype)
+                  for v, s in zip(values, sparse)]
         summed = sum_across_workers(scaled + [weight], cluster, device)
         total = summed.pop()
-        return [s if s is None or not s.dtype.is_floating else
-                tf.math.divide_no_nan(s, tf.cast(total, s.dtype)) for s in summed], total
+        for i, v in enumerate(values):
+            if sparse[i]:
+                summed[i] = _gather_slices(
+                    tf.IndexedSlices(_scale(v.values, weight), v.indices, v.dense_shape),
+                    cluster, device)
+        return [_divide(s, total) if s is not None and s.dtype.is_floating else s
+                for s in summed], total
 
 
 def sum_across_workers(values, cluster, device):
@@ -203,15 +215,69 @@ def all_reduce_across_workers(tensors, cluster, device, merge_op="Add", timeout_
     """
     if cluster.num_workers == 1:
         return list(tensors)
-    # Not keyed by the addresses: workers that list them differently must still
-    # meet, for cluster.check_same to tell them so.
-    group_key = _group_key(("workers", tf.DeviceSpec.from_string(device).device_type))
+    group_key = _workers_group_key(device)
     with tf.device(device):
         return [tf.raw_ops.CollectiveReduceV2(
             input=tensor, group_size=cluster.num_workers, group_key=group_key,
             instance_key=next(_instance_keys[group_key]),
             ordering_token=[_ordering_token(device)], merge_op=merge_op, final_op="Id",
             timeout_seconds=float(timeout_s)) for tensor in tensors]
+
+
+def _gather_slices(slices, cluster, device):
+    """Every worker's rows of a tf.IndexedSlices, concatenated in worker order.
+
+    CollectiveGatherV2 needs equal shapes on every worker, and an instance
+    key keeps the shape it first ran with. So each worker pads its rows to
+    the longest worker's rounded up to a power of two, that power picks the
+    instance key, and the padding is dropped after the gather.
+    """
+    rows = tf.shape(slices.indices, out_type=tf.int64)[0]
+    [sizes] = all_reduce_across_workers(
+        [tf.one_hot(cluster.task_index, cluster.num_workers, dtype=tf.int64) * rows],
+        cluster, device)
+    longest = tf.cast(tf.maximum(tf.reduce_max(sizes), 1), tf.float64)
+    power = tf.math.ceil(tf.math.log(longest) / tf.math.log(tf.constant(2.0, tf.float64)))
+    padded = tf.cast(2.0 ** power, tf.int64)
+    values_padding = [[0, padded - rows]] + [[0, 0]] * (slices.values.shape.rank - 1)
+    indices, values = _all_gather_across_workers(
+        [tf.pad(slices.indices, [[0, padded - rows]]), tf.pad(slices.values, values_padding)],
+        tf.cast(power, tf.int32), cluster, device)
+    real = tf.reshape(tf.sequence_mask(sizes, padded), [-1])
+    return tf.IndexedSlices(tf.boolean_mask(values, real), tf.boolean_mask(indices, real),
+                            slices.dense_shape)
+
+
+def _all_gather_across_workers(tensors, shape_key, cluster, device):
+    """One CollectiveGatherV2 per tensor: every worker's tensor, concatenated on dim 0.
+
+    shape_key: an int32 scalar in [0, _SHAPE_KEYS), the same on every worker,
+    that changes whenever the tensors' shapes do.
+    """
+    group_key = _workers_group_key(device)
+    gathered = []
+    with tf.device(device):
+        for tensor in tensors:
+            first_key = next(_instance_keys[group_key])
+            for _ in range(_SHAPE_KEYS - 1):  # reserve one instance key per shape
+                next(_instance_keys[group_key])
+            gathered.append(tf.raw_ops.CollectiveGatherV2(
+                input=tensor, group_size=cluster.num_workers, group_key=group_key,
+                instance_key=first_key + shape_key, ordering_token=[_ordering_token(device)]))
+    return gathered
+
+
+def _divide(value, total):
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(value.values, total), value.indices, value.dense_shape)
+    return tf.math.divide_no_nan(value, tf.cast(total, value.dtype))
+
+
+def _workers_group_key(device):
+    """The group of every worker's `device`."""
+    # Not keyed by the addresses: workers that list them differently must still
+    # meet, for cluster.check_same to tell them so.
+    return _group_key(("workers", tf.DeviceSpec.from_string(device).device_type))
 
 
 def _group_key(members):
