@@ -306,7 +306,7 @@ def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
             raise ValueError(f"{name}: x_{part} has shape {x.shape} but y_{part} has shape "
                              f"{y.shape}; give one label per example (the same N).")
         if not len(y):
-            raise ValueError(f"{name}: the {part} part is empty; give at least one example.")
+            raise ValueError(f"{name}: the {part} split is empty; give at least one example.")
         splits.append((_images(name, f"x_{part}", x), _labels(name, f"y_{part}", y)))
     (x_train, y_train), (x_test, y_test) = splits
     if x_train.shape[1:] != x_test.shape[1:]:
