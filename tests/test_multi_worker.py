@@ -213,6 +213,13 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
             with self.assertRaisesRegex(ValueError, f"port {port} of worker 0 .* is in use"):
                 towers.join_cluster(cluster)
 
+    def test_no_xla_with_a_cluster(self):
+        cluster = towers.Cluster(["127.0.0.1:1", "127.0.0.1:2"], 1)
+        with self.assertRaisesRegex(ValueError, "jit_compile=True cannot compile"):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                reference.OPTIMIZERS["sgd"](), devices=["/device:CPU:0"],
+                                jit_compile=True, cluster=cluster)
+
     def test_trainer_needs_a_joined_cluster(self):
         cluster = towers.Cluster(["127.0.0.1:1", "127.0.0.1:2"], 1)
         with self.assertRaisesRegex(ValueError, "join_cluster"):

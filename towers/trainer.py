@@ -62,6 +62,9 @@ class TowerTrainer:
                 f"jit_compile=True compiles the whole step with XLA for one device, but the "
                 f"towers and main device are {sorted(set(self.devices + [self.main_device]))}; "
                 "use it with a single tower, or leave jit_compile=False.")
+        if jit_compile and cluster is not None:
+            raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
+                             "leave jit_compile=False with a cluster.")
         self.jit_compile = bool(jit_compile)
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
