@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -71,18 +72,20 @@ def _wait_for_checkpoint(directory, processes, timeout_s=120):
 class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(
-        ("main", "dense", "main", False),
-        ("collective_packed", "dense", "collective", True),
+        ("main", "dense", "main", False, (2, 2)),
+        ("collective_packed", "dense", "collective", True, (2, 2)),
         # Adam updates only the rows a sparse gradient names: the workers' rows
         # must arrive as one device's would, not densified.
-        ("sparse_embedding", "embedding", "main", False))
+        ("sparse_embedding", "embedding", "main", False, (2, 2)),
+        ("different_tower_counts", "dense", "main", False, (1, 3)))
     def test_two_workers_of_two_towers_match_one_process_of_four(self, model, aggregation,
-                                                                 pack):
+                                                                 pack, towers_per_worker):
         options = {"aggregation": aggregation, "pack_gradients": pack}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
         workers = [subprocess.Popen(
             [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
-                "worker_hosts": hosts, "task_index": i, "num_towers": 2, "model": model,
+                "worker_hosts": hosts, "task_index": i, "num_towers": towers_per_worker[i],
+                "model": model,
                 "options": options,
                 "output": os.path.join(directory, f"worker{i}.npz")})],
             cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -268,6 +271,15 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
         with flagsaver.flagsaver(**flag_values):
             with self.assertRaisesRegex(ValueError, message):
                 train._cluster()
+
+    def test_launcher_gives_each_worker_its_own_gpus(self):
+        with mock.patch.dict(os.environ):
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            self.assertEqual([launch.gpu_share(i, 2, 4) for i in range(2)], ["0,1", "2,3"])
+            self.assertEqual([launch.gpu_share(i, 3, 4) for i in range(3)], ["0", "1", "2"])
+            self.assertIsNone(launch.gpu_share(0, 2, 0))
+            with self.assertRaisesRegex(ValueError, "2 workers but 1 GPU.*--device_type=cpu"):
+                launch.gpu_share(0, 2, 1)
 
     def test_launcher_rejects_what_it_sets_itself(self):
         self.assertEqual(launch.main(["launch", "2", "--task_index=1"]), 2)

@@ -4,12 +4,15 @@
 
 Every worker runs `python -m towers.train` with the same flags plus its own
 --worker_hosts and --task_index; its output lines are prefixed "[worker i]".
-The launcher waits for all of them and exits 0 only if every worker did. A
+On a machine with GPUs each worker gets its own equal share of them
+(CUDA_VISIBLE_DEVICES). The launcher waits for all of them and exits 0 only
+if every worker did. A
 worker that fails makes the others stop by themselves (within --peer_timeout_s);
 any still running GRACE_S seconds after the first failure are terminated.
 Rerunning the same command with --checkpoint_dir resumes every worker.
 """
 
+import os
 import signal
 import socket
 import subprocess
@@ -32,13 +35,24 @@ def main(argv):
         print(f"launch: error: {taken[0]} is set by the launcher for each worker; remove it.",
               file=sys.stderr)
         return 2
+    on_cpu = "--device_type=cpu" in train_flags or ("--device_type", "cpu") in zip(
+        train_flags, train_flags[1:])
+    try:
+        gpu_shares = [gpu_share(i, num_workers, 0 if on_cpu else _count_gpus())
+                      for i in range(num_workers)]
+    except ValueError as error:
+        print(f"launch: error: {error}", file=sys.stderr)
+        return 2
     hosts = ",".join(f"127.0.0.1:{port}" for port in free_ports(num_workers))
     workers = []
     for index in range(num_workers):
         command = [sys.executable, "-m", "towers.train", *train_flags,
                    f"--worker_hosts={hosts}", f"--task_index={index}"]
+        environment = dict(os.environ)
+        if gpu_shares[index] is not None:
+            environment["CUDA_VISIBLE_DEVICES"] = gpu_shares[index]
         worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, errors="replace")
+                                  text=True, errors="replace", env=environment)
         print(f"launch: worker {index} pid {worker.pid} on {hosts.split(',')[index]}",
               flush=True)
         threading.Thread(target=_relay, args=(index, worker.stdout), daemon=True).start()
@@ -51,6 +65,32 @@ def main(argv):
         print(f"launch: worker {i} exited with status {codes[i]}", file=sys.stderr, flush=True)
     print(f"launch: {num_workers - len(failed)} of {num_workers} workers succeeded", flush=True)
     return 1 if failed else 0
+
+
+def gpu_share(index, num_workers, num_gpus):
+    """CUDA_VISIBLE_DEVICES for worker `index`, e.g. "2,3"; None = leave it as it is.
+
+    Each worker takes an equal share; GPUs are not shared between workers
+    (each would claim most of a GPU's memory for its towers).
+    """
+    if num_gpus == 0 or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return None
+    if num_gpus < num_workers:
+        raise ValueError(
+            f"{num_workers} workers but {num_gpus} GPU(s): workers cannot share a GPU here. "
+            f"Start at most {num_gpus} workers (each splits its GPU into --num_towers "
+            "towers), or add --device_type=cpu.")
+    share = num_gpus // num_workers
+    return ",".join(str(g) for g in range(index * share, (index + 1) * share))
+
+
+def _count_gpus():
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
 
 
 def free_ports(count):

@@ -174,7 +174,7 @@ def train():
                            data, GLOBAL_BATCH_SIZE.value, 0, seed=SEED.value))["loss"]),
         "steps": trainer.step,
         "examples_per_sec": history.history["examples_per_sec"][-1] if history.epoch else 0.0,
-        "num_towers": len(devices) * num_workers,
+        "num_towers": trainer.num_towers,
         "num_workers": num_workers,
         "devices": devices,
         "dataset": data.name,

@@ -69,6 +69,7 @@ class TowerTrainer:
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
         self._first_tower = 0  # global index of this worker's first tower
+        self._num_towers = len(self.devices)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
@@ -77,6 +78,14 @@ class TowerTrainer:
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         if model.built:
             self._check_model()
+
+    @property
+    def num_towers(self):
+        """Towers in a step: this process's, or with a cluster every worker's.
+
+        Every worker's are counted at the first step; before it, this worker's.
+        """
+        return self._num_towers
 
     @property
     def step(self):
@@ -252,13 +261,10 @@ class TowerTrainer:
                 self.options.sparse_policy)
         loop.build_metrics(self.metrics, y, y_pred)
         if self.cluster is not None:
-            self._first_tower = self._join_workers()
+            self._join_workers()
 
     def _join_workers(self):
-        """Checks that every worker trains alike and copies the chief's weights to all.
-
-        Returns the global index of this worker's first tower.
-        """
+        """Checks every worker trains alike, copies the chief's weights, numbers the towers."""
         cluster_lib.check_same(self.cluster, {
             "the model's variables": [(v.path, v.shape, v.dtype) for v in self.model.variables],
             "the optimizer": (type(self.optimizer).__name__, self.optimizer.get_config()),
@@ -278,7 +284,8 @@ class TowerTrainer:
         towers_per_worker = exchange.all_reduce_across_workers(
             [tf.one_hot(self.cluster.task_index, self.cluster.num_workers, dtype=tf.int64)
              * len(self.devices)], self.cluster, cluster_lib.HOST_DEVICE)[0].numpy()
-        return int(towers_per_worker[:self.cluster.task_index].sum())
+        self._first_tower = int(towers_per_worker[:self.cluster.task_index].sum())
+        self._num_towers = int(towers_per_worker.sum())
 
     def _check_model(self):
         if not self.model.trainable_variables:
