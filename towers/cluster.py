@@ -184,6 +184,7 @@ def check_same(cluster, values, timeout_s=None):
 
     `values`: dict name -> anything with a stable repr; every worker must call
     this with the same names in the same order (it is one all-reduce).
+    WorkerLostError: a worker stopped meanwhile.
     """
     fingerprints = tf.constant([zlib.crc32(repr(v).encode()) for v in values.values()],
                                tf.int64)
@@ -198,6 +199,9 @@ def check_same(cluster, values, timeout_s=None):
             f"not every one of the {cluster.num_workers} workers {list(cluster.workers)} joined "
             f"within {timeout_s:.0f} s. Start each of them with the same cluster and its own "
             "task index, and check that they can reach each other's ports.") from None
+    except tf.errors.UnavailableError as error:
+        raise WorkerLostError(f"a worker stopped while the workers were comparing their set-up "
+                              f"({_first_line(error)}); restart every worker.") from None
     except tf.errors.OpError as error:
         raise ValueError(f"the workers could not agree on the cluster ({_first_line(error)}); "
                          "give every worker the same list of addresses.") from None
