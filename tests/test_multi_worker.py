@@ -45,9 +45,12 @@ def _start_worker(hosts, index, *args):
         stderr=subprocess.PIPE, text=True)
 
 
+LAUNCHER = [sys.executable, os.path.join(ROOT, "towers", "launch.py")]
+
+
 def _launch(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "towers.launch", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*LAUNCHER, *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def _error_line(stderr):
@@ -118,7 +121,7 @@ class FaultTest(tf.test.TestCase):
     def test_killed_worker_stops_the_others_and_a_relaunch_resumes(self):
         directory = self.create_tempdir().full_path
         args = [*CLI_ARGS, f"--checkpoint_dir={directory}", "--peer_timeout_s=5"]
-        launcher = subprocess.Popen([sys.executable, "-m", "towers.launch", "2", *args],
+        launcher = subprocess.Popen([*LAUNCHER, "2", *args],
                                     cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
         pids = [int(launcher.stdout.readline().split()[4]) for _ in range(2)]

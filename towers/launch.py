@@ -1,15 +1,16 @@
 """Starts N towers-train workers on this machine, a cluster on 127.0.0.1 ports.
 
-    python -m towers.launch N [towers-train flags]    (scripts/launch_local_workers)
+    python towers/launch.py N [towers-train flags]    (scripts/launch_local_workers)
 
-Every worker runs `python -m towers.train` with the same flags plus its own
---worker_hosts and --task_index; its output lines are prefixed "[worker i]".
-On a machine with GPUs each worker gets its own equal share of them
-(CUDA_VISIBLE_DEVICES). The launcher waits for all of them and exits 0 only
-if every worker did. A
-worker that fails makes the others stop by themselves (within --peer_timeout_s);
-any still running GRACE_S seconds after the first failure are terminated.
-Rerunning the same command with --checkpoint_dir resumes every worker.
+Run as a file it needs no TensorFlow (python -m towers.launch works too, but
+importing the package loads it). Every worker runs `python -m towers.train`
+with the same flags plus its own --worker_hosts and --task_index; its output
+lines are prefixed "[worker i]". On a machine with GPUs each worker gets its
+own equal share of them (CUDA_VISIBLE_DEVICES). The launcher waits for all of
+them and exits 0 only if every worker did. A worker that fails makes the
+others stop by themselves (within --peer_timeout_s); any still running
+GRACE_S seconds after the first failure are terminated. Rerunning the same
+command with --checkpoint_dir resumes every worker.
 """
 
 import os
@@ -21,7 +22,7 @@ import threading
 import time
 
 GRACE_S = 120.0
-USAGE = "usage: python -m towers.launch NUM_WORKERS [towers-train flags]"
+USAGE = "usage: scripts/launch_local_workers NUM_WORKERS [towers-train flags]"
 
 
 def main(argv):
@@ -51,12 +52,14 @@ def main(argv):
         environment = dict(os.environ)
         if gpu_shares[index] is not None:
             environment["CUDA_VISIBLE_DEVICES"] = gpu_shares[index]
-        worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, errors="replace", env=environment)
+        workers.append(subprocess.Popen(command, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, errors="replace",
+                                        env=environment))
+    for index, worker in enumerate(workers):  # these lines first, then the workers' output
         print(f"launch: worker {index} pid {worker.pid} on {hosts.split(',')[index]}",
               flush=True)
+    for index, worker in enumerate(workers):
         threading.Thread(target=_relay, args=(index, worker.stdout), daemon=True).start()
-        workers.append(worker)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: _terminate(workers))
     codes = _wait(workers)
