@@ -20,6 +20,7 @@ from absl.testing import flagsaver, parameterized
 
 import towers
 from tests import multi_worker_job, reference
+from tests.checkpoint_files import checkpoint_values, position
 from towers import launch, train
 
 if not flags.FLAGS.is_parsed():
@@ -56,12 +57,6 @@ def _launch(*args, timeout=300):
 def _error_line(stderr):
     lines = [line for line in stderr.splitlines() if line.startswith("towers-train: error:")]
     return lines[-1] if lines else stderr[-2000:]
-
-
-def _checkpoint_values(directory):
-    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(directory))
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith("save_counter")}
 
 
 def _wait_for_checkpoint(directory, processes, timeout_s=120):
@@ -134,9 +129,7 @@ class FaultTest(tf.test.TestCase):
         self.assertRegex(output, r"\[worker 0\] towers-train: error: step \d+: worker 1 "
                                  r"\(127.0.0.1:\d+\) stopped answering .*Restart every worker")
         self.assertIn("launch: worker 1 exited with status -9", output)
-        saved = _checkpoint_values(directory)
-        killed_at = tuple(int(saved[f"{name}/.ATTRIBUTES/VARIABLE_VALUE"])
-                          for name in ("epoch", "batch_in_epoch"))
+        killed_at = position(checkpoint_values(directory))
         self.assertBetween(killed_at, (0, 20), (2, 29))  # 45 batches an epoch: not finished
 
         result_file = os.path.join(directory, "out.json")
@@ -149,7 +142,7 @@ class FaultTest(tf.test.TestCase):
         straight_dir = self.create_tempdir().full_path
         straight = _launch("2", *CLI_ARGS, f"--checkpoint_dir={straight_dir}")
         self.assertEqual(straight.returncode, 0, straight.stdout[-3000:])
-        expected, actual = _checkpoint_values(straight_dir), _checkpoint_values(directory)
+        expected, actual = checkpoint_values(straight_dir), checkpoint_values(directory)
         self.assertEqual(sorted(expected), sorted(actual))
         for name in expected:
             self.assertAllEqual(expected[name], actual[name], msg=name)

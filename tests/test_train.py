@@ -13,6 +13,7 @@ import tensorflow as tf
 from absl import flags
 from absl.testing import flagsaver, parameterized
 
+from tests.checkpoint_files import checkpoint_values, position
 from towers import train
 
 if not flags.FLAGS.is_parsed():
@@ -27,19 +28,6 @@ def _run_cli(*args, timeout=300):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     return subprocess.run([sys.executable, "-m", "towers.train", *args], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=timeout)
-
-
-def _checkpoint_values(directory):
-    """Every tensor of the newest checkpoint in `directory`, by name."""
-    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(directory))
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith("save_counter")}
-
-
-def _position(values):
-    """(epoch, batch_in_epoch): where the checkpointed run goes on."""
-    return tuple(int(values[f"{name}/.ATTRIBUTES/VARIABLE_VALUE"])
-                 for name in ("epoch", "batch_in_epoch"))
 
 
 class LearningTest(tf.test.TestCase):
@@ -74,7 +62,7 @@ class CrashSafetyTest(tf.test.TestCase):
             time.sleep(0.02)
         process.send_signal(signal.SIGKILL)
         process.wait()
-        killed_at = _position(_checkpoint_values(interrupted))
+        killed_at = position(checkpoint_values(interrupted))
 
         output = os.path.join(interrupted, "out.json")
         resumed = _run_cli(*args, f"--checkpoint_dir={interrupted}", f"--output_json={output}")
@@ -85,9 +73,9 @@ class CrashSafetyTest(tf.test.TestCase):
         uninterrupted = self.create_tempdir().full_path
         straight = _run_cli(*args, f"--checkpoint_dir={uninterrupted}")
         self.assertEqual(straight.returncode, 0, straight.stderr[-2000:])
-        expected, actual = _checkpoint_values(uninterrupted), _checkpoint_values(interrupted)
-        self.assertBetween(killed_at, (0, 20), _position(expected))
-        self.assertNotEqual(killed_at, _position(expected))
+        expected, actual = checkpoint_values(uninterrupted), checkpoint_values(interrupted)
+        self.assertBetween(killed_at, (0, 20), position(expected))
+        self.assertNotEqual(killed_at, position(expected))
         self.assertEqual(sorted(expected), sorted(actual))
         for name in expected:
             self.assertAllEqual(expected[name], actual[name], msg=name)
