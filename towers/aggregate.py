@@ -70,9 +70,16 @@ def average_state(tower_states, weights=None, device=None):
 
 
 def all_finite(values):
-    """A scalar bool Tensor: True when no Tensor or IndexedSlices in `values` holds NaN or Inf."""
-    checks = [tf.reduce_all(tf.math.is_finite(dense_part(value)))
-              for value in values if value is not None]
+    """A scalar bool Tensor: True when no Tensor or IndexedSlices in `values` holds NaN or Inf.
+
+    Each value is checked on its own device (pipeline stages keep theirs apart);
+    only the one bool per value travels.
+    """
+    checks = []
+    for value in values:
+        if value is not None:
+            with tf.device(dense_part(value).device):
+                checks.append(tf.reduce_all(tf.math.is_finite(dense_part(value))))
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 

@@ -10,7 +10,8 @@ from typing import Optional, Union
 
 import tensorflow as tf
 
-from towers import aggregate, devices as devices_lib, exchange, split, tower
+from towers import aggregate, devices as devices_lib, exchange, schedule, split, stages as stages_lib
+from towers import tower
 
 ON_NONFINITE = ("raise", "skip")
 STATE_POLICIES = ("mean", "first_tower")
@@ -51,6 +52,10 @@ class TowerOptions:
       pack_gradients: exchange each tower's dense gradients as one flat buffer.
       variable_placement: "main" (towers read the main device's variables) or
         "replicated" (each tower reads its own copy, refreshed after each step).
+      micro_batches: micro-batches each tower's shard is split into for the
+        pipeline stages (with one stage, the same as accum_steps).
+      pipeline_schedule: the order of each stage's forwards and backwards, one
+        of schedule.SCHEDULES: "gpipe" or "1f1b".
     """
     accum_steps: int = 1
     clip_global_norm: Optional[float] = None
@@ -60,6 +65,8 @@ class TowerOptions:
     aggregation: str = "main"
     pack_gradients: bool = False
     variable_placement: str = "main"
+    micro_batches: int = 1
+    pipeline_schedule: str = "gpipe"
 
     def __post_init__(self):
         if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
@@ -86,9 +93,32 @@ class TowerOptions:
                              f"{self.aggregation!r}.")
         if not isinstance(self.pack_gradients, bool):
             raise ValueError(f"pack_gradients must be True or False, got {self.pack_gradients!r}.")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                or self.micro_batches < 1:
+            raise ValueError(
+                f"micro_batches must be an integer >= 1, got {self.micro_batches!r}.")
+        if self.micro_batches > 1 and self.accum_steps > 1:
+            raise ValueError(
+                f"accum_steps={self.accum_steps} and micro_batches={self.micro_batches} both "
+                "split each tower's shard into micro-batches run one after another; set one "
+                "of them (micro_batches with pipeline stages).")
+        if self.pipeline_schedule not in schedule.SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {schedule.SCHEDULES}, got "
+                             f"{self.pipeline_schedule!r}.")
         if self.variable_placement not in devices_lib.VARIABLE_PLACEMENTS:
             raise ValueError(f"variable_placement must be one of "
                              f"{devices_lib.VARIABLE_PLACEMENTS}, got {self.variable_placement!r}.")
+
+    @property
+    def tower_schedule(self):
+        """(micro-batches per shard, schedule name) for tower.run_tower.
+
+        accum_steps is a one-stage pipeline run forward, backward, forward, ...
+        so that one micro-batch's activations are alive at a time.
+        """
+        if self.accum_steps > 1:
+            return self.accum_steps, "1f1b"
+        return self.micro_batches, self.pipeline_schedule
 
 
 def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_steps=1,
@@ -117,63 +147,89 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
       main_device, and {"loss": scalar Tensor}.
     """
     options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
-    result = run_towers(model, loss, batch, list(devices), main_device or devices[0],
-                        options, loss_scale=loss_scale, cluster=cluster)
+    main_device = main_device or devices[0]
+    result = run_towers(stages_lib.Stages(model), loss, batch, [[d] for d in devices],
+                        [main_device], options, loss_scale=loss_scale, cluster=cluster)
     assign_state(model, result.state)
     return result.grads, {"loss": result.loss}
 
 
-def run_towers(model, loss, batch, devices, main_device, options, loss_scale=None,
+def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=None,
                densify=None, replicas=None, cluster=None, first_tower=0):
     """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
 
+    `stages`: the model as a stages.Stages (one stage: the whole model).
+    `grid`: one row of devices per tower, one device per stage.
+    `stage_devices`: per stage, its main device, where its variables live and
+    its gradients are averaged; stage_devices[0] also gets the loss and outputs.
     `replicas`: a devices.Replicas for variable_placement="replicated", else None.
     `cluster`: None, or the towers.cluster.Cluster this worker belongs to; then
     `batch` is this worker's part of the global batch, its towers are numbered
     from `first_tower` (for their dropout seeds), and the result is the whole
     global batch's, the same on every worker.
     """
+    main_device, model = stage_devices[0], stages.model
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
-        shards = split.split_batch(batch, len(devices))                           # 1
+        shards = split.split_batch(batch, len(grid))                              # 1
         shard_sizes = [split.batch_size(shard) for shard in shards]
     weights = [v.value for v in model.trainable_variables]
     state = [v.value for v in model.non_trainable_variables]
     outputs = []
-    for i, (device, shard) in enumerate(zip(devices, shards)):
-        with tf.device(device), tf.name_scope(f"tower_{i}"):
+    for i, (row, shard) in enumerate(zip(grid, shards)):
+        with tf.name_scope(f"tower_{i}"):
             if replicas is None:                                                  # 2
-                tower_weights = devices_lib.broadcast_weights(weights, device)
-                tower_state = devices_lib.broadcast_weights(state, device)
+                tower_weights = broadcast_stages(stages, weights, row)
+                tower_state = broadcast_stages(stages, state, row, trainable=False)
             else:
                 tower_weights, tower_state = replicas.read(i)
             outputs.append(tower.run_tower(                                       # 3, 4
-                model, loss, shard, tower_weights, tower_state, first_tower + i,
-                options.accum_steps, loss_scale, densify))
-    tower_grads = [o.grads for o in outputs]
-    if options.aggregation == "main" and not options.pack_gradients:
-        with tf.name_scope("gather"):
-            tower_grads = aggregate.gather_gradients(tower_grads, main_device)    # 5
-        with tf.name_scope("reduce"):
-            grads = aggregate.average_gradients(tower_grads, shard_sizes, main_device)  # 6
-    else:
-        with tf.name_scope("reduce"):
-            grads = exchange.exchange_gradients(                                  # 5, 6
-                tower_grads, shard_sizes, devices, main_device, options.aggregation,
-                options.pack_gradients)
+                stages, loss, shard, tower_weights, tower_state, row, first_tower + i,
+                *options.tower_schedule, loss_scale, densify))
+    grads, state = [], []
+    for k, stage_device in enumerate(stage_devices):
+        column = [row[k] for row in grid]
+        grads.append(reduce_gradients(                                            # 5, 6
+            [stages.select(o.grads, k) for o in outputs], shard_sizes, column,
+            stage_device, options))
+        state.append(merge_state([stages.select(o.state, k, trainable=False) for o in outputs],
+                                 shard_sizes, stage_device, options.state_policy))
     with tf.device(main_device):
-        if options.state_policy == "mean":
-            state = aggregate.average_state([o.state for o in outputs], shard_sizes)
-        else:
-            state = aggregate.gather_gradients([outputs[0].state], main_device)[0]
         result = TowerResult(
-            grads=grads,
+            grads=stages.merge(grads),
             loss=aggregate.average_gradients([[o.loss] for o in outputs], shard_sizes)[0],
-            state=state,
+            state=stages.merge(state, trainable=False),
             y_pred=tower.concat_rows([o.y_pred for o in outputs]),
             examples=tf.cast(split.batch_size(batch), tf.float32))
     if cluster is None:
         return result
     return across_workers(result, cluster, main_device, options.state_policy)    # 6
+
+
+def broadcast_stages(stages, values, row, trainable=True):
+    """Step 2 for a tower: each stage's values (model order) copied to its device in `row`."""
+    return stages.merge([devices_lib.broadcast_weights(stages.select(values, k, trainable), device)
+                         for k, device in enumerate(row)], trainable)
+
+
+def reduce_gradients(tower_grads, shard_sizes, devices, device, options):
+    """Steps 5-6: the towers' gradients (one list per tower, on `devices`) averaged on `device`."""
+    if not tower_grads[0]:
+        return []  # a stage without trainable variables
+    if options.aggregation == "main" and not options.pack_gradients:
+        with tf.name_scope("gather"):
+            tower_grads = aggregate.gather_gradients(tower_grads, device)          # 5
+        with tf.name_scope("reduce"):
+            return aggregate.average_gradients(tower_grads, shard_sizes, device)   # 6
+    with tf.name_scope("reduce"):
+        return exchange.exchange_gradients(tower_grads, shard_sizes, devices, device,  # 5, 6
+                                           options.aggregation, options.pack_gradients)
+
+
+def merge_state(tower_states, shard_sizes, device, state_policy):
+    """New non-trainable values on `device`: the towers' mean by shard size, or tower 0's."""
+    if state_policy == "mean":
+        return aggregate.average_state(tower_states, shard_sizes, device)
+    return aggregate.gather_gradients([tower_states[0]], device)[0]
 
 
 def across_workers(result, cluster, main_device, state_policy):
@@ -198,14 +254,35 @@ def across_workers(result, cluster, main_device, state_policy):
 
 
 def clip_gradients(grads, clip_global_norm, loss_scale=None):
-    """The averaged gradients clipped to a global norm (of the unscaled gradients)."""
+    """The averaged gradients clipped to a global norm (of the unscaled gradients).
+
+    As tf.clip_by_global_norm, but each gradient's squared norm and scaling are
+    computed on its own device; only scalars travel.
+    """
     if clip_global_norm is None:
         return grads
     # Gradients carry the loss scale; clipping them at scale * norm is the same as
     # clipping the unscaled gradients at norm.
     limit = clip_global_norm if loss_scale is None else clip_global_norm * loss_scale
-    clipped, _ = tf.clip_by_global_norm(grads, limit)
-    return clipped
+    half_squares = []
+    for grad in grads:
+        if grad is not None:
+            with tf.device(aggregate.dense_part(grad).device):
+                half_squares.append(tf.nn.l2_loss(aggregate.dense_part(grad)))
+    if not half_squares:
+        return grads
+    global_norm = tf.sqrt(tf.add_n(half_squares) * 2.0)
+    # A non-finite norm makes every gradient NaN, as tf.clip_by_global_norm does.
+    scale = limit * tf.minimum(1.0 / global_norm, 1.0 / limit) + (global_norm - global_norm)
+    return [None if grad is None else _scaled(grad, scale) for grad in grads]
+
+
+def _scaled(grad, scale):
+    with tf.device(aggregate.dense_part(grad).device):
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values * tf.cast(scale, grad.dtype), grad.indices,
+                                    grad.dense_shape)
+        return grad * tf.cast(scale, grad.dtype)
 
 
 def apply_update(optimizer, grads, variables, main_device):
@@ -221,4 +298,5 @@ def assign_state(model, state, when=None):
     """
     for variable, value in zip(model.non_trainable_variables, state):
         if value is not None:
-            variable.assign(value if when is None else tf.where(when, value, variable.value))
+            with tf.device(variable.value.device):
+                variable.assign(value if when is None else tf.where(when, value, variable.value))

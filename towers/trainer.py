@@ -7,9 +7,10 @@ import tensorflow as tf
 from absl import logging
 
 from towers import aggregate, cluster as cluster_lib, devices as devices_lib, exchange, losses
-from towers import loop, split, tower
+from towers import loop, split, stages as stages_lib, tower
 from towers.errors import NonFiniteError
-from towers.step import TowerOptions, apply_update, assign_state, clip_gradients, run_towers
+from towers.step import TowerOptions, apply_update, assign_state, broadcast_stages, clip_gradients
+from towers.step import run_towers
 
 class TowerTrainer:
     """Trains a Keras model data-parallel over tower devices, one explicit step at a time.
@@ -18,10 +19,16 @@ class TowerTrainer:
       model, loss: as given.
       optimizer: as given, wrapped in keras.optimizers.LossScaleOptimizer when
         the model computes in float16 (a mixed_float16 policy) and it is not one.
-      devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
-      main_device: where the variables live and the gradients are averaged.
+      devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"]; with
+        pipeline_cuts a grid, one row per tower and one device per stage.
+      main_device: where the variables live and the gradients are averaged
+        (with pipeline stages: stage 0's; stage k's is devices[0][k]).
+      pipeline_cuts: None, or the names of the layers the model is cut after
+        (towers.split_model); stage k's variables and optimizer slots then
+        live on devices[0][k], and its update is applied there.
       options: a TowerOptions (aggregation, pack_gradients, variable_placement,
-        accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite).
+        accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
+        micro_batches, pipeline_schedule).
       metrics: Keras metrics updated on every train and evaluation batch.
       jit_compile: whether the step is compiled with XLA (one tower only).
       cluster: None, or the joined towers.Cluster this process is a worker of:
@@ -33,7 +40,8 @@ class TowerTrainer:
                  metrics=(), aggregation="main", pack_gradients=False,
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
-                 jit_compile=False, cluster=None):
+                 jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
+                 pipeline_schedule="gpipe"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -44,23 +52,31 @@ class TowerTrainer:
                                     sparse_policy=sparse_policy, state_policy=state_policy,
                                     on_nonfinite=on_nonfinite, aggregation=aggregation,
                                     pack_gradients=pack_gradients,
-                                    variable_placement=variable_placement)
+                                    variable_placement=variable_placement,
+                                    micro_batches=micro_batches,
+                                    pipeline_schedule=pipeline_schedule)
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         devices = devices_lib.default_devices() if devices is None else list(devices)
-        if not devices:
-            raise ValueError("devices is empty; give at least one tower device.")
-        self.devices = [devices_lib.canonical_name(d) for d in devices]
-        self.main_device = devices_lib.canonical_name(main_device or self.devices[0])
-        devices_lib.check_devices_exist(self.devices + [self.main_device])
-        exchange.check_aggregation(aggregation, self.devices)
-        if jit_compile and len(set(self.devices + [self.main_device])) > 1:
+        self.pipeline_cuts = _check_cuts(pipeline_cuts)
+        self._grid = _device_grid(devices, self.pipeline_cuts)
+        self._check_pipeline_options(main_device, cluster)
+        self.devices = ([row[0] for row in self._grid] if self.pipeline_cuts is None
+                        else self._grid)
+        self.main_device = devices_lib.canonical_name(main_device or self._grid[0][0])
+        # Stage k's main device: where its variables live and its gradients meet.
+        self._stage_devices = [self.main_device] + list(self._grid[0][1:])
+        devices_lib.check_devices_exist(sum(self._grid, []) + [self.main_device])
+        for k in range(len(self._stage_devices)):
+            exchange.check_aggregation(aggregation, [row[k] for row in self._grid])
+        every_device = set(sum(self._grid, []) + [self.main_device])
+        if jit_compile and len(every_device) > 1:
             # XLA compiles a function for one device; the tower step spans several.
             raise ValueError(
                 f"jit_compile=True compiles the whole step with XLA for one device, but the "
-                f"towers and main device are {sorted(set(self.devices + [self.main_device]))}; "
+                f"towers and main device are {sorted(every_device)}; "
                 "use it with a single tower, or leave jit_compile=False.")
         if jit_compile and cluster is not None:
             raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
@@ -69,15 +85,23 @@ class TowerTrainer:
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
         self._first_tower = 0  # global index of this worker's first tower
-        self._num_towers = len(self.devices)
+        self._num_towers = len(self._grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
+        self._stages = None  # a stages.Stages, once the model is built
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
         self._functions = {}  # (kind, batch spec text) -> compiled step
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
+        if len(self._stage_devices) > 1:
+            stages_lib.update_on_variable_devices(self.optimizer)
         if model.built:
             self._check_model()
+
+    @property
+    def num_stages(self):
+        """Pipeline stages each tower's model is cut into (1 without pipeline_cuts)."""
+        return len(self._stage_devices)
 
     @property
     def num_towers(self):
@@ -152,7 +176,7 @@ class TowerTrainer:
 
     def _compiled_train_step(self, batch):
         scale = self._loss_scale()
-        result = run_towers(self.model, self.loss, batch, self.devices, self.main_device,
+        result = run_towers(self._stages, self.loss, batch, self._grid, self._stage_devices,
                             self.options, loss_scale=scale, densify=self._densify,
                             replicas=self._replicas, cluster=self.cluster,
                             first_tower=self._first_tower)                         # 1-6
@@ -185,18 +209,19 @@ class TowerTrainer:
         return logs
 
     def _compiled_eval_step(self, batch):
-        shards = split.split_batch(batch, len(self.devices))
+        shards = split.split_batch(batch, len(self._grid))
         weights = [v.value for v in self.model.trainable_variables]
         state = [v.value for v in self.model.non_trainable_variables]
         loss_sums, outputs = [], []
-        for i, (device, shard) in enumerate(zip(self.devices, shards)):
-            with tf.device(device), tf.name_scope(f"tower_{i}"):
-                y_pred, _, regularization = tower.forward(
-                    self.model, devices_lib.broadcast_weights(weights, device),
-                    devices_lib.broadcast_weights(state, device), shard[0], training=False)
-                _, y, sample_weight = split.unpack_batch(shard)
-                loss_sums.append(tf.reduce_sum(
-                    losses.per_example_loss(self.loss, y, y_pred, sample_weight)))
+        for i, (row, shard) in enumerate(zip(self._grid, shards)):
+            with tf.name_scope(f"tower_{i}"):
+                y_pred, regularization = tower.predict(
+                    self._stages, broadcast_stages(self._stages, weights, row),
+                    broadcast_stages(self._stages, state, row, trainable=False), shard[0], row)
+                with tf.device(row[-1]):
+                    _, y, sample_weight = split.unpack_batch(shard)
+                    loss_sums.append(tf.reduce_sum(
+                        losses.per_example_loss(self.loss, y, y_pred, sample_weight)))
                 outputs.append(y_pred)
         with tf.device(self.main_device):
             loop.update_metrics(self.metrics, batch, tower.concat_rows(outputs), self.main_device)
@@ -257,7 +282,7 @@ class TowerTrainer:
             if self.options.variable_placement == "replicated":
                 self._replicas = devices_lib.Replicas(self.model, self.devices)
             self._densify = tower.choose_dense_gradients(
-                self.model, self.loss, split.split_batch(batch, len(self.devices))[0],
+                self.model, self.loss, split.split_batch(batch, len(self._grid))[0],
                 self.options.sparse_policy)
         loop.build_metrics(self.metrics, y, y_pred)
         if self.cluster is not None:
@@ -283,22 +308,86 @@ class TowerTrainer:
         self.sync_replicas()
         towers_per_worker = exchange.all_reduce_across_workers(
             [tf.one_hot(self.cluster.task_index, self.cluster.num_workers, dtype=tf.int64)
-             * len(self.devices)], self.cluster, cluster_lib.HOST_DEVICE)[0].numpy()
+             * len(self._grid)], self.cluster, cluster_lib.HOST_DEVICE)[0].numpy()
         self._first_tower = int(towers_per_worker[:self.cluster.task_index].sum())
         self._num_towers = int(towers_per_worker.sum())
 
     def _check_model(self):
+        """Checks the built model, cuts it into stages and places each stage's variables."""
         if not self.model.trainable_variables:
             raise ValueError(
                 f"model {self.model.name!r} has no trainable weights, so there is nothing to "
                 "train; check that its layers are built and not frozen (trainable=False).")
+        if self._stages is None:
+            self._stages = stages_lib.Stages(self.model, self.pipeline_cuts)
+        if self.pipeline_cuts is not None:
+            stages_lib.place_variables(self._stages, self._stage_devices, self.optimizer)
         misplaced = sorted({v.value.device for v in self.model.variables
                             if devices_lib.canonical_name(v.value.device) != self.main_device})
-        if misplaced:
+        if misplaced and self.pipeline_cuts is None:
             logging.warning(
                 "model %r has variables on %s, not on main_device %s; they stay there. To "
                 "keep them on the main device, build the model inside `with tf.device(%r):`.",
                 self.model.name, misplaced, self.main_device, self.main_device)
+
+
+    def _check_pipeline_options(self, main_device, cluster):
+        """Refuses, up front, what pipeline stages cannot be combined with."""
+        if self.pipeline_cuts is None:
+            return
+        refused = {
+            "main_device": (main_device is not None,
+                            "stage k's variables live on devices[0][k]; leave main_device=None"),
+            "variable_placement='replicated'": (
+                self.options.variable_placement == "replicated",
+                "each stage's towers read its variables from devices[0][k]; use 'main'"),
+            "cluster": (cluster is not None,
+                        "pipeline stages run inside one process for now; train on one worker"),
+        }
+        for name, (given, why) in refused.items():
+            if given:
+                raise ValueError(f"{name} cannot be combined with pipeline_cuts: {why}.")
+
+
+def _check_cuts(pipeline_cuts):
+    """pipeline_cuts as a list of layer names, or None for no pipeline."""
+    if pipeline_cuts is None:
+        return None
+    if isinstance(pipeline_cuts, str) or not isinstance(pipeline_cuts, (list, tuple)):
+        raise ValueError(f"pipeline_cuts must be a list of layer names, got {pipeline_cuts!r}.")
+    if not pipeline_cuts:
+        raise ValueError("pipeline_cuts is empty; name at least one layer to cut after, or "
+                         "pass None for no pipeline.")
+    return list(pipeline_cuts)
+
+
+def _device_grid(devices, pipeline_cuts):
+    """The devices as rows (towers) x columns (stages) of canonical names.
+
+    Without pipeline_cuts `devices` is a flat list (one tower each); with them,
+    a list of rows of len(pipeline_cuts) + 1 devices.
+    """
+    if not devices:
+        raise ValueError("devices is empty; give at least one tower device.")
+    nested = [isinstance(d, (list, tuple)) for d in devices]
+    if pipeline_cuts is None:
+        if any(nested):
+            raise ValueError(
+                f"devices {devices} is a grid (rows of devices), which is for pipeline stages; "
+                "pass pipeline_cuts too, or a flat list with one device per tower.")
+        return [[devices_lib.canonical_name(d)] for d in devices]
+    num_stages = len(pipeline_cuts) + 1
+    if not all(nested):
+        raise ValueError(
+            f"with pipeline_cuts={pipeline_cuts}, devices must be a grid: one row per tower, "
+            f"each a list of {num_stages} devices (one per stage), e.g. "
+            f"[[\"/device:GPU:0\", \"/device:GPU:1\"]]; got {devices}.")
+    lengths = [len(row) for row in devices]
+    if set(lengths) != {num_stages}:
+        raise ValueError(
+            f"every row of devices needs {num_stages} devices, one per pipeline stage "
+            f"(len(pipeline_cuts) + 1), but the rows have {lengths} devices.")
+    return [[devices_lib.canonical_name(d) for d in row] for row in devices]
 
 
 def _as_tensor(value):

@@ -1,0 +1,296 @@
+"""Model parallelism: a Keras model cut into pipeline stages, each on its own device.
+
+`split_model` cuts a functional or Sequential model after named layers into
+stage models that share the original layers and weights. `Stages` adds what
+the tower step needs to run them: which of the model's variables each stage
+owns, and which tensors cross each cut (skip connections are carried along to
+the stage that uses them). `place_variables` moves each stage's variables to
+its stage device, as torchgpipe moves each partition to its device.
+"""
+
+import collections
+
+import keras
+import tensorflow as tf
+
+from towers import devices as devices_lib
+
+
+def split_model(model, cuts):
+    """Cuts `model` after each layer named in `cuts`; returns len(cuts) + 1 stage models.
+
+    Chaining the stages computes the model: stage 0 takes the model's inputs,
+    stage k > 0 takes what stage k - 1 returns, and the last stage returns the
+    model's outputs. A stage returns, as a list, every tensor a later stage
+    needs (skip connections pass through the stages in between). Layers are
+    taken in the order of `model.layers` (model.summary's order): a cut after
+    layer L puts L and every layer listed before it in the earlier stages.
+
+    The stages share the model's layers, so they share its weights. (Like any
+    keras.Model built on intermediate tensors, they add call nodes to those
+    layers, so a layer's `.output` afterwards names several calls.)
+
+    Args:
+      model: a functional or Sequential keras.Model, built.
+      cuts: names of layers of `model`, in model.layers order, each once.
+
+    Returns:
+      list of keras.Model, one per stage.
+
+    Raises:
+      ValueError: a subclassed model, an unknown or repeated cut, cuts out of
+        order, a cut that leaves a stage empty, or a layer called in two stages.
+    """
+    return Stages(model, cuts).models
+
+
+class Stages:
+    """A model cut into pipeline stages, with the bookkeeping the tower step needs.
+
+    With cuts=None there is one stage, the model itself.
+
+    Attributes:
+      models: one keras.Model per stage.
+      trainable_index: per stage, the positions in model.trainable_variables of
+        its trainable variables, in the order of the stage model's own list.
+      state_index: the same for model.non_trainable_variables.
+      input_keys: per stage, the ids of the tensors it takes (stage 0: the
+        model's inputs), in the order its model takes them.
+      output_keys: per stage, the ids of the tensors it returns.
+      model_output_keys: the ids of the model's outputs, flat.
+    """
+
+    def __init__(self, model, cuts=None):
+        self.model = model
+        if not cuts:
+            self.models = [model]
+            self._index_variables()
+            return
+        nodes = _nodes_in_order(model)
+        stage_of_node = _assign_stages(model, nodes, list(cuts))
+        num_stages = len(cuts) + 1
+        produced_in = {}  # tensor id -> stage (-1: a model input)
+        for tensor in model.inputs:
+            produced_in[id(tensor)] = -1
+        consumed_in = collections.defaultdict(set)  # tensor id -> stages that read it
+        tensors = {id(t): t for t in model.inputs}
+        for node, stage in zip(nodes, stage_of_node):
+            for tensor in node.input_tensors:
+                consumed_in[id(tensor)].add(stage)
+            for tensor in node.output_tensors:
+                produced_in[id(tensor)] = stage
+                tensors[id(tensor)] = tensor
+        self.model_output_keys = [id(t) for t in model.outputs]
+        early = [tensors[k].name for k in self.model_output_keys if produced_in[k] != len(cuts)]
+        if early:
+            raise ValueError(
+                f"model outputs {early} of model {model.name!r} are computed before the last "
+                f"stage of the cuts {cuts}; the loss runs on the last stage, so cut after the "
+                "layers that compute them.")
+        for key in self.model_output_keys:
+            consumed_in[key].add(num_stages)  # the step's loss reads them after the last stage
+        # produced_in lists tensors in the order they are computed, so these are too.
+        self.input_keys = [[key for key, where in produced_in.items()
+                            if where < stage and stage in consumed_in[key]]
+                           for stage in range(num_stages)]
+        self.output_keys = [[key for key, where in produced_in.items()
+                             if where == stage and any(s > stage for s in consumed_in[key])]
+                            for stage in range(num_stages)]
+        self.models = [
+            keras.Model([tensors[k] for k in self.input_keys[stage]],
+                        [tensors[k] for k in self.output_keys[stage]],
+                        name=f"{model.name}_stage_{stage}")
+            for stage in range(num_stages)]
+        self._index_variables()
+
+    @property
+    def num_stages(self):
+        return len(self.models)
+
+    def _index_variables(self):
+        """Fills trainable_index and state_index; every variable must be in one stage."""
+        def positions(model_variables, stage_variables):
+            where = {id(v): i for i, v in enumerate(model_variables)}
+            return [where[id(v)] for v in stage_variables]
+
+        self.trainable_index = [positions(self.model.trainable_variables, m.trainable_variables)
+                                for m in self.models]
+        self.state_index = [positions(self.model.non_trainable_variables,
+                                      m.non_trainable_variables) for m in self.models]
+        if len(self.models) == 1:
+            self.input_keys, self.output_keys = [None], [None]
+            self.model_output_keys = None
+            return
+        for index, total in ((self.trainable_index, len(self.model.trainable_variables)),
+                             (self.state_index, len(self.model.non_trainable_variables))):
+            owned = sorted(i for stage in index for i in stage)
+            if owned != list(range(total)):
+                raise ValueError(
+                    f"model {self.model.name!r} has variables that belong to no stage or to "
+                    "several (a layer outside the model's graph, or one called in two "
+                    "stages); cut so that every layer runs in exactly one stage.")
+
+    def select(self, values, stage, trainable=True):
+        """The entries of `values` (one per model variable) that belong to `stage`."""
+        index = self.trainable_index if trainable else self.state_index
+        return [values[i] for i in index[stage]]
+
+    def merge(self, per_stage, trainable=True):
+        """Inverse of `select`: per-stage lists back into one list in model order."""
+        index = self.trainable_index if trainable else self.state_index
+        total = len(self.model.trainable_variables if trainable
+                    else self.model.non_trainable_variables)
+        merged = [None] * total
+        for positions, values in zip(index, per_stage):
+            for i, value in zip(positions, values):
+                merged[i] = value
+        return merged
+
+    def stage_inputs(self, stage, x, values):
+        """What `stage` takes, on the current device.
+
+        x: the model's inputs (read by stage 0); values: tensor key -> Tensor of
+        one micro-batch, filled by stage_outputs as the stages run.
+        """
+        if self.num_stages == 1:
+            return x
+        if stage == 0:
+            values.update(zip(self.input_keys[0], keras.tree.flatten(x)))
+        # The copy to this stage's device: activations (and skips) crossing a cut.
+        return [tf.identity(values[key]) for key in self.input_keys[stage]]
+
+    def stage_outputs(self, stage, outputs, values):
+        """Records what `stage` returned in `values`; for the last stage returns
+        the model's outputs in the model's structure, else `outputs`."""
+        if self.num_stages == 1:
+            return outputs
+        values.update(zip(self.output_keys[stage], tf.nest.flatten(outputs)))
+        if stage < self.num_stages - 1:
+            return outputs
+        return keras.tree.pack_sequence_as(
+            self.model.output, [values[key] for key in self.model_output_keys])
+
+    def variables(self, stage):
+        """Every variable (trainable and not) of `stage`."""
+        return self.models[stage].variables
+
+
+def place_variables(stages, stage_devices, optimizer):
+    """Moves each stage's variables to its device, stage_devices[k].
+
+    Keras 3's optimizer creates each slot on its variable's device when it is
+    built, so it must not be built yet when a variable has to move.
+
+    Raises:
+      ValueError: a variable must move but the optimizer is already built.
+    """
+    moves = [(variable, device) for stage, device in enumerate(stage_devices)
+             for variable in stages.variables(stage)
+             if devices_lib.canonical_name(variable.value.device) != device]
+    if moves and optimizer.built:
+        raise ValueError(
+            "the optimizer was built before the pipeline stages' variables were placed on "
+            "their devices, so its slots would stay behind; create the TowerTrainer with a "
+            "fresh optimizer (it is built at the first step, next to each variable).")
+    for variable, device in moves:
+        _move_variable(variable, device)
+
+
+def update_on_variable_devices(optimizer):
+    """Makes `optimizer` compute each variable's update on that variable's device.
+
+    Keras 3 runs every variable's update under the caller's device scope, and
+    has no public option to place it with its variable; so the one
+    per-variable hook, update_step, is wrapped (in the inner optimizer of a
+    LossScaleOptimizer). Without it, every stage's weights and slots would be
+    read onto one device to be updated.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    update_step = inner.update_step
+    if getattr(update_step, "on_variable_device", False):
+        return
+
+    def update_on_device(gradient, variable, learning_rate):
+        with tf.device(variable.device):
+            return update_step(gradient, variable, learning_rate)
+
+    update_on_device.on_variable_device = True
+    inner.update_step = update_on_device
+
+
+def _move_variable(variable, device):
+    # Keras 3 has no public call that moves a variable to another device: a new
+    # tf.Variable on `device` takes the place of the one the keras.Variable wraps.
+    old = variable._value
+    with tf.init_scope(), tf.device(device):
+        variable._value = tf.Variable(
+            old.read_value(), trainable=old.trainable, name=variable.name,
+            aggregation=old.aggregation, synchronization=old.synchronization)
+
+
+def _graph_of(model):
+    """The Functional graph behind `model`, or a ValueError saying why there is none."""
+    if isinstance(model, keras.Sequential):
+        if not model.built:
+            raise ValueError(
+                f"model {model.name!r} is a Sequential model that is not built; give it a "
+                "keras.Input first, or call it once on a batch, before cutting it.")
+        model = model._functional  # Keras 3: a built Sequential keeps a Functional graph
+    if not hasattr(model, "_nodes_by_depth"):
+        raise ValueError(
+            f"model {model.name!r} is a subclassed keras.Model: its call() is Python code, "
+            "so there is no graph of layers to cut. Rebuild it as a functional model "
+            "(keras.Model(inputs, outputs)) or a Sequential, or cut it by hand into one "
+            "model per stage.")
+    return model
+
+
+def _nodes_in_order(model):
+    """The model's layer calls (Keras nodes) in execution order, inputs excluded.
+
+    Keras 3 has no public walk of a functional graph; its _nodes_by_depth is
+    the one Functional itself runs (deepest first), ordered within a depth by
+    model.layers.
+    """
+    graph = _graph_of(model)
+    position = {id(layer): i for i, layer in enumerate(model.layers)}
+    nodes = []
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        nodes += sorted((n for n in graph._nodes_by_depth[depth] if not n.is_input),
+                        key=lambda n: position.get(id(n.operation), -1))
+    return nodes
+
+
+def _assign_stages(model, nodes, cuts):
+    """The stage of each node: the number of cut layers run before it."""
+    names = [layer.name for layer in model.layers]
+    for cut in cuts:
+        if not isinstance(cut, str) or cut not in names:
+            raise ValueError(
+                f"pipeline cut {cut!r} is not the name of a layer of model {model.name!r}; "
+                f"its layers are {names}.")
+    if len(set(cuts)) != len(cuts):
+        raise ValueError(f"pipeline cuts {cuts} name a layer twice; cut after each layer once.")
+    if [names.index(c) for c in cuts] != sorted(names.index(c) for c in cuts):
+        raise ValueError(
+            f"pipeline cuts {cuts} are not in the order of the model's layers; list them "
+            f"as model.layers does: {[n for n in names if n in cuts]}.")
+    stage, stages, stage_of_layer = 0, [], {}
+    for node in nodes:
+        name = node.operation.name
+        if stage_of_layer.setdefault(name, stage) != stage:
+            raise ValueError(
+                f"layer {name!r} is called in stages {stage_of_layer[name]} and {stage}; a "
+                "layer's weights live on one stage's device. Cut before its first call or "
+                "after its last.")
+        stages.append(stage)
+        if name in cuts and stage == cuts.index(name):
+            stage += 1
+    counts = collections.Counter(stages)
+    empty = [k for k in range(len(cuts) + 1) if not counts[k]]
+    if empty:
+        raise ValueError(
+            f"pipeline cuts {cuts} leave stage {empty[0]} of model {model.name!r} without "
+            "layers; every stage needs at least one layer (the first cut must come after "
+            "a layer, the last before the model's final layer).")
+    return stages
