@@ -195,3 +195,42 @@ def _check_arguments(name, input_shape, num_classes, seed):
 
 def _is_int(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def pipeline_cuts(model, num_stages):
+    """Layer names to cut `model` after, for `num_stages` stages of about equal compute.
+
+    A layer's compute is estimated as its multiply-adds per example: its
+    weights times the positions of its output (a Dense layer once, a Conv2D
+    once per output pixel), or its output size for a layer without weights.
+    The cuts split the running total, in model.layers order, nearest to
+    1/K, 2/K, ... of the whole.
+
+    Args:
+      model: a built functional or Sequential keras.Model.
+      num_stages: int >= 1, at most the number of layers with inputs.
+
+    Returns:
+      list of num_stages - 1 layer names (empty for one stage).
+    """
+    layers_ = [layer for layer in model.layers if not isinstance(layer, layers.InputLayer)]
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or \
+            not 1 <= num_stages <= len(layers_):
+        raise ValueError(f"num_stages must be an int from 1 to {len(layers_)} (the layers of "
+                         f"model {model.name!r}), got {num_stages!r}.")
+    costs = np.cumsum([layer_compute(layer) for layer in layers_])
+    cuts, previous = [], -1
+    for k in range(1, num_stages):
+        # Nearest to k/K of the total, leaving a layer for each stage before and after.
+        candidates = range(previous + 1, len(layers_) - (num_stages - k))
+        previous = min(candidates, key=lambda i: abs(costs[i] - costs[-1] * k / num_stages))
+        cuts.append(layers_[previous].name)
+    return cuts
+
+
+def layer_compute(layer):
+    """Multiply-adds per example of one layer, estimated from its weights and output shape."""
+    output_shape = layer.output.shape[1:]
+    positions = math.prod(output_shape[:-1]) if len(output_shape) > 1 else 1
+    weights = sum(math.prod(w.shape) for w in layer.weights)
+    return weights * positions if weights else math.prod(output_shape)
