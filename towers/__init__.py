@@ -2,7 +2,8 @@
 
 Each step splits the global batch into one shard per tower, runs forward and
 backward on every tower under `tf.device`, gathers the gradients on a main
-device, averages them weighted by shard size, and applies them once.
+device, averages them weighted by shard size, and applies them once. A tower
+may itself be a pipeline: the model cut into stages on devices of their own.
 """
 
 try:
@@ -20,6 +21,7 @@ from towers.cluster import join as join_cluster
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError, WorkerLostError
 from towers.split import split_batch
+from towers.stages import split_model
 from towers.step import TowerOptions, tower_gradients
 from towers.trainer import TowerTrainer
 
@@ -35,6 +37,7 @@ __all__ = [
     "configure_devices",
     "join_cluster",
     "split_batch",
+    "split_model",
     "tower_gradients",
 ]
 __version__ = "0.1.0"

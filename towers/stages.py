@@ -20,11 +20,12 @@ def split_model(model, cuts):
     """Cuts `model` after each layer named in `cuts`; returns len(cuts) + 1 stage models.
 
     Chaining the stages computes the model: stage 0 takes the model's inputs,
-    stage k > 0 takes what stage k - 1 returns, and the last stage returns the
-    model's outputs. A stage returns, as a list, every tensor a later stage
-    needs (skip connections pass through the stages in between). Layers are
-    taken in the order of `model.layers` (model.summary's order): a cut after
-    layer L puts L and every layer listed before it in the earlier stages.
+    each later stage takes the list the stage before it returns, and the last
+    stage returns the model's outputs. Stage k returns every tensor that a
+    stage after it needs (its own activations, and skip connections or inputs
+    passed through to the stage that uses them). Layers are taken in the
+    order of `model.layers` (model.summary's order): a cut after layer L puts
+    L and every layer listed before it in the earlier stages.
 
     The stages share the model's layers, so they share its weights. (Like any
     keras.Model built on intermediate tensors, they add call nodes to those
@@ -38,10 +39,40 @@ def split_model(model, cuts):
       list of keras.Model, one per stage.
 
     Raises:
-      ValueError: a subclassed model, an unknown or repeated cut, cuts out of
-        order, a cut that leaves a stage empty, or a layer called in two stages.
+      ValueError: a subclassed model, an unknown or repeated cut, a cut after
+        an input, cuts out of order, a cut that leaves a stage empty, or a
+        layer called in two stages.
     """
-    return Stages(model, cuts).models
+    graph = _graph_of(model)
+    nodes = _nodes_in_order(model, graph)
+    stage_of_node = _assign_stages(model, nodes, list(cuts))
+    num_stages = len(cuts) + 1
+    produced_in = {id(t): -1 for t in graph.inputs}  # tensor id -> stage (-1: an input)
+    tensors = {id(t): t for t in graph.inputs}
+    last_use = {}  # tensor id -> the last stage that reads it
+    for node, stage in zip(nodes, stage_of_node):
+        for tensor in node.input_tensors:
+            last_use[id(tensor)] = max(last_use.get(id(tensor), -1), stage)
+        for tensor in node.output_tensors:
+            produced_in[id(tensor)], tensors[id(tensor)] = stage, tensor
+    for tensor in graph.outputs:
+        last_use[id(tensor)] = num_stages  # the loss reads them after the last stage
+    # crossing[k]: the tensors that cross cut k, in the order they are computed.
+    crossing = [[tensors[key] for key, where in produced_in.items()
+                 if where <= k < last_use.get(key, -1)] for k in range(num_stages - 1)]
+    stages, inputs = [], graph.input
+    for k in range(num_stages):
+        def handed_on(tensor, k=k):
+            # A tensor from an earlier stage passes through this one unchanged.
+            if produced_in[id(tensor)] == k:
+                return tensor
+            return keras.layers.Identity(name=f"{model.name}_stage_{k}_pass_{tensor.name}")(tensor)
+
+        outputs = (keras.tree.map_structure(handed_on, graph.output) if k == num_stages - 1
+                   else [handed_on(t) for t in crossing[k]])
+        stages.append(keras.Model(inputs, outputs, name=f"{model.name}_stage_{k}"))
+        inputs = crossing[k] if k < num_stages - 1 else None
+    return stages
 
 
 class Stages:
@@ -50,85 +81,36 @@ class Stages:
     With cuts=None there is one stage, the model itself.
 
     Attributes:
-      models: one keras.Model per stage.
+      model: the whole keras.Model.
+      models: one keras.Model per stage (split_model's).
       trainable_index: per stage, the positions in model.trainable_variables of
         its trainable variables, in the order of the stage model's own list.
       state_index: the same for model.non_trainable_variables.
-      input_keys: per stage, the ids of the tensors it takes (stage 0: the
-        model's inputs), in the order its model takes them.
-      output_keys: per stage, the ids of the tensors it returns.
-      model_output_keys: the ids of the model's outputs, flat.
     """
 
     def __init__(self, model, cuts=None):
         self.model = model
-        if not cuts:
-            self.models = [model]
-            self._index_variables()
-            return
-        nodes = _nodes_in_order(model)
-        stage_of_node = _assign_stages(model, nodes, list(cuts))
-        num_stages = len(cuts) + 1
-        produced_in = {}  # tensor id -> stage (-1: a model input)
-        for tensor in model.inputs:
-            produced_in[id(tensor)] = -1
-        consumed_in = collections.defaultdict(set)  # tensor id -> stages that read it
-        tensors = {id(t): t for t in model.inputs}
-        for node, stage in zip(nodes, stage_of_node):
-            for tensor in node.input_tensors:
-                consumed_in[id(tensor)].add(stage)
-            for tensor in node.output_tensors:
-                produced_in[id(tensor)] = stage
-                tensors[id(tensor)] = tensor
-        self.model_output_keys = [id(t) for t in model.outputs]
-        early = [tensors[k].name for k in self.model_output_keys if produced_in[k] != len(cuts)]
-        if early:
-            raise ValueError(
-                f"model outputs {early} of model {model.name!r} are computed before the last "
-                f"stage of the cuts {cuts}; the loss runs on the last stage, so cut after the "
-                "layers that compute them.")
-        for key in self.model_output_keys:
-            consumed_in[key].add(num_stages)  # the step's loss reads them after the last stage
-        # produced_in lists tensors in the order they are computed, so these are too.
-        self.input_keys = [[key for key, where in produced_in.items()
-                            if where < stage and stage in consumed_in[key]]
-                           for stage in range(num_stages)]
-        self.output_keys = [[key for key, where in produced_in.items()
-                             if where == stage and any(s > stage for s in consumed_in[key])]
-                            for stage in range(num_stages)]
-        self.models = [
-            keras.Model([tensors[k] for k in self.input_keys[stage]],
-                        [tensors[k] for k in self.output_keys[stage]],
-                        name=f"{model.name}_stage_{stage}")
-            for stage in range(num_stages)]
-        self._index_variables()
+        self.models = split_model(model, cuts) if cuts else [model]
 
-    @property
-    def num_stages(self):
-        return len(self.models)
-
-    def _index_variables(self):
-        """Fills trainable_index and state_index; every variable must be in one stage."""
         def positions(model_variables, stage_variables):
             where = {id(v): i for i, v in enumerate(model_variables)}
             return [where[id(v)] for v in stage_variables]
 
-        self.trainable_index = [positions(self.model.trainable_variables, m.trainable_variables)
+        self.trainable_index = [positions(model.trainable_variables, m.trainable_variables)
                                 for m in self.models]
-        self.state_index = [positions(self.model.non_trainable_variables,
-                                      m.non_trainable_variables) for m in self.models]
-        if len(self.models) == 1:
-            self.input_keys, self.output_keys = [None], [None]
-            self.model_output_keys = None
-            return
-        for index, total in ((self.trainable_index, len(self.model.trainable_variables)),
-                             (self.state_index, len(self.model.non_trainable_variables))):
-            owned = sorted(i for stage in index for i in stage)
-            if owned != list(range(total)):
+        self.state_index = [positions(model.non_trainable_variables, m.non_trainable_variables)
+                            for m in self.models]
+        for index, total in ((self.trainable_index, len(model.trainable_variables)),
+                             (self.state_index, len(model.non_trainable_variables))):
+            if sorted(i for stage in index for i in stage) != list(range(total)):
                 raise ValueError(
-                    f"model {self.model.name!r} has variables that belong to no stage or to "
-                    "several (a layer outside the model's graph, or one called in two "
-                    "stages); cut so that every layer runs in exactly one stage.")
+                    f"model {model.name!r} has variables that belong to no stage or to several "
+                    "(a layer outside the model's graph, or one called in two stages); cut so "
+                    "that every layer runs in exactly one stage.")
+
+    @property
+    def num_stages(self):
+        return len(self.models)
 
     def select(self, values, stage, trainable=True):
         """The entries of `values` (one per model variable) that belong to `stage`."""
@@ -138,37 +120,11 @@ class Stages:
     def merge(self, per_stage, trainable=True):
         """Inverse of `select`: per-stage lists back into one list in model order."""
         index = self.trainable_index if trainable else self.state_index
-        total = len(self.model.trainable_variables if trainable
-                    else self.model.non_trainable_variables)
-        merged = [None] * total
+        merged = [None] * sum(len(positions) for positions in index)
         for positions, values in zip(index, per_stage):
             for i, value in zip(positions, values):
                 merged[i] = value
         return merged
-
-    def stage_inputs(self, stage, x, values):
-        """What `stage` takes, on the current device.
-
-        x: the model's inputs (read by stage 0); values: tensor key -> Tensor of
-        one micro-batch, filled by stage_outputs as the stages run.
-        """
-        if self.num_stages == 1:
-            return x
-        if stage == 0:
-            values.update(zip(self.input_keys[0], keras.tree.flatten(x)))
-        # The copy to this stage's device: activations (and skips) crossing a cut.
-        return [tf.identity(values[key]) for key in self.input_keys[stage]]
-
-    def stage_outputs(self, stage, outputs, values):
-        """Records what `stage` returned in `values`; for the last stage returns
-        the model's outputs in the model's structure, else `outputs`."""
-        if self.num_stages == 1:
-            return outputs
-        values.update(zip(self.output_keys[stage], tf.nest.flatten(outputs)))
-        if stage < self.num_stages - 1:
-            return outputs
-        return keras.tree.pack_sequence_as(
-            self.model.output, [values[key] for key in self.model_output_keys])
 
     def variables(self, stage):
         """Every variable (trainable and not) of `stage`."""
@@ -245,14 +201,13 @@ def _graph_of(model):
     return model
 
 
-def _nodes_in_order(model):
+def _nodes_in_order(model, graph):
     """The model's layer calls (Keras nodes) in execution order, inputs excluded.
 
     Keras 3 has no public walk of a functional graph; its _nodes_by_depth is
     the one Functional itself runs (deepest first), ordered within a depth by
     model.layers.
     """
-    graph = _graph_of(model)
     position = {id(layer): i for i, layer in enumerate(model.layers)}
     nodes = []
     for depth in sorted(graph._nodes_by_depth, reverse=True):
@@ -264,7 +219,12 @@ def _nodes_in_order(model):
 def _assign_stages(model, nodes, cuts):
     """The stage of each node: the number of cut layers run before it."""
     names = [layer.name for layer in model.layers]
+    inputs = [layer.name for layer in model.layers if isinstance(layer, keras.layers.InputLayer)]
     for cut in cuts:
+        if cut in inputs:
+            raise ValueError(
+                f"pipeline cut {cut!r} is an input of model {model.name!r}, which computes "
+                "nothing; cut after a layer that does.")
         if not isinstance(cut, str) or cut not in names:
             raise ValueError(
                 f"pipeline cut {cut!r} is not the name of a layer of model {model.name!r}; "

@@ -88,68 +88,65 @@ class _Flight:
         self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
         self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
         self.changed = [[None] * len(s) for s in self.state]
-        num = (stages.num_stages, len(self.micro))
-        self.tapes, self.inputs, self.targets = _table(num), _table(num), _table(num)
-        self.grads, self.regularization = _table(num), _table(num)
-        self.values = [{} for _ in self.micro]  # per micro-batch: tensor key -> Tensor
-        self.cotangents = [collections.defaultdict(list) for _ in self.micro]
-        self.losses, self.outputs = [None] * len(self.micro), [None] * len(self.micro)
+        shape = (stages.num_stages, len(self.micro))
+        # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
+        # where not differentiable), what it returned, what its backward starts
+        # from, its regularisation, its weight gradients, and the gradients of
+        # what it returned (sent back by the next stage).
+        self.tapes, self.inputs, self.outputs, self.targets = (_table(shape) for _ in range(4))
+        self.regularization, self.grads, self.cotangents = (_table(shape) for _ in range(3))
+        self.losses, self.y_pred = [None] * len(self.micro), [None] * len(self.micro)
 
     def forward(self, k, m):
         """Stage k's forward on micro-batch m (step 3), recorded for its backward."""
-        stages, last = self.stages, k == self.stages.num_stages - 1
-        x = self.micro[m][0]
-        inputs = stages.stage_inputs(k, x, self.values[m])
-        watched = ([] if stages.num_stages == 1 else
-                   [t if k > 0 and t.dtype.is_floating else None for t in inputs])
+        last = k == self.stages.num_stages - 1
+        if k == 0:
+            inputs, watched = self.micro[m][0], []
+        else:  # the copy to this stage's device: what crosses the cut
+            inputs = [tf.identity(t) for t in self.outputs[k - 1][m]]
+            watched = [t if t.dtype.is_floating else None for t in inputs]
         with tf.GradientTape() as tape:
             tape.watch(self.weights[k] + [t for t in watched if t is not None])
             outputs, new_state, regularization = forward(
-                stages.models[k], self.weights[k], self.state[k], inputs, training=True)
-            scale = (lambda value: value) if self.loss_scale is None else (
-                lambda value: value * self.loss_scale)
-            outputs = stages.stage_outputs(k, outputs, self.values[m])
+                self.stages.models[k], self.weights[k], self.state[k], inputs, training=True)
             if last:
-                self.outputs[m] = outputs
+                self.y_pred[m] = outputs
                 self.losses[m] = shard_loss(self.loss, self.micro[m], outputs, regularization)
-                targets = [scale(self.losses[m])]
+                target = self.losses[m]
             else:
-                targets = [scale(regularization)]
-        self.regularization[k][m] = regularization
-        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, targets
+                outputs, target = tf.nest.flatten(outputs), regularization
+            if self.loss_scale is not None:
+                target *= self.loss_scale
+        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, target
+        self.outputs[k][m], self.regularization[k][m] = outputs, regularization
         kept = self.sizes[m] > 0  # an empty micro-batch's statistics are NaN: keep the old
         for i, new in enumerate(new_state):
             if new is not None:
                 self.state[k][i] = tf.where(kept, new, self.state[k][i])
                 self.changed[k][i] = self.state[k][i]
-        return tf.nest.flatten(outputs) + targets
+        return tf.nest.flatten(outputs) + [target]
 
     def backward(self, k, m):
         """Stage k's backward on micro-batch m (step 4): weight and input gradients."""
-        stages, last = self.stages, k == self.stages.num_stages - 1
-        targets, output_gradients = list(self.targets[k][m]), None
-        if not last:
+        targets, output_gradients = [self.targets[k][m]], None
+        if k < self.stages.num_stages - 1:
             output_gradients = [tf.ones_like(targets[0])]
-            for key in stages.output_keys[k]:
-                contributions = self.cotangents[m].pop(key, [])
-                if contributions:
-                    targets.append(self.values[m][key])
-                    output_gradients.append(
-                        tf.add_n([tf.identity(c) for c in contributions]))
+            for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m]):
+                if cotangent is not None:
+                    targets.append(output)
+                    output_gradients.append(tf.identity(cotangent))  # to this stage's device
         watched = self.inputs[k][m]
         sources = self.weights[k] + [t for t in watched if t is not None]
         gradients = self.tapes[k][m].gradient(targets, sources, output_gradients=output_gradients)
         self.tapes[k][m] = None  # the activations of (k, m) may now be freed
-        weight_grads = gradients[:len(self.weights[k])]
+        self.grads[k][m] = gradients[:len(self.weights[k])]
         input_grads = iter(gradients[len(self.weights[k]):])
-        sent = []  # gradients of this stage's inputs, for the stages that computed them
-        for key, tensor in zip(stages.input_keys[k] or [], watched):
-            grad = None if tensor is None else next(input_grads)
-            if grad is not None:
-                sent.append(tf.convert_to_tensor(grad))
-                self.cotangents[m][key].append(sent[-1])
-        self.grads[k][m] = weight_grads
-        return [aggregate.dense_part(g) for g in weight_grads if g is not None] + sent
+        sent = []  # the gradients of this stage's inputs, for the stage before it
+        if k > 0:
+            self.cotangents[k - 1][m] = [None if t is None else _dense_or_none(next(input_grads))
+                                         for t in watched]
+            sent = [c for c in self.cotangents[k - 1][m] if c is not None]
+        return [aggregate.dense_part(g) for g in self.grads[k][m] if g is not None] + sent
 
     def stage_gradients(self, k):
         """Stage k's gradients of the whole shard: the micro-batches' mean by size."""
@@ -163,9 +160,13 @@ class _Flight:
                   if self.stages.num_stages > 1 else loss
                   for m, loss in enumerate(self.losses)]
         if len(self.micro) == 1:
-            return totals[0], self.outputs[0]
+            return totals[0], self.y_pred[0]
         return (aggregate.average_gradients([[t] for t in totals], self.sizes)[0],
-                concat_rows(self.outputs))
+                concat_rows(self.y_pred))
+
+
+def _dense_or_none(grad):
+    return None if grad is None else tf.convert_to_tensor(grad)
 
 
 def _table(shape):
@@ -179,17 +180,16 @@ def predict(stages, weights, state, x, row):
     weights, state: in model order, each on its stage's device. y_pred and the
     regularisation (the sum over stages, a float32 scalar) are on row[-1].
     """
-    values, regularization = {}, []
+    values, regularization = x, []
     for k, device in enumerate(row):
         with tf.device(device):
-            outputs, _, stage_regularization = forward(
+            values = values if k == 0 else [tf.identity(t) for t in tf.nest.flatten(values)]
+            values, _, stage_regularization = forward(
                 stages.models[k], stages.select(weights, k),
-                stages.select(state, k, trainable=False),
-                stages.stage_inputs(k, x, values), training=False)
-            regularization.append(tf.identity(stage_regularization))
-            outputs = stages.stage_outputs(k, outputs, values)
+                stages.select(state, k, trainable=False), values, training=False)
+            regularization.append(stage_regularization)
     with tf.device(row[-1]):
-        return outputs, tf.add_n([tf.identity(r) for r in regularization])
+        return values, tf.add_n([tf.identity(r) for r in regularization])
 
 
 def forward(model, weights, state, x, training):
