@@ -246,3 +246,68 @@ class TowerTrainerSmokeTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(trainer.step, 1)
         moved = [_max_difference(v, b) for v, b in zip(model.trainable_variables, before)]
         self.assertGreater(min(moved), 0.0)
+
+
+def _stage_layers(model, cuts):
+    """The model's own layers in each stage of `model` cut after `cuts` (inputs and
+    the stages' pass-through layers left out)."""
+    own = {id(layer) for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)}
+    return [[layer for layer in stage.layers if id(layer) in own]
+            for stage in towers.stages.Stages(model, cuts).models]
+
+
+def _stage_compute(model, cuts):
+    """Estimated multiply-adds per example of each stage."""
+    return [sum(models.layer_compute(layer) for layer in layers)
+            for layers in _stage_layers(model, cuts)]
+
+
+class PipelineCutsTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_layer_compute(self):
+        # conv, pool, conv, pool, flatten, dense, logits (Keras numbers the names per process).
+        _, _, conv, _, flatten, _, logits = models.build_model(
+            "cnn", DIGITS, NUM_CLASSES, seed=0).layers[1:]
+        # A conv's weights once per output pixel (8x8 pooled to 4x4), a Dense's once,
+        # a layer without weights its output size.
+        self.assertEqual(models.layer_compute(conv), (9 * 32 * 64 + 64) * 4 * 4)
+        self.assertEqual(models.layer_compute(logits), 128 * 10 + 10)
+        self.assertEqual(models.layer_compute(flatten), 2 * 2 * 64)
+        # A lookup reads one row per token, whatever the vocabulary (64 * 16 rows).
+        text = models.build_model("text", DIGITS, NUM_CLASSES, seed=0)
+        self.assertEqual(models.layer_compute(text.get_layer("embedding")), 64 * 32)
+
+    @parameterized.named_parameters((name, name) for name in models.MODELS)
+    def test_cuts_make_stages_at_least_as_balanced_as_the_first_layers(self, name):
+        model = models.build_model(name, DIGITS, NUM_CLASSES, seed=0)
+        layer_names = [layer.name for layer in model.layers
+                       if not isinstance(layer, keras.layers.InputLayer)]
+        total = sum(models.layer_compute(model.get_layer(n)) for n in layer_names)
+        for num_stages in (2, 3, 4):
+            cuts = models.pipeline_cuts(model, num_stages)
+            self.assertLen(cuts, num_stages - 1)
+            stage_layers = _stage_layers(model, cuts)
+            self.assertLen(stage_layers, num_stages)
+            for k, layers in enumerate(stage_layers):
+                self.assertNotEmpty(layers, f"{name}, {num_stages} stages: stage {k}")
+            compute = _stage_compute(model, cuts)
+            self.assertEqual(sum(compute), total)  # every layer in exactly one stage
+            # The largest stage sets a pipeline's pace; cutting after the first
+            # layers (always valid) is the baseline to beat.
+            first_layers = _stage_compute(model, layer_names[:num_stages - 1])
+            self.assertLessEqual(max(compute), max(first_layers),
+                                 f"{name}, {num_stages} stages: {cuts} {compute}")
+            if num_stages == 2:  # every model's first layer is cheap
+                self.assertLess(max(compute), max(first_layers), f"{name}: {cuts} {compute}")
+
+    def test_one_stage_needs_no_cut(self):
+        model = models.build_model("mlp", DIGITS, NUM_CLASSES, seed=0)
+        self.assertEqual(models.pipeline_cuts(model, 1), [])
+
+    @parameterized.named_parameters(
+        ("zero", 0), ("more_than_layers", 5), ("float", 2.0), ("bool", True), ("text", "2"),
+        ("none", None))
+    def test_bad_num_stages(self, num_stages):
+        model = models.build_model("mlp", DIGITS, NUM_CLASSES, seed=0)  # 4 layers
+        with self.assertRaisesRegex(ValueError, "num_stages must be an int from 1 to 4"):
+            models.pipeline_cuts(model, num_stages)

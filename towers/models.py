@@ -202,7 +202,8 @@ def pipeline_cuts(model, num_stages):
 
     A layer's compute is estimated as its multiply-adds per example: its
     weights times the positions of its output (a Dense layer once, a Conv2D
-    once per output pixel), or its output size for a layer without weights.
+    once per output pixel), or its output size for a layer without weights
+    and for an Embedding (a lookup, not a product).
     The cuts split the running total, in model.layers order, nearest to
     1/K, 2/K, ... of the whole.
 
@@ -231,6 +232,9 @@ def pipeline_cuts(model, num_stages):
 def layer_compute(layer):
     """Multiply-adds per example of one layer, estimated from its weights and output shape."""
     output_shape = layer.output.shape[1:]
+    if isinstance(layer, layers.Embedding):
+        # A lookup copies one row per token: its output, whatever the vocabulary size.
+        return math.prod(output_shape)
     positions = math.prod(output_shape[:-1]) if len(output_shape) > 1 else 1
     weights = sum(math.prod(w.shape) for w in layer.weights)
     return weights * positions if weights else math.prod(output_shape)
