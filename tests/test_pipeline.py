@@ -10,7 +10,7 @@ from absl.testing import parameterized
 
 import towers
 from tests import reference
-from towers import schedule, stages as stages_lib
+from towers import schedule, stages as stages_lib, tower
 from towers.checkpoint import Checkpointer
 
 CPU = [f"/device:CPU:{i}" for i in range(4)]
@@ -143,10 +143,12 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         for name in schedule.SCHEDULES
         for grid, m, b, opt in [("1x2", 1, 12, "sgd"), ("1x2", 3, 10, "adam"),
                                 ("1x3", 4, 12, "adam"), ("1x3", 3, 7, "sgd"),
-                                ("2x2", 4, 10, "adam"), ("2x2", 3, 12, "sgd")])
+                                ("2x2", 4, 10, "adam"), ("2x2", 3, 12, "sgd"),
+                                ("1x2", 4, 3, "adam")])
     def test_five_steps_match_one_device(self, grid, micro_batches, global_batch_size,
                                          optimizer_name, schedule_name):
-        # 10 over 2 towers x 4 micro-batches: micro-batches of 2, 1, 1, 1; 7 over 3: 3, 2, 2.
+        # 10 over 2 towers x 4 micro-batches: micro-batches of 2, 1, 1, 1; 7 over 3: 3, 2, 2;
+        # 3 over 4: 1, 1, 1 and an empty one.
         model = _model()
         trainer = _trainer(grid, optimizer_name, model, micro_batches=micro_batches,
                            pipeline_schedule=schedule_name)
@@ -240,6 +242,47 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(logs["loss_scale"], float(optimizer.dynamic_scale))
         for want, got in zip(expected.weights, model.weights):
             self.assertAllClose(want, got, atol=2e-3, rtol=2e-3, msg=got.path)
+
+
+class PipelineEvaluateTest(tf.test.TestCase):
+
+    def test_evaluate_and_metrics_equal_the_whole_model(self):
+        model = _model()
+        trainer = _trainer("2x2", model=model, micro_batches=2, metrics=["accuracy"])
+        trainer.train_step(_batches(10)[0])
+        x, y, w = _batches(9)[1]
+        logs = trainer.evaluate((x, y, w))
+        logits = model(x, training=False)
+        expected = reference.make_loss()(y, logits, sample_weight=w) + tf.add_n(model.losses)
+        self.assertAllClose(logs["loss"], expected, atol=TOLERANCE)
+        self.assertAllClose(logs["accuracy"], np.average(np.argmax(logits, -1) == y, weights=w))
+
+
+class PipelineDropoutTest(tf.test.TestCase):
+
+    def test_each_tower_and_micro_batch_draws_its_own_reproducible_mask(self):
+        keras.utils.set_random_seed(0)
+        x = keras.Input((8,))
+        h = keras.layers.Dense(8, kernel_initializer="ones", name="first")(x)
+        model = keras.Model(x, keras.layers.Dropout(0.5, seed=1, name="drop")(h))
+        stages = stages_lib.Stages(model, ["first"])
+        shard = (np.ones((2, 8), np.float32), np.zeros((2, 8), np.float32))
+
+        def outputs(tower_index):  # two micro-batches of one identical row each
+            result = tower.run_tower(
+                stages, keras.losses.MeanSquaredError(reduction=None), shard,
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables], CPU[:2], tower_index,
+                micro_batches=2)
+            return result.y_pred.numpy()
+
+        tower_0, tower_1 = outputs(0), outputs(1)
+        masks = [row != 0 for row in np.concatenate([tower_0, tower_1])]
+        for i in range(4):
+            for j in range(i):  # (tower, micro-batch) pairs: no two masks alike
+                self.assertNotAllEqual(masks[i], masks[j])
+        self.assertGreater(np.mean(tower_0 == 0), 0.2)  # dropout really dropped units
+        self.assertAllEqual(tower_0, outputs(0))
 
 
 class PipelinePlacementTest(tf.test.TestCase):
