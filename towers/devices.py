@@ -71,6 +71,34 @@ def canonical_name(device):
     return f"/device:{spec.device_type}:{spec.device_index or 0}"
 
 
+def device_grid(devices, num_stages=None):
+    """The devices as rows (towers) x columns (pipeline stages) of canonical names.
+
+    Without pipeline stages (num_stages None) `devices` is a flat list, one
+    device per tower; with them, a list of rows of num_stages devices.
+    """
+    if not devices:
+        raise ValueError("devices is empty; give at least one tower device.")
+    nested = [isinstance(d, (list, tuple)) for d in devices]
+    if num_stages is None:
+        if any(nested):
+            raise ValueError(
+                f"devices {devices} is a grid (rows of devices), which is for pipeline stages; "
+                "pass pipeline_cuts too, or a flat list with one device per tower.")
+        return [[canonical_name(d)] for d in devices]
+    if not all(nested):
+        raise ValueError(
+            f"with pipeline_cuts, devices must be a grid: one row per tower, each a list of "
+            f"{num_stages} devices (one per stage), e.g. "
+            f"[[\"/device:GPU:0\", \"/device:GPU:1\"]]; got {devices}.")
+    lengths = [len(row) for row in devices]
+    if set(lengths) != {num_stages}:
+        raise ValueError(
+            f"every row of devices needs {num_stages} devices, one per pipeline stage "
+            f"(len(pipeline_cuts) + 1), but the rows have {lengths} devices.")
+    return [[canonical_name(d) for d in row] for row in devices]
+
+
 def check_devices_exist(devices):
     """Raises ValueError naming any device in `devices` that TensorFlow does not have."""
     available = [canonical_name(d.name) for d in tf.config.list_logical_devices()]

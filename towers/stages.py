@@ -131,6 +131,31 @@ class Stages:
         return self.models[stage].variables
 
 
+def check_pipeline(pipeline_cuts, main_device, variable_placement, cluster):
+    """pipeline_cuts as a list of layer names (None: no pipeline), after refusing,
+    up front, what pipeline stages cannot be combined with."""
+    if pipeline_cuts is None:
+        return None
+    if isinstance(pipeline_cuts, str) or not isinstance(pipeline_cuts, (list, tuple)):
+        raise ValueError(f"pipeline_cuts must be a list of layer names, got {pipeline_cuts!r}.")
+    if not pipeline_cuts:
+        raise ValueError("pipeline_cuts is empty; name at least one layer to cut after, or "
+                         "pass None for no pipeline.")
+    refused = {
+        "main_device": (main_device is not None,
+                        "stage k's variables live on devices[0][k]; leave main_device=None"),
+        "variable_placement='replicated'": (
+            variable_placement == "replicated",
+            "each stage's towers read its variables from devices[0][k]; use 'main'"),
+        "cluster": (cluster is not None,
+                    "pipeline stages run inside one process for now; train on one worker"),
+    }
+    for name, (given, why) in refused.items():
+        if given:
+            raise ValueError(f"{name} cannot be combined with pipeline_cuts: {why}.")
+    return list(pipeline_cuts)
+
+
 def place_variables(stages, stage_devices, optimizer):
     """Moves each stage's variables to its device, stage_devices[k].
 

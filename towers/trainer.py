@@ -60,9 +60,10 @@ class TowerTrainer:
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         devices = devices_lib.default_devices() if devices is None else list(devices)
-        self.pipeline_cuts = _check_cuts(pipeline_cuts)
-        self._grid = _device_grid(devices, self.pipeline_cuts)
-        self._check_pipeline_options(main_device, cluster)
+        self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
+                                                       variable_placement, cluster)
+        self._grid = devices_lib.device_grid(
+            devices, None if self.pipeline_cuts is None else len(self.pipeline_cuts) + 1)
         self.devices = ([row[0] for row in self._grid] if self.pipeline_cuts is None
                         else self._grid)
         self.main_device = devices_lib.canonical_name(main_device or self._grid[0][0])
@@ -329,65 +330,6 @@ class TowerTrainer:
                 "model %r has variables on %s, not on main_device %s; they stay there. To "
                 "keep them on the main device, build the model inside `with tf.device(%r):`.",
                 self.model.name, misplaced, self.main_device, self.main_device)
-
-
-    def _check_pipeline_options(self, main_device, cluster):
-        """Refuses, up front, what pipeline stages cannot be combined with."""
-        if self.pipeline_cuts is None:
-            return
-        refused = {
-            "main_device": (main_device is not None,
-                            "stage k's variables live on devices[0][k]; leave main_device=None"),
-            "variable_placement='replicated'": (
-                self.options.variable_placement == "replicated",
-                "each stage's towers read its variables from devices[0][k]; use 'main'"),
-            "cluster": (cluster is not None,
-                        "pipeline stages run inside one process for now; train on one worker"),
-        }
-        for name, (given, why) in refused.items():
-            if given:
-                raise ValueError(f"{name} cannot be combined with pipeline_cuts: {why}.")
-
-
-def _check_cuts(pipeline_cuts):
-    """pipeline_cuts as a list of layer names, or None for no pipeline."""
-    if pipeline_cuts is None:
-        return None
-    if isinstance(pipeline_cuts, str) or not isinstance(pipeline_cuts, (list, tuple)):
-        raise ValueError(f"pipeline_cuts must be a list of layer names, got {pipeline_cuts!r}.")
-    if not pipeline_cuts:
-        raise ValueError("pipeline_cuts is empty; name at least one layer to cut after, or "
-                         "pass None for no pipeline.")
-    return list(pipeline_cuts)
-
-
-def _device_grid(devices, pipeline_cuts):
-    """The devices as rows (towers) x columns (stages) of canonical names.
-
-    Without pipeline_cuts `devices` is a flat list (one tower each); with them,
-    a list of rows of len(pipeline_cuts) + 1 devices.
-    """
-    if not devices:
-        raise ValueError("devices is empty; give at least one tower device.")
-    nested = [isinstance(d, (list, tuple)) for d in devices]
-    if pipeline_cuts is None:
-        if any(nested):
-            raise ValueError(
-                f"devices {devices} is a grid (rows of devices), which is for pipeline stages; "
-                "pass pipeline_cuts too, or a flat list with one device per tower.")
-        return [[devices_lib.canonical_name(d)] for d in devices]
-    num_stages = len(pipeline_cuts) + 1
-    if not all(nested):
-        raise ValueError(
-            f"with pipeline_cuts={pipeline_cuts}, devices must be a grid: one row per tower, "
-            f"each a list of {num_stages} devices (one per stage), e.g. "
-            f"[[\"/device:GPU:0\", \"/device:GPU:1\"]]; got {devices}.")
-    lengths = [len(row) for row in devices]
-    if set(lengths) != {num_stages}:
-        raise ValueError(
-            f"every row of devices needs {num_stages} devices, one per pipeline stage "
-            f"(len(pipeline_cuts) + 1), but the rows have {lengths} devices.")
-    return [[devices_lib.canonical_name(d) for d in row] for row in devices]
 
 
 def _as_tensor(value):
