@@ -117,5 +117,80 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIn("mlp,cnn,resnet,text", message[0])
         self.assertNotIn("Traceback", result.stderr)
 
+
+class PipelineBenchmarkTest(tf.test.TestCase):
+    """benchmarks/pipeline.py run as its users run it, on tiny sizes (about 20 s)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.output_dir = tempfile.mkdtemp(prefix="test_pipeline_benchmark_")
+        cls.input_shape = (8, 8, 1)
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "pipeline.py"), "--model=cnn",
+             "--stages=1,2", "--micro_batches=1,2", "--timeline=2,2", "--steps=2", "--rounds=1",
+             "--warmup_steps=0", "--trace_steps=2", "--global_batch_size=8",
+             "--input_shape=" + ",".join(map(str, cls.input_shape)),
+             f"--output_dir={cls.output_dir}"],
+            capture_output=True, text=True, cwd=ROOT, timeout=240,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(cls.output_dir, "results.json")) as f:
+            cls.results = json.load(f)
+        cls.rows = {(r["num_stages"], r["micro_batches"], r["schedule"]): r
+                    for r in cls.results["rows"]}
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.output_dir, ignore_errors=True)
+        super().tearDownClass()
+
+    def test_writes_json_markdown_and_timeline(self):
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            self.assertIn("| 2 | 2 | 1f1b |", f.read())
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(self.output_dir, "timeline.png")),
+                         has_matplotlib)
+
+    def test_every_configuration_and_the_drawn_one_under_both_schedules(self):
+        self.assertCountEqual(self.rows, [(k, m, "gpipe") for k in (1, 2) for m in (1, 2)]
+                              + [(2, 2, "1f1b")])
+        for row in self.rows.values():
+            self.assertGreater(row["median_ms"], 0.0)
+            self.assertEqual(row["n"], 2)
+            self.assertLen(row["devices"], 1)  # one tower
+            self.assertLen(row["devices"][0], row["num_stages"])
+
+    def test_bubble_is_a_share_next_to_the_formula(self):
+        for (k, m, _), row in self.rows.items():
+            self.assertAlmostEqual(row["bubble_formula"], (k - 1) / (m + k - 1))
+            self.assertCountEqual(row["idle_share_per_device"], row["devices"][0])
+            for idle in [row["bubble_measured"], *row["idle_share_per_device"].values()]:
+                self.assertBetween(idle, 0.0, 1.0)
+            self.assertEqual(row["unattributed_op_share"], 0.0)  # every op has its device
+
+    def test_bytes_per_device_add_up_to_the_model_and_optimizer(self):
+        model = models.build_model("cnn", self.input_shape, 10, seed=0)
+        weight_bytes = 4 * model.count_params()  # float32
+        for row in self.rows.values():
+            self.assertEqual(row["model_bytes"], weight_bytes)
+            self.assertEqual(sum(row["bytes_per_device"].values()), row["total_bytes"])
+            # SGD with momentum: one slot per weight, plus its step count and learning rate.
+            self.assertBetween(row["optimizer_bytes"], weight_bytes, weight_bytes + 64)
+            self.assertAlmostEqual(row["ideal_bytes_per_stage"],
+                                   row["total_bytes"] / row["num_stages"])
+        stage_bytes = self.rows[2, 2, "gpipe"]["bytes_per_device"]
+        self.assertTrue(all(stage_bytes.values()), stage_bytes)  # both stages hold weights
+
+    def test_timeline_boxes_one_per_micro_batch_forward_and_backward(self):
+        for schedule in ("gpipe", "1f1b"):
+            boxes = self.rows[2, 2, schedule]["boxes"]
+            self.assertCountEqual([(b["stage"], b["kind"], b["micro_batch"]) for b in boxes],
+                                  [(k, kind, m) for k in (0, 1) for kind in "FB" for m in (0, 1)])
+            for box in boxes:
+                self.assertLessEqual(0.0, box["start_ms"])
+                self.assertLessEqual(box["start_ms"], box["end_ms"])
+
+
 if __name__ == "__main__":
     tf.test.main()
