@@ -12,27 +12,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import exchange, split
+from towers import callbacks as callbacks_lib, exchange, split
 
 _ACCURACY_NAMES = ("accuracy", "acc")
-
-
-class History:
-    """What `fit` returns, like keras.callbacks.History.
-
-    Attributes:
-      epoch: list of epoch indices run, from 0.
-      history: dict metric name -> list with one value per epoch.
-    """
-
-    def __init__(self):
-        self.epoch = []
-        self.history = {}
-
-    def append(self, epoch, logs):
-        self.epoch.append(epoch)
-        for name, value in logs.items():
-            self.history.setdefault(name, []).append(value)
 
 
 def resolve_metrics(metrics):
@@ -79,29 +61,35 @@ def update_metrics(metrics, batch, y_pred, device, cluster=None):
         return {metric.name: metric.result() for metric in metrics}
 
 
-def evaluate(trainer, data):
+def evaluate(trainer, data, callbacks=None):
     """Mean loss over every example of `data` (+ regularisation) and the metrics.
 
     `data`: one batch as a tuple (x, y[, sample_weight]), a tf.data.Dataset or
-    any iterable of such batches.
+    any iterable of such batches. `callbacks`: None or a
+    keras.callbacks.CallbackList, whose on_test_* hooks are called as
+    keras.Model.evaluate calls them.
     """
+    callbacks = callbacks or keras.callbacks.CallbackList()
     _reset(trainer.metrics)
+    callbacks.on_test_begin()
     batches = [data] if isinstance(data, tuple) else data
-    loss_sum, examples, regularization = 0.0, 0.0, 0.0
-    for batch in batches:
+    loss_sum, examples, regularization, logs = 0.0, 0.0, 0.0, {}
+    for index, batch in enumerate(batches):
+        callbacks.on_test_batch_begin(index)
         batch_loss_sum, batch_examples, regularization = trainer.eval_step(batch)
         loss_sum += float(batch_loss_sum)
         examples += float(batch_examples)
+        logs = _metric_logs(trainer, loss_sum / max(examples, 1.0) + float(regularization))
+        callbacks.on_test_batch_end(index, logs)
     if not examples:
         raise ValueError("evaluate got no batches; pass a batch or a non-empty dataset.")
-    logs = {"loss": loss_sum / examples + float(regularization)}
-    logs.update({m.name: float(m.result()) for m in trainer.metrics})
+    callbacks.on_test_end(logs)
     return logs
 
 
 def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
-        max_steps=None, checkpointer=None, log_dir=None, verbose="auto"):
-    """Runs epochs of tower steps; returns a History.
+        max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None):
+    """Runs epochs of tower steps; returns a keras.callbacks.History.
 
     Args:
       dataset: a tf.data.Dataset or iterable of batches, or a callable
@@ -118,9 +106,16 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
       With a cluster only the chief saves checkpoints and writes summaries;
       every worker restores.
       verbose: "auto" (a progress bar on a terminal, else log lines), True, False.
+      callbacks: keras.callbacks.Callback objects, called as keras.Model.fit
+        calls them (see callbacks.py); a keras.callbacks.ProgbarLogger among
+        them replaces the trainer's own progress output.
+
+    The logs the callbacks and the History see are Keras's: "loss" (the mean
+    over the epoch's examples so far) and the metrics, then "val_" ones; the
+    epoch logs add "examples_per_sec" (all towers together, since the epoch
+    began), and "loss_scale" with loss scaling.
     """
     _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
-    history = History()
     epoch, skip = 0, 0
     if checkpointer is not None and checkpointer.restore():
         epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
@@ -128,13 +123,20 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
     summaries = _Summaries(log_dir if chief else None)
+    history, callbacks, own_progress = callbacks_lib.callback_list(
+        trainer, callbacks, epochs, steps_per_epoch, verbose)
     shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
+    callbacks.on_train_begin()
+    epoch_logs = None
     while epoch < epochs and not _reached(trainer, max_steps):
         _reset(trainer.metrics)
+        callbacks.on_epoch_begin(epoch)
         batches = _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator)
-        progress = _Progress(epoch, epochs, steps_per_epoch, verbose)
+        progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
         start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
+        broke_off = False
         for batch in batches:
+            callbacks.on_train_batch_begin(batch_index)
             logs = trainer.train_step(batch)
             batch_index += 1
             # With a cluster the batch is this worker's part; the step counts them all.
@@ -146,24 +148,38 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             summaries.train(trainer, logs)
             if saver is not None:
                 saver.batch_done(epoch, batch_index)
-            if _reached(trainer, max_steps):
+            callbacks.on_train_batch_end(batch_index - 1, _metric_logs(trainer, loss_sum / examples))
+            if _reached(trainer, max_steps) or trainer.model.stop_training:
+                broke_off = True
                 break
         if batch_index == 0:
             logging.warning("epoch %d got no batches: the dataset ran out; stopping.", epoch + 1)
             break
         if examples:
-            epoch_logs = {**logs, "loss": loss_sum / examples}
+            epoch_logs = _metric_logs(trainer, loss_sum / examples)
+            epoch_logs.update({name: logs[name] for name in ("examples_per_sec", "loss_scale")
+                               if name in logs})
             if validation_data is not None:
-                val_logs = trainer.evaluate(validation_data)
+                val_logs = evaluate(trainer, validation_data, callbacks)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
                 summaries.evaluation(trainer, val_logs)
-            history.append(epoch, epoch_logs)
-            progress.finish(batch_index, epoch_logs)
-        stopped_early = _reached(trainer, max_steps) and batch_index != steps_per_epoch
+            progress.finish(batch_index, {**epoch_logs, "skipped_steps": logs["skipped_steps"]})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            trainer.sync_replicas()  # a callback may have set the weights (EarlyStopping)
+        stopped_early = broke_off and batch_index != steps_per_epoch
         epoch, skip = (epoch, batch_index) if stopped_early else (epoch + 1, 0)
+        if trainer.model.stop_training:
+            break
     if saver is not None:
         saver.save(epoch, skip)
+    callbacks.on_train_end(logs=epoch_logs)
+    trainer.sync_replicas()
     return history
+
+
+def _metric_logs(trainer, loss):
+    """Keras's logs: the mean loss so far, then each metric's result, as floats."""
+    return {"loss": float(loss), **{m.name: float(m.result()) for m in trainer.metrics}}
 
 
 class _Progress:

@@ -159,16 +159,17 @@ class TowerTrainer:
         return loop.evaluate(self, data)
 
     def fit(self, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
-            max_steps=None, checkpointer=None, log_dir=None, verbose="auto"):
-        """Trains for `epochs` epochs over `dataset`; returns a loop.History.
+            max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None):
+        """Trains for `epochs` epochs over `dataset`; returns a keras.callbacks.History.
 
         See towers.loop.fit for every argument: `dataset` may be a callable
         epoch -> batches, `checkpointer` resumes and saves, `log_dir` gets
-        TensorBoard summaries.
+        TensorBoard summaries, `callbacks` are Keras callbacks.
         """
         return loop.fit(self, dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                         validation_data=validation_data, max_steps=max_steps,
-                        checkpointer=checkpointer, log_dir=log_dir, verbose=verbose)
+                        checkpointer=checkpointer, log_dir=log_dir, verbose=verbose,
+                        callbacks=callbacks)
 
     def eval_step(self, batch):
         """Sum of per-example losses, example count and regularisation for one batch."""

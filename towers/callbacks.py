@@ -1,0 +1,43 @@
+"""Keras callbacks in TowerTrainer.fit, called as keras.Model.fit calls them.
+
+A callback sees `callback.model`, the trainer's Keras model, with
+`model.optimizer` the optimizer the compiled step uses (so a new learning
+rate takes effect at the next step, without retracing) and
+`model.stop_training`, which fit checks after every step and epoch.
+"""
+
+import keras
+
+
+def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
+    """Checks `callbacks`; returns (history, keras.callbacks.CallbackList, own_progress).
+
+    own_progress: whether fit prints its own progress (no ProgbarLogger given).
+
+    Raises:
+      ValueError: something that is not a keras.callbacks.Callback, or a
+        BackupAndRestore (fit's checkpointer does that job, exactly).
+    """
+    callbacks = list(callbacks or [])
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            raise ValueError(
+                "keras.callbacks.BackupAndRestore is not supported: it restarts an "
+                "interrupted epoch from its first batch. Pass "
+                "checkpointer=towers.Checkpointer(directory, model, optimizer, every_steps=N) "
+                "to fit instead: it resumes at the exact batch, no step lost or repeated.")
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise ValueError(f"callbacks must be keras.callbacks.Callback objects, got "
+                             f"{type(callback).__name__}.")
+    history = next((c for c in callbacks if isinstance(c, keras.callbacks.History)), None)
+    if history is None:
+        history = keras.callbacks.History()
+        callbacks.append(history)
+    own_progress = not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks)
+    model = trainer.model
+    # Keras's callbacks reach the optimizer through the model, as after compile().
+    model.optimizer = trainer.optimizer
+    model.stop_training = False
+    return history, keras.callbacks.CallbackList(
+        callbacks, model=model, verbose=1 if verbose else 0, epochs=epochs,
+        steps=steps_per_epoch), own_progress
