@@ -19,16 +19,19 @@ from towers.aggregate import average_gradients
 from towers.cluster import Cluster, cluster_from_tf_config
 from towers.cluster import join as join_cluster
 from towers.devices import configure_devices
-from towers.errors import DeviceConfigError, NonFiniteError, WorkerLostError
+from towers.checkpoint import Checkpointer
+from towers.errors import DeviceConfigError, NonFiniteError, Preempted, WorkerLostError
 from towers.split import split_batch
 from towers.stages import split_model
 from towers.step import TowerOptions, tower_gradients
 from towers.trainer import TowerTrainer
 
 __all__ = [
+    "Checkpointer",
     "Cluster",
     "DeviceConfigError",
     "NonFiniteError",
+    "Preempted",
     "TowerOptions",
     "TowerTrainer",
     "WorkerLostError",

@@ -12,7 +12,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import callbacks as callbacks_lib, exchange, split
+from towers import callbacks as callbacks_lib, exchange, preemption, split
+from towers.errors import Preempted
 
 _ACCURACY_NAMES = ("accuracy", "acc")
 
@@ -128,34 +129,44 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
     callbacks.on_train_begin()
     epoch_logs = None
-    while epoch < epochs and not _reached(trainer, max_steps):
-        _reset(trainer.metrics)
-        callbacks.on_epoch_begin(epoch)
-        batches = _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator)
-        progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
-        start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
-        broke_off = False
-        for batch in batches:
-            callbacks.on_train_batch_begin(batch_index)
-            logs = trainer.train_step(batch)
-            batch_index += 1
-            # With a cluster the batch is this worker's part; the step counts them all.
-            size = (int(logs.pop("examples")) if "examples" in logs
-                    else int(tf.nest.flatten(batch)[0].shape[0]))
-            loss_sum, examples = loss_sum + logs["loss"] * size, examples + size
-            logs["examples_per_sec"] = examples / (time.perf_counter() - start)
-            progress.update(batch_index, logs)
-            summaries.train(trainer, logs)
-            if saver is not None:
-                saver.batch_done(epoch, batch_index)
-            callbacks.on_train_batch_end(batch_index - 1, _metric_logs(trainer, loss_sum / examples))
-            if _reached(trainer, max_steps) or trainer.model.stop_training:
-                broke_off = True
+    with preemption.StopSignals() as signals:
+        while epoch < epochs and not _reached(trainer, max_steps):
+            _reset(trainer.metrics)
+            callbacks.on_epoch_begin(epoch)
+            batches = _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator)
+            progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
+            start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
+            broke_off = False
+            for batch in batches:
+                callbacks.on_train_batch_begin(batch_index)
+                if signals.received:
+                    trainer.request_stop()  # with a cluster, every worker stops after this step
+                logs = trainer.train_step(batch)
+                batch_index += 1
+                # With a cluster the batch is this worker's part; the step counts them all.
+                size = (int(logs.pop("examples")) if "examples" in logs
+                        else int(tf.nest.flatten(batch)[0].shape[0]))
+                loss_sum, examples = loss_sum + logs["loss"] * size, examples + size
+                logs["examples_per_sec"] = examples / (time.perf_counter() - start)
+                progress.update(batch_index, logs)
+                summaries.train(trainer, logs)
+                if saver is not None:
+                    saver.batch_done(epoch, batch_index)
+                callbacks.on_train_batch_end(batch_index - 1,
+                                             _metric_logs(trainer, loss_sum / examples))
+                if logs.pop("stop_requested", signals.received):
+                    _stop(trainer, checkpointer, saver, signals,
+                          _next_position(epoch, batch_index, steps_per_epoch))
+                if _reached(trainer, max_steps) or trainer.model.stop_training:
+                    broke_off = True
+                    break
+            if batch_index == skip:
+                if skip:  # resumed after the last batch of an epoch of unknown length
+                    epoch, skip = epoch + 1, 0
+                    continue
+                logging.warning("epoch %d got no batches: the dataset ran out; stopping.",
+                                epoch + 1)
                 break
-        if batch_index == 0:
-            logging.warning("epoch %d got no batches: the dataset ran out; stopping.", epoch + 1)
-            break
-        if examples:
             epoch_logs = _metric_logs(trainer, loss_sum / examples)
             epoch_logs.update({name: logs[name] for name in ("examples_per_sec", "loss_scale")
                                if name in logs})
@@ -166,15 +177,28 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             progress.finish(batch_index, {**epoch_logs, "skipped_steps": logs["skipped_steps"]})
             callbacks.on_epoch_end(epoch, epoch_logs)
             trainer.sync_replicas()  # a callback may have set the weights (EarlyStopping)
-        stopped_early = broke_off and batch_index != steps_per_epoch
-        epoch, skip = (epoch, batch_index) if stopped_early else (epoch + 1, 0)
-        if trainer.model.stop_training:
-            break
-    if saver is not None:
-        saver.save(epoch, skip)
+            epoch, skip = (_next_position(epoch, batch_index, steps_per_epoch) if broke_off
+                           else (epoch + 1, 0))
+            if trainer.model.stop_training:
+                break
+        if saver is not None:
+            saver.save(epoch, skip)
     callbacks.on_train_end(logs=epoch_logs)
     trainer.sync_replicas()
     return history
+
+
+def _next_position(epoch, batches_done, steps_per_epoch):
+    """(epoch, batch) of the next batch to train on after `batches_done` of `epoch`."""
+    return (epoch + 1, 0) if batches_done == steps_per_epoch else (epoch, batches_done)
+
+
+def _stop(trainer, checkpointer, saver, signals, position):
+    """After a stop signal: saves the exact position (the chief) and raises Preempted."""
+    if saver is not None:
+        saver.save(*position)
+    raise Preempted(signals.received or "a signal to another worker", trainer.step,
+                    None if checkpointer is None else checkpointer.directory)
 
 
 def _metric_logs(trainer, loss):

@@ -85,6 +85,10 @@ class TowerTrainer:
         self.jit_compile = bool(jit_compile)
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
+        self._stop_requested = None  # with a cluster: a host variable, 1 once a stop is asked
+        if cluster is not None:
+            with tf.device(cluster_lib.HOST_DEVICE):
+                self._stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
         self._first_tower = 0  # global index of this worker's first tower
         self._num_towers = len(self._grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
@@ -130,7 +134,8 @@ class TowerTrainer:
            overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
         With a cluster, `batch` is this worker's part of the global batch (it
-        may be empty) and "loss", "examples" are the global batch's.
+        may be empty), "loss", "examples" are the global batch's, and
+        "stop_requested" is 1.0 once any worker called request_stop.
 
         Raises:
           ValueError: a malformed batch; nothing runs.
@@ -153,6 +158,16 @@ class TowerTrainer:
         logs = {name: float(value) for name, value in logs.items()}
         logs["skipped_steps"] = self._skipped_steps
         return logs
+
+    def request_stop(self):
+        """Asks every worker to stop after the next step (fit calls it on SIGTERM/SIGINT).
+
+        The step all-reduces the request, so all workers see it after the same
+        step and its "stop_requested" log is True on each. Without a cluster
+        there is nothing to agree on, and fit stops by itself.
+        """
+        if self._stop_requested is not None:
+            self._stop_requested.assign(1.0)
 
     def evaluate(self, data):
         """Mean loss (+ metrics) over a batch, a tf.data.Dataset or an iterable of batches."""
@@ -199,13 +214,21 @@ class TowerTrainer:
 
         metric_logs = loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device,
                                           self.cluster)
+        exchanged = list(metric_logs.values())
+        if self.cluster is not None:
+            # A stop signal to any worker stops every worker after this same step.
+            [stop_requested] = exchange.all_reduce_across_workers(
+                [self._stop_requested.read_value()], self.cluster, cluster_lib.HOST_DEVICE)
+            stop_requested = stop_requested > 0
+            exchanged.append(stop_requested)
         # Across workers the metrics have an all-reduce of their own: it too comes
         # before the update, so a worker lost during the step leaves the weights alone.
-        with tf.control_dependencies(list(metric_logs.values())):
+        with tf.control_dependencies(exchanged):
             applied = tf.cond(finite, apply, lambda: tf.constant(False))
         logs = {"loss": result.loss, "finite": finite, "applied": applied, **metric_logs}
         if self.cluster is not None:
             logs["examples"] = result.examples
+            logs["stop_requested"] = stop_requested
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
         return logs
