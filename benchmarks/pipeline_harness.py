@@ -181,6 +181,8 @@ def _profile(built, trace_steps, log_dir):
         return {"trace_error": f"{type(error).__name__}: {error}"}
     phases.write_chrome_trace(space, os.path.join(log_dir, "trace.json"))
     steps = [ops for ops in pipeline_profile.traced_steps(space, built.op_devices) if ops]
+    if not steps:
+        return {"trace_error": f"the trace under {log_dir} holds no op of a traced step"}
     devices = [device for row in built.grid for device in row]
     per_step = [pipeline_profile.idle_shares(ops, devices) for ops in steps]
     idle = {device: statistics.fmean(s[device] for s in per_step) for device in devices}
@@ -267,6 +269,10 @@ def markdown(results):
         "weight, the step count and learning rate), by the device they live on; 1/K: their "
         "total over K.",
     ]
+    if machine["physical_gpus"]:
+        lines.append("- On GPUs the op events read here are the host's kernel launches, not "
+                     "the kernels (which are on the GPU planes of the trace): the bubble and "
+                     "the boxes are not yet meaningful there.")
     if physical < len(devices):
         lines.append(f"- The {len(devices)} devices stand on {physical} physical device(s): "
                      "stages that overlap in time share the same hardware, so overlap cannot "
@@ -274,8 +280,9 @@ def markdown(results):
     lines += ["", "Stages (towers.models.pipeline_cuts; estimated compute per stage, the "
               "estimate the cuts balance):", ""]
     for row in {r["num_stages"]: r for r in results["rows"]}.values():
-        cuts = ", ".join(f"{p} ({t})" for p, t in zip(row["cut_positions"], row["cut_layer_types"]))
-        lines.append(f"- K={row['num_stages']}: " + (f"cut after layers {cuts}; " if cuts else "")
+        cuts = ", ".join(f"model.layers[{p}] ({t})"
+                         for p, t in zip(row["cut_positions"], row["cut_layer_types"]))
+        lines.append(f"- K={row['num_stages']}: " + (f"cut after {cuts}; " if cuts else "")
                      + " / ".join(f"{share:.0%}" for share in row["stage_cost_shares"]))
     lines += ["", "| K | M | schedule | step ms ± unc | ex/s | bubble measured | (K-1)/(M+K-1) "
               "| formula, these stages | idle per device | KiB per device | 1/K KiB |",

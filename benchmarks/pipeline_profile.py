@@ -12,6 +12,9 @@ op's device comes from the graph TensorFlow ran: `record_op_devices` turns on
 tf.summary's graph collection while the step is compiled (its first call),
 which records the step's partition graphs (one per device, after Grappler,
 with the _Send/_Recv ops between them), and maps every node name to its device.
+Busy time is read from the host's op events, which on a CPU are the ops'
+work; on a GPU they would be kernel launches, with the kernels on the GPU
+planes of the trace, which this module does not read yet.
 
 Which action an op belongs to comes from its name: the tower step runs stage
 k's forward of micro-batch m under tf.name_scope("tower_t/stage_k_forward_m")
@@ -139,15 +142,15 @@ def unattributed_share(step_ops):
 
 
 def micro_batch_boxes(step_ops, grid):
-    """One box per (tower, stage, F/B, micro-batch), in ms from the step's first op.
+    """One box per (tower, stage, F/B, micro-batch); start and end in ms from the step's first op.
 
     A box spans its action's ops on its stage device, leaving out the copies to
     and from other devices (_Send/_Recv) and ops under BOX_MIN_OP_SHARE of the
     action's op time: those run whenever their inputs allow (shape arithmetic
-    on the first call, sends of finished gradients at the end of the step)
+    at the step's start, sends of finished gradients at its end)
     and would stretch the box over its neighbours'. grid: one row of stage
     devices per tower. Returns a list of dicts: tower, stage, kind ("F"/"B"),
-    micro_batch, start_ms, end_ms, ordered by start.
+    micro_batch, start, end, ordered by start.
     """
     first, _ = step_span_ps(step_ops)
     actions = collections.defaultdict(list)
@@ -165,16 +168,16 @@ def micro_batch_boxes(step_ops, grid):
         least = BOX_MIN_OP_SHARE * sum(op.end_ps - op.start_ps for op in ops)
         kept = [op for op in ops if op.end_ps - op.start_ps >= least]
         boxes.append({"tower": tower, "stage": stage, "kind": kind, "micro_batch": micro_batch,
-                      "start_ms": (min(op.start_ps for op in kept) - first) / 1e9,
-                      "end_ms": (max(op.end_ps for op in kept) - first) / 1e9})
-    return sorted(boxes, key=lambda box: box["start_ms"])
+                      "start": (min(op.start_ps for op in kept) - first) / 1e9,
+                      "end": (max(op.end_ps for op in kept) - first) / 1e9})
+    return sorted(boxes, key=lambda box: box["start"])
 
 
 def ideal_boxes(schedule_name, num_stages, micro_batches):
-    """The boxes of towers.schedule.timetable: every action one tick long, in ticks."""
+    """The boxes of towers.schedule.timetable: every action one tick long; start and end in ticks."""
     ticks = schedule.timetable(schedule.make(schedule_name, num_stages, micro_batches))
     return [{"tower": 0, "stage": action.stage, "kind": action.kind,
-             "micro_batch": action.micro_batch, "start_ms": tick, "end_ms": tick + 1}
+             "micro_batch": action.micro_batch, "start": tick, "end": tick + 1}
             for tick, actions in enumerate(ticks) for action in actions]
 
 
@@ -208,7 +211,8 @@ def draw_timeline(panels, path):
     """A Gantt chart per panel: one row per stage device, one box per micro-batch's F and B.
 
     panels: rows of dicts {"title", "row_labels" (one per grid device, tower-major),
-    "boxes" (micro_batch_boxes or ideal_boxes), "num_stages", "unit"} drawn as a grid.
+    "boxes" (micro_batch_boxes or ideal_boxes), "num_stages", "unit" (of start and
+    end: the x axis' label)} drawn as a grid.
     Returns False (and draws nothing) without matplotlib.
     """
     try:
@@ -222,16 +226,16 @@ def draw_timeline(panels, path):
     figure, axes = pyplot.subplots(len(panels), len(panels[0]), squeeze=False,
                                    figsize=(7 * len(panels[0]), (1 + 0.55 * num_rows) * len(panels)))
     for axis, panel in zip(axes.flat, (panel for row in panels for panel in row)):
-        narrowest_label = 0.03 * max(box["end_ms"] for box in panel["boxes"])
+        narrowest_label = 0.03 * max((box["end"] for box in panel["boxes"]), default=0)
         for box in panel["boxes"]:
             row = box["tower"] * panel["num_stages"] + box["stage"]
-            width = box["end_ms"] - box["start_ms"]
+            width = box["end"] - box["start"]
             backward = box["kind"] == schedule.BACKWARD
-            axis.barh(row, width, left=box["start_ms"], height=0.8, edgecolor="black",
+            axis.barh(row, width, left=box["start"], height=0.8, edgecolor="black",
                       linewidth=0.5, color=palette[box["micro_batch"] % len(palette)],
                       alpha=0.6 if backward else 1.0, hatch="//" if backward else None)
             if width >= narrowest_label:  # a narrower box is told by its colour and hatch
-                axis.text(box["start_ms"] + width / 2, row, f"{box['kind']}{box['micro_batch']}",
+                axis.text(box["start"] + width / 2, row, f"{box['kind']}{box['micro_batch']}",
                           ha="center", va="center", fontsize=7, clip_on=True)
         axis.set_yticks(range(len(panel["row_labels"])), panel["row_labels"], fontsize=8)
         axis.invert_yaxis()  # stage 0 on top, as pipelines are drawn

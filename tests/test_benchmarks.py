@@ -188,8 +188,8 @@ class PipelineBenchmarkTest(tf.test.TestCase):
             self.assertCountEqual([(b["stage"], b["kind"], b["micro_batch"]) for b in boxes],
                                   [(k, kind, m) for k in (0, 1) for kind in "FB" for m in (0, 1)])
             for box in boxes:
-                self.assertLessEqual(0.0, box["start_ms"])
-                self.assertLessEqual(box["start_ms"], box["end_ms"])
+                self.assertLessEqual(0.0, box["start"])
+                self.assertLessEqual(box["start"], box["end"])
 
 
 if __name__ == "__main__":
