@@ -20,7 +20,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 import towers  # noqa: E402
-from towers import data as data_lib, models  # noqa: E402
+from towers import data as data_lib, models, schedule  # noqa: E402
 from towers.checkpoint import Checkpointer  # noqa: E402
 
 DEFAULT_EPOCHS = 10
@@ -61,6 +61,21 @@ ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 1,
                                    "Micro-batches each tower runs one after another per step "
                                    "(gradient accumulation: less memory, same result).",
                                    lower_bound=1)
+PIPELINE_STAGES = flags.DEFINE_integer(
+    "pipeline_stages", 1,
+    "Pipeline stages each tower's model is cut into, each on its own device (model "
+    "parallelism): the run uses --num_towers x this many devices. The built-in model is cut "
+    "into stages of about equal estimated compute; 1 = no pipeline.", lower_bound=1)
+MICRO_BATCHES = flags.DEFINE_integer(
+    "micro_batches", 1,
+    "Micro-batches each tower's shard is split into, so the pipeline stages work on "
+    "different micro-batches at once; with --pipeline_stages=1 it is gradient "
+    "accumulation, like --accum_steps (set one of the two).", lower_bound=1)
+PIPELINE_SCHEDULE = flags.DEFINE_enum(
+    "pipeline_schedule", "gpipe", schedule.SCHEDULES,
+    "Order of each stage's forwards and backwards: gpipe (all forwards, then all "
+    "backwards) or 1f1b (alternating, fewer micro-batches' activations alive at once); "
+    "the same weights either way.")
 MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
                                     "Keras dtype policy; mixed_float16 adds dynamic loss "
                                     "scaling shared by all towers.")
@@ -80,6 +95,17 @@ SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout
 DETERMINISTIC = flags.DEFINE_bool("deterministic", False,
                                   "Also make TensorFlow's ops deterministic, so two runs of the "
                                   "same command give identical weights.")
+INTRA_OP_THREADS = flags.DEFINE_integer(
+    "intra_op_threads", 0,
+    "Threads TensorFlow may use inside one op (a matmul, a convolution); 0 = TensorFlow's "
+    "choice (about one per core). Logical CPU devices (towers or stages carved out of one "
+    "CPU) all share this one process-wide pool, so more devices do not bring more threads.",
+    lower_bound=0)
+INTER_OP_THREADS = flags.DEFINE_integer(
+    "inter_op_threads", 0,
+    "Ops TensorFlow may run at the same time; 0 = TensorFlow's choice (about one per core). "
+    "The process has one such pool for all logical CPU devices, so it bounds how many "
+    "towers' and stages' ops overlap.", lower_bound=0)
 WORKER_HOSTS = flags.DEFINE_list("worker_hosts", None,
                                  "host:port of every worker, the chief first; builds the "
                                  "cluster instead of TF_CONFIG. Needs --task_index.")
@@ -106,17 +132,26 @@ def main(argv):
             towers.WorkerLostError) as error:
         print(f"towers-train: error: {error}", file=sys.stderr)
         return 1
+    stages = results["pipeline_stages"]
     print(f"test accuracy {results['eval_accuracy']:.4f} (loss {results['eval_loss']:.4f}) "
           f"after {results['steps']} steps on {results['num_towers']} tower"
-          f"{'s' if results['num_towers'] != 1 else ''}, "
+          f"{'s' if results['num_towers'] != 1 else ''}"
+          f"{f' x {stages} pipeline stages' if stages > 1 else ''}, "
           f"{results['examples_per_sec']:.0f} examples/sec")
     return 0
 
 
 def train():
     """Runs the whole job described by the flags; returns the final metrics."""
-    devices = towers.configure_devices(NUM_TOWERS.value, DEVICE_TYPE.value)
+    _size_thread_pools()  # before anything starts TensorFlow's runtime, which fixes them
     cluster = _cluster()
+    _check_pipeline_flags(cluster)
+    num_stages = PIPELINE_STAGES.value
+    devices = towers.configure_devices(NUM_TOWERS.value * num_stages, DEVICE_TYPE.value)
+    # Tower t runs its stages on devices[t*K:(t+1)*K], one row of the grid per tower;
+    # without a pipeline, a flat list with one device per tower.
+    tower_devices = devices if num_stages == 1 else [
+        devices[t * num_stages:(t + 1) * num_stages] for t in range(NUM_TOWERS.value)]
     if cluster is not None:
         towers.join_cluster(cluster)
         # What decides which examples each step reads; the trainer checks the rest.
@@ -128,10 +163,14 @@ def train():
     keras.utils.set_random_seed(SEED.value)
     if DETERMINISTIC.value:
         tf.config.experimental.enable_op_determinism()
-    if GLOBAL_BATCH_SIZE.value < len(devices) * num_workers:
+    num_towers = NUM_TOWERS.value * num_workers
+    if GLOBAL_BATCH_SIZE.value < num_towers:
         logging.warning("--global_batch_size=%d is smaller than the %d towers: some towers "
-                        "get empty shards and idle.", GLOBAL_BATCH_SIZE.value,
-                        len(devices) * num_workers)
+                        "get empty shards and idle.", GLOBAL_BATCH_SIZE.value, num_towers)
+    elif GLOBAL_BATCH_SIZE.value < num_towers * MICRO_BATCHES.value:
+        logging.warning("--global_batch_size=%d gives each of the %d towers fewer examples "
+                        "than --micro_batches=%d: some micro-batches are empty.",
+                        GLOBAL_BATCH_SIZE.value, num_towers, MICRO_BATCHES.value)
     keras.mixed_precision.set_global_policy(
         "float32" if MIXED_PRECISION.value == "none" else MIXED_PRECISION.value)
     data = data_lib.load_data("npz" if DATA_NPZ.value else DATASET.value,
@@ -139,13 +178,15 @@ def train():
     with tf.device(devices[0]):  # the main device holds the variables
         model = models.build_model(MODEL.value, data.input_shape, data.num_classes,
                                    seed=SEED.value)
+    cuts = _pipeline_cuts(model, num_stages)
     optimizer = (keras.optimizers.Adam(LEARNING_RATE.value) if OPTIMIZER.value == "adam"
                  else keras.optimizers.SGD(LEARNING_RATE.value, momentum=0.9))
     trainer = towers.TowerTrainer(
         model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
-        devices=devices, metrics=["accuracy"], aggregation=AGGREGATION.value,
+        devices=tower_devices, metrics=["accuracy"], aggregation=AGGREGATION.value,
         pack_gradients=PACK_GRADIENTS.value, variable_placement=VARIABLE_PLACEMENT.value,
-        accum_steps=ACCUM_STEPS.value,
+        accum_steps=ACCUM_STEPS.value, pipeline_cuts=cuts or None,
+        micro_batches=MICRO_BATCHES.value, pipeline_schedule=PIPELINE_SCHEDULE.value,
         clip_global_norm=CLIP_GLOBAL_NORM.value or None, cluster=cluster)
     checkpointer = None
     if CHECKPOINT_DIR.value:
@@ -176,7 +217,7 @@ def train():
         "examples_per_sec": history.history["examples_per_sec"][-1] if history.epoch else 0.0,
         "num_towers": trainer.num_towers,
         "num_workers": num_workers,
-        "devices": devices,
+        "devices": tower_devices,
         "dataset": data.name,
         "model": MODEL.value,
         "global_batch_size": GLOBAL_BATCH_SIZE.value,
@@ -184,11 +225,71 @@ def train():
         "variable_placement": VARIABLE_PLACEMENT.value,
         "accum_steps": ACCUM_STEPS.value,
         "mixed_precision": MIXED_PRECISION.value,
+        "pipeline_stages": num_stages,
+        "micro_batches": MICRO_BATCHES.value,
+        "pipeline_schedule": PIPELINE_SCHEDULE.value,
+        "pipeline_cuts": cuts,
     }
     if OUTPUT_JSON.value and is_chief:
         with open(OUTPUT_JSON.value, "w") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def _size_thread_pools():
+    """Sizes TensorFlow's two process-wide thread pools from the flags; 0 keeps its choice."""
+    for flag, set_threads in (
+            (INTRA_OP_THREADS, tf.config.threading.set_intra_op_parallelism_threads),
+            (INTER_OP_THREADS, tf.config.threading.set_inter_op_parallelism_threads)):
+        if flag.value:
+            try:
+                set_threads(flag.value)
+            except RuntimeError:
+                raise ValueError(
+                    f"--{flag.name}={flag.value} comes too late: TensorFlow's runtime already "
+                    "started in this process and fixed its thread pools; pass the flag to a "
+                    "fresh towers-train process.") from None
+
+
+def _check_pipeline_flags(cluster):
+    """Refuses, before any work, flag combinations the pipeline cannot run."""
+    if ACCUM_STEPS.value > 1 and MICRO_BATCHES.value > 1:
+        raise ValueError(
+            f"--accum_steps={ACCUM_STEPS.value} and --micro_batches={MICRO_BATCHES.value} both "
+            "split each tower's shard into micro-batches run one after another; set only one "
+            "of them (--micro_batches with --pipeline_stages).")
+    if PIPELINE_STAGES.value == 1:
+        return
+    if cluster is not None:
+        raise ValueError(
+            f"--pipeline_stages={PIPELINE_STAGES.value} cannot be combined with several "
+            "workers (--worker_hosts or TF_CONFIG): pipeline stages run inside one process "
+            "for now; use --pipeline_stages=1, or train on one worker.")
+    if VARIABLE_PLACEMENT.value == "replicated":
+        raise ValueError(
+            f"--pipeline_stages={PIPELINE_STAGES.value} cannot be combined with "
+            "--variable_placement=replicated: each stage's variables live on one device, "
+            "which all towers read; use --variable_placement=main.")
+
+
+def _pipeline_cuts(model, num_stages):
+    """The layers to cut `model` after for `num_stages` stages; logs the stages' compute."""
+    if num_stages == 1:
+        return []
+    try:
+        cuts = models.pipeline_cuts(model, num_stages)
+    except ValueError as error:
+        raise ValueError(f"--pipeline_stages={num_stages} is too many for this model: {error}"
+                         ) from None
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    names = [layer.name for layer in layers]
+    ends = [names.index(cut) + 1 for cut in cuts] + [len(layers)]
+    compute = [sum(models.layer_compute(layer) for layer in layers[start:end])
+               for start, end in zip([0] + ends[:-1], ends)]
+    logging.info("Pipeline: model %r cut after %s into %d stages, balanced by estimated "
+                 "compute (multiply-adds per example, per stage: %s).", model.name, cuts,
+                 num_stages, ", ".join(f"{c:,}" for c in compute))
+    return cuts
 
 
 def _cluster():
