@@ -47,38 +47,80 @@ class LearningTest(tf.test.TestCase):
 
 class CrashSafetyTest(tf.test.TestCase):
 
-    def test_sigkill_then_rerun_gives_the_uninterrupted_weights(self):
-        args = ["--model=mlp", "--steps=300", "--checkpoint_every=20", "--deterministic",
-                "--global_batch_size=32"]
-        interrupted = self.create_tempdir().full_path
-        command = [sys.executable, "-m", "towers.train", *args,
-                   f"--checkpoint_dir={interrupted}"]
+    def _sigkill_at_first_checkpoint_then_rerun(self, args, directory):
+        """Runs `towers-train ARGS --checkpoint_dir=DIRECTORY`, SIGKILLs it as soon as its
+        first checkpoint exists, and reruns the same command to the end.
+
+        Returns the (epoch, batch) the rerun resumed from and the rerun's --output_json.
+        """
+        command = [sys.executable, "-m", "towers.train", *args, f"--checkpoint_dir={directory}"]
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
-        while not os.path.exists(os.path.join(interrupted, "checkpoint")):
+        while not os.path.exists(os.path.join(directory, "checkpoint")):
             self.assertIsNone(process.poll(), "the run ended before its first checkpoint")
             self.assertLess(time.monotonic(), deadline)
             time.sleep(0.02)
         process.send_signal(signal.SIGKILL)
         process.wait()
-        killed_at = position(checkpoint_values(interrupted))
+        killed_at = position(checkpoint_values(directory))
 
-        output = os.path.join(interrupted, "out.json")
-        resumed = _run_cli(*args, f"--checkpoint_dir={interrupted}", f"--output_json={output}")
+        output = os.path.join(directory, "out.json")
+        resumed = _run_cli(*args, f"--checkpoint_dir={directory}", f"--output_json={output}")
         self.assertEqual(resumed.returncode, 0, resumed.stderr[-2000:])
         with open(output) as f:
-            self.assertEqual(json.load(f)["steps"], 300)
+            return killed_at, json.load(f)
 
-        uninterrupted = self.create_tempdir().full_path
-        straight = _run_cli(*args, f"--checkpoint_dir={uninterrupted}")
-        self.assertEqual(straight.returncode, 0, straight.stderr[-2000:])
+    def _assert_same_weights(self, uninterrupted, interrupted, killed_at, first_checkpoint):
+        """The two runs' final checkpoints hold identical tensors, and the interrupted one
+        was killed at or after `first_checkpoint` (epoch, batch) but before the end."""
         expected, actual = checkpoint_values(uninterrupted), checkpoint_values(interrupted)
-        self.assertBetween(killed_at, (0, 20), position(expected))
+        self.assertBetween(killed_at, first_checkpoint, position(expected))
         self.assertNotEqual(killed_at, position(expected))
         self.assertEqual(sorted(expected), sorted(actual))
         for name in expected:
             self.assertAllEqual(expected[name], actual[name], msg=name)
+
+    def test_sigkill_then_rerun_gives_the_uninterrupted_weights(self):
+        args = ["--model=mlp", "--steps=300", "--checkpoint_every=20", "--deterministic",
+                "--global_batch_size=32"]
+        interrupted = self.create_tempdir().full_path
+        killed_at, resumed = self._sigkill_at_first_checkpoint_then_rerun(args, interrupted)
+        self.assertEqual(resumed["steps"], 300)
+
+        uninterrupted = self.create_tempdir().full_path
+        straight = _run_cli(*args, f"--checkpoint_dir={uninterrupted}")
+        self.assertEqual(straight.returncode, 0, straight.stderr[-2000:])
+        self._assert_same_weights(uninterrupted, interrupted, killed_at, first_checkpoint=(0, 20))
+
+    def test_pipeline_of_2_towers_x_2_stages_learns_and_resumes_after_sigkill(self):
+        # The 4 devices of 2 towers x 2 stages; 10 epochs of 23 steps on digits. The
+        # thread flags must reach TensorFlow before its runtime starts, or the run fails.
+        args = ["--num_towers=2", "--pipeline_stages=2", "--micro_batches=2",
+                "--pipeline_schedule=1f1b", "--steps=230", "--checkpoint_every=20",
+                "--deterministic", "--intra_op_threads=2", "--inter_op_threads=2"]
+        uninterrupted = self.create_tempdir().full_path
+        output = os.path.join(uninterrupted, "out.json")
+        straight = _run_cli(*args, f"--checkpoint_dir={uninterrupted}", f"--output_json={output}")
+        self.assertEqual(straight.returncode, 0, straight.stderr[-2000:])
+        self.assertIn("on 2 towers x 2 pipeline stages", straight.stdout)
+        self.assertIn("balanced by estimated compute", straight.stderr)
+        with open(output) as f:
+            results = json.load(f)
+        self.assertGreaterEqual(results["eval_accuracy"], 0.95)
+        self.assertEqual(
+            {key: results[key] for key in ("num_towers", "pipeline_stages", "micro_batches",
+                                           "pipeline_schedule", "steps", "model")},
+            {"num_towers": 2, "pipeline_stages": 2, "micro_batches": 2,
+             "pipeline_schedule": "1f1b", "steps": 230, "model": "cnn"})
+        self.assertLen(results["pipeline_cuts"], 1)
+        self.assertEqual([len(row) for row in results["devices"]], [2, 2])  # towers x stages
+        self.assertLen(set(sum(results["devices"], [])), 4)
+
+        interrupted = self.create_tempdir().full_path
+        killed_at, resumed = self._sigkill_at_first_checkpoint_then_rerun(args, interrupted)
+        self.assertEqual(resumed["steps"], 230)
+        self._assert_same_weights(uninterrupted, interrupted, killed_at, first_checkpoint=(0, 20))
 
 
 class InProcessTest(tf.test.TestCase, parameterized.TestCase):
@@ -90,10 +132,12 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_accumulation_flag_gives_the_same_model(self):
         results = []
-        for accum_steps in (1, 3):
-            with flagsaver.flagsaver(**QUICK, steps=8, accum_steps=accum_steps):
+        # With one pipeline stage, --micro_batches is gradient accumulation too.
+        for options in (dict(), dict(accum_steps=3), dict(micro_batches=3)):
+            with flagsaver.flagsaver(**QUICK, steps=8, **options):
                 results.append(train.train())
         self.assertAllClose(results[0]["eval_loss"], results[1]["eval_loss"], atol=1e-5)
+        self.assertAllClose(results[0]["eval_loss"], results[2]["eval_loss"], atol=1e-5)
 
     @parameterized.parameters("mixed_float16", "mixed_bfloat16")
     def test_mixed_precision_flag(self, policy):
@@ -162,6 +206,28 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
             results = json.load(f)
         self.assertEqual((results["dataset"], results["steps"]), ("npz", 2))
         self.assertBetween(results["eval_accuracy"], 0.0, 1.0)
+        self.assertEqual(
+            {key: results[key] for key in ("pipeline_stages", "micro_batches",
+                                           "pipeline_schedule", "pipeline_cuts")},
+            {"pipeline_stages": 1, "micro_batches": 1, "pipeline_schedule": "gpipe",
+             "pipeline_cuts": []})
+        self.assertLen(results["devices"], 4)  # flat: one device per tower
+
+    @parameterized.named_parameters(
+        ("several_workers", dict(worker_hosts=["127.0.0.1:2222", "127.0.0.1:2223"], task_index=0),
+         "--pipeline_stages=2 cannot be combined with several workers"),
+        ("replicated_variables", dict(variable_placement="replicated"),
+         "--pipeline_stages=2 cannot be combined with --variable_placement=replicated"))
+    def test_pipeline_refuses_before_any_work(self, flag_values, message):
+        with flagsaver.flagsaver(**QUICK, steps=1, pipeline_stages=2, **flag_values):
+            with self.assertRaisesRegex(ValueError, message):
+                train.train()
+
+    def test_thread_flags_after_the_runtime_started_are_refused(self):
+        # conftest.py started this process's runtime; a fresh towers-train has not.
+        with flagsaver.flagsaver(**QUICK, steps=1, intra_op_threads=1):
+            with self.assertRaisesRegex(ValueError, "--intra_op_threads=1 comes too late"):
+                train.train()
 
     def test_tensorboard_scalars(self):
         log_dir = self.create_tempdir().full_path
@@ -183,10 +249,18 @@ class BadFlagsTest(tf.test.TestCase, parameterized.TestCase):
         ("unknown_dataset", "--dataset=imagenet", "--dataset", "digits|synthetic"),
         ("unknown_model", "--model=vgg", "--model", "mlp|cnn|resnet|text"),
         ("zero_towers", "--num_towers=0", "--num_towers", "positive integer"),
-        ("missing_npz", "--data_npz=/no/such/file.npz", "error", "/no/such/file.npz"),
+        ("missing_npz", "--data_npz=/no/such/file.npz", "towers-train: error",
+         "/no/such/file.npz"),
+        ("zero_pipeline_stages", "--pipeline_stages=0", "--pipeline_stages", "positive integer"),
+        ("zero_micro_batches", "--micro_batches=0", "--micro_batches", "positive integer"),
+        ("unknown_schedule", "--pipeline_schedule=bogus", "--pipeline_schedule", "gpipe|1f1b"),
+        ("more_stages_than_layers", "--model=mlp --num_towers=1 --pipeline_stages=5",
+         "--pipeline_stages", "from 1 to 4"),
+        ("accum_steps_and_micro_batches", "--accum_steps=2 --micro_batches=2",
+         "--micro_batches", "set only one"),
     )
-    def test_bad_flag_exits_with_one_line_naming_it(self, flag, name, allowed):
-        result = _run_cli(flag, "--steps=1")
+    def test_bad_flag_exits_with_one_line_naming_it(self, flags_given, name, allowed):
+        result = _run_cli(*flags_given.split(), "--steps=1")
         self.assertNotEqual(result.returncode, 0)
         message = [line for line in result.stderr.splitlines() if name in line]
         self.assertLen(message, 1, result.stderr[-2000:])
