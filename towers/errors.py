@@ -18,8 +18,8 @@ class Preempted(RuntimeError):
     (if it had a checkpointer). Fitting again with the same checkpointer resumes.
 
     Attributes:
-      signal_name: "SIGTERM" or "SIGINT" (in a cluster: the one this worker got, or
-        "a signal to another worker").
+      signal_name: "SIGTERM" or "SIGINT" (in a cluster, where every worker stops
+        alike: "SIGTERM or SIGINT to a worker").
       step: optimizer steps applied when training stopped (int).
       directory: where the checkpoint went, or None when nothing was saved.
     """

@@ -197,8 +197,9 @@ def _stop(trainer, checkpointer, saver, signals, position):
     """After a stop signal: saves the exact position (the chief) and raises Preempted."""
     if saver is not None:
         saver.save(*position)
-    raise Preempted(signals.received or "a signal to another worker", trainer.step,
-                    None if checkpointer is None else checkpointer.directory)
+    # Every worker of a cluster stops after the same step and says the same line.
+    raise Preempted(signals.received if trainer.cluster is None else "SIGTERM or SIGINT to a "
+                    "worker", trainer.step, None if checkpointer is None else checkpointer.directory)
 
 
 def _metric_logs(trainer, loss):

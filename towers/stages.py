@@ -132,15 +132,15 @@ class Stages:
 
 
 def check_pipeline(pipeline_cuts, main_device, variable_placement, cluster):
-    """pipeline_cuts as a list of layer names (None: no pipeline), after refusing,
-    up front, what pipeline stages cannot be combined with."""
+    """pipeline_cuts as a list of layer names, or None for no pipeline (None or an
+    empty list: one stage), after refusing, up front, what pipeline stages cannot
+    be combined with."""
     if pipeline_cuts is None:
         return None
     if isinstance(pipeline_cuts, str) or not isinstance(pipeline_cuts, (list, tuple)):
         raise ValueError(f"pipeline_cuts must be a list of layer names, got {pipeline_cuts!r}.")
     if not pipeline_cuts:
-        raise ValueError("pipeline_cuts is empty; name at least one layer to cut after, or "
-                         "pass None for no pipeline.")
+        return None
     refused = {
         "main_device": (main_device is not None,
                         "stage k's variables live on devices[0][k]; leave main_device=None"),

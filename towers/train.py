@@ -3,7 +3,8 @@
     python -m towers.train --dataset=digits --model=cnn --num_towers=4
 
 Rerunning the same command with --checkpoint_dir resumes from the newest
-checkpoint. With TF_CONFIG set, or --worker_hosts and --task_index, the
+checkpoint. SIGTERM or SIGINT stops it after the running step with a checkpoint
+at the exact position, one line on stderr and exit status 75. With TF_CONFIG set, or --worker_hosts and --task_index, the
 process is one worker of a cluster (docs/multi_worker.md). This is the only
 module that defines flags.
 """
@@ -24,6 +25,8 @@ from towers import data as data_lib, models, schedule  # noqa: E402
 from towers.checkpoint import Checkpointer  # noqa: E402
 
 DEFAULT_EPOCHS = 10
+# EX_TEMPFAIL (sysexits.h): stopped on request; the same command resumes.
+PREEMPTED_EXIT_STATUS = 75
 OPTIMIZERS = ("adam", "sgd")
 MIXED_PRECISION_POLICIES = ("none", "mixed_float16", "mixed_bfloat16")
 
@@ -132,6 +135,9 @@ def main(argv):
             towers.WorkerLostError) as error:
         print(f"towers-train: error: {error}", file=sys.stderr)
         return 1
+    except towers.Preempted as stopped:
+        print(f"towers-train: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_STATUS
     stages = results["pipeline_stages"]
     print(f"test accuracy {results['eval_accuracy']:.4f} (loss {results['eval_loss']:.4f}) "
           f"after {results['steps']} steps on {results['num_towers']} tower"
