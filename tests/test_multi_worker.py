@@ -4,12 +4,15 @@ Worker processes run on 127.0.0.1 ports of this machine; tests that need none
 check the cluster description and the errors a user can make.
 """
 
+import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -65,6 +68,15 @@ def _wait_for_checkpoint(directory, processes, timeout_s=120):
         assert all(p.poll() is None for p in processes), "a worker ended before a checkpoint"
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.02)
+
+
+@functools.lru_cache(maxsize=None)
+def _uninterrupted_run():
+    """The checkpoint directory of CLI_ARGS run to the end by 2 workers (run once)."""
+    directory = tempfile.mkdtemp()
+    straight = _launch("2", *CLI_ARGS, f"--checkpoint_dir={directory}")
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    return directory
 
 
 class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
@@ -139,10 +151,35 @@ class FaultTest(tf.test.TestCase):
         self.assertEqual(resumed.returncode, 0, resumed.stdout[-3000:])
         with open(result_file) as f:
             self.assertEqual(json.load(f)["steps"], 120)
-        straight_dir = self.create_tempdir().full_path
-        straight = _launch("2", *CLI_ARGS, f"--checkpoint_dir={straight_dir}")
-        self.assertEqual(straight.returncode, 0, straight.stdout[-3000:])
-        expected, actual = checkpoint_values(straight_dir), checkpoint_values(directory)
+        expected, actual = checkpoint_values(_uninterrupted_run()), checkpoint_values(directory)
+        self.assertEqual(sorted(expected), sorted(actual))
+        for name in expected:
+            self.assertAllEqual(expected[name], actual[name], msg=name)
+
+    def test_sigterm_to_one_worker_stops_all_after_the_same_step_and_a_relaunch_resumes(self):
+        directory = self.create_tempdir().full_path
+        # No periodic checkpoint comes round in 120 steps: only the stop saves one.
+        args = [*CLI_ARGS, "--checkpoint_every=1000", f"--checkpoint_dir={directory}"]
+        launcher = subprocess.Popen([*LAUNCHER, "2", *args], cwd=ROOT, env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        pids = [int(launcher.stdout.readline().split()[4]) for _ in range(2)]
+        for line in launcher.stdout:  # the progress lines start once steps run
+            if line.startswith("[worker 0]") and "batch" in line:
+                break
+        os.kill(pids[1], signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=120)
+        self.assertEqual(launcher.returncode, 75, output[-3000:])
+        stops = re.findall(r"\[worker (\d)\] towers-train: stopped by SIGTERM or SIGINT to a "
+                           r"worker after step (\d+): a checkpoint is saved in (\S+); rerun "
+                           r"the same command to resume\.", output)
+        self.assertEqual(sorted(w for w, _, _ in stops), ["0", "1"], output[-3000:])
+        self.assertEqual(len({(step, where) for _, step, where in stops}), 1)  # the same line
+        step = int(stops[0][1])
+        self.assertEqual(position(checkpoint_values(directory)), divmod(step, 45))
+
+        relaunched = _launch("2", *args)
+        self.assertEqual(relaunched.returncode, 0, relaunched.stdout[-3000:])
+        expected, actual = checkpoint_values(_uninterrupted_run()), checkpoint_values(directory)
         self.assertEqual(sorted(expected), sorted(actual))
         for name in expected:
             self.assertAllEqual(expected[name], actual[name], msg=name)

@@ -2,8 +2,12 @@
 raised, and fitting again resumes to the weights of a run that never stopped."""
 
 import functools
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import tempfile
 
 import keras
@@ -14,6 +18,8 @@ from tests import reference
 from tests.checkpoint_files import checkpoint_values, position
 
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 STEPS_PER_EPOCH = 5
 
 
@@ -103,3 +109,45 @@ class PreemptionTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "towers.train", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=ENV, timeout=300)
+
+
+class CommandLineTest(tf.test.TestCase):
+
+    def test_sigterm_saves_says_one_line_and_a_rerun_ends_as_if_never_stopped(self):
+        # No periodic checkpoint comes round in 120 steps: only the stop saves one.
+        args = ["--model=mlp", "--steps=120", "--checkpoint_every=1000", "--deterministic",
+                "--global_batch_size=32"]
+        stopped = tempfile.mkdtemp(dir=self.get_temp_dir())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "towers.train", *args, f"--checkpoint_dir={stopped}"],
+            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for line in process.stderr:  # the progress lines start once steps run
+            if "batch" in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+        self.assertEqual(process.returncode, 75, stderr[-2000:])
+        last = stderr.strip().splitlines()[-1]
+        self.assertRegex(last, rf"^towers-train: stopped by SIGTERM after step (\d+): a "
+                               rf"checkpoint is saved in {stopped}; rerun the same command")
+        step = int(re.search(r"after step (\d+)", last).group(1))
+        self.assertBetween(step, 1, 119)
+        self.assertEqual(position(checkpoint_values(stopped)), divmod(step, 45))  # 45 a epoch
+
+        output = os.path.join(stopped, "out.json")
+        rerun = _run_cli(*args, f"--checkpoint_dir={stopped}", f"--output_json={output}")
+        self.assertEqual(rerun.returncode, 0, rerun.stderr[-2000:])
+        with open(output) as f:
+            self.assertEqual(json.load(f)["steps"], 120)
+        straight = tempfile.mkdtemp(dir=self.get_temp_dir())
+        result = _run_cli(*args, f"--checkpoint_dir={straight}")
+        self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+        expected, actual = checkpoint_values(straight), checkpoint_values(stopped)
+        self.assertEqual(sorted(expected), sorted(actual))
+        for name in expected:
+            self.assertAllEqual(expected[name], actual[name], msg=name)

@@ -7,7 +7,9 @@ importing the package loads it). Every worker runs `python -m towers.train`
 with the same flags plus its own --worker_hosts and --task_index; its output
 lines are prefixed "[worker i]". On a machine with GPUs each worker gets its
 own equal share of them (CUDA_VISIBLE_DEVICES). The launcher waits for all of
-them and exits 0 only if every worker did. A worker that fails makes the
+them and exits 0 only if every worker did (75, as a worker does, when every
+worker stopped on SIGTERM/SIGINT; a signal to the launcher is passed on to
+every worker as SIGTERM). A worker that fails makes the
 others stop by themselves (within --peer_timeout_s); any still running
 GRACE_S seconds after the first failure are terminated. Rerunning the same
 command with --checkpoint_dir resumes every worker.
@@ -22,6 +24,7 @@ import threading
 import time
 
 GRACE_S = 120.0
+PREEMPTED_EXIT_STATUS = 75  # towers.train's, repeated: this file runs without TensorFlow
 USAGE = "usage: scripts/launch_local_workers NUM_WORKERS [towers-train flags]"
 
 
@@ -67,6 +70,8 @@ def main(argv):
     for i in failed:
         print(f"launch: worker {i} exited with status {codes[i]}", file=sys.stderr, flush=True)
     print(f"launch: {num_workers - len(failed)} of {num_workers} workers succeeded", flush=True)
+    if failed and all(code == PREEMPTED_EXIT_STATUS for code in codes):
+        return PREEMPTED_EXIT_STATUS  # all stopped on a signal, checkpointed: rerun to resume
     return 1 if failed else 0
 
 
