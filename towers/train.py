@@ -4,9 +4,9 @@
 
 Rerunning the same command with --checkpoint_dir resumes from the newest
 checkpoint. SIGTERM or SIGINT stops it after the running step with a checkpoint
-at the exact position, one line on stderr and exit status 75. With TF_CONFIG set, or --worker_hosts and --task_index, the
-process is one worker of a cluster (docs/multi_worker.md). This is the only
-module that defines flags.
+at the exact position, one line on stderr and exit status 75. With TF_CONFIG
+set, or --worker_hosts and --task_index, the process is one worker of a
+cluster (docs/multi_worker.md). This is the only module that defines flags.
 """
 
 import json
