@@ -19,6 +19,8 @@ import keras
 import numpy as np
 from keras import layers, ops
 
+from towers import stages
+
 MODELS = ("mlp", "cnn", "resnet", "text")
 
 TEXT_LEVELS = 16         # intensity bins per pixel in the text model
@@ -213,7 +215,13 @@ def pipeline_cuts(model, num_stages):
 
     Returns:
       list of num_stages - 1 layer names (empty for one stage).
+
+    Raises:
+      ValueError: a subclassed model (no graph of layers to cut), or a bad num_stages.
     """
+    # The same refusal split_model gives, before layer.output fails on a layer
+    # that a subclassed model called eagerly.
+    stages._graph_of(model)
     layers_ = [layer for layer in model.layers if not isinstance(layer, layers.InputLayer)]
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or \
             not 1 <= num_stages <= len(layers_):

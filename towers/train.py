@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 import towers  # noqa: E402
-from towers import data as data_lib, models, schedule  # noqa: E402
+from towers import data as data_lib, model_spec, models, schedule  # noqa: E402
 from towers.checkpoint import Checkpointer  # noqa: E402
 
 DEFAULT_EPOCHS = 10
@@ -34,9 +34,13 @@ DATASET = flags.DEFINE_enum("dataset", "digits", data_lib.DATASETS,
                             "Training data: the 8x8 digits scikit-learn ships (offline), random "
                             "synthetic images, or a keras.datasets set.")
 DATA_NPZ = flags.DEFINE_string("data_npz", None,
-                               "Your own .npz with x_train, y_train, x_test, y_test; "
-                               "overrides --dataset.")
-MODEL = flags.DEFINE_enum("model", "cnn", models.MODELS, "Which model to train.")
+                               "Your own .npz with x_train, y_train and optionally x_test, "
+                               "y_test (without them a fixed, stratified 10% of the training "
+                               "examples is held out for evaluation); overrides --dataset.")
+MODEL = flags.DEFINE_string("model", "cnn",
+                            f"Which model to train, one of three forms: {model_spec.FORMS}. "
+                            "PACKAGE.MODULE is imported from the current directory, e.g. "
+                            "--model=examples.my_model:small_cnn.")
 NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices) on this worker.",
                                   lower_bound=1)
 DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", towers.devices.DEVICE_TYPES,
@@ -152,6 +156,7 @@ def train():
     _size_thread_pools()  # before anything starts TensorFlow's runtime, which fixes them
     cluster = _cluster()
     _check_pipeline_flags(cluster)
+    _check_model_flag()
     num_stages = PIPELINE_STAGES.value
     devices = towers.configure_devices(NUM_TOWERS.value * num_stages, DEVICE_TYPE.value)
     # Tower t runs its stages on devices[t*K:(t+1)*K], one row of the grid per tower;
@@ -182,8 +187,11 @@ def train():
     data = data_lib.load_data("npz" if DATA_NPZ.value else DATASET.value,
                               data_npz=DATA_NPZ.value, seed=SEED.value)
     with tf.device(devices[0]):  # the main device holds the variables
-        model = models.build_model(MODEL.value, data.input_shape, data.num_classes,
-                                   seed=SEED.value)
+        try:
+            model = model_spec.load_model(MODEL.value, data.input_shape, data.num_classes,
+                                          seed=SEED.value)
+        except ValueError as error:
+            raise ValueError(f"--model: {error}") from None
     cuts = _pipeline_cuts(model, num_stages)
     optimizer = (keras.optimizers.Adam(LEARNING_RATE.value) if OPTIMIZER.value == "adam"
                  else keras.optimizers.SGD(LEARNING_RATE.value, momentum=0.9))
@@ -200,6 +208,8 @@ def train():
             trainer.optimizer.build(model.trainable_variables)
         checkpointer = Checkpointer(CHECKPOINT_DIR.value, model, trainer.optimizer,
                                     every_steps=CHECKPOINT_EVERY.value, writer=is_chief)
+        # Restoring compares variable shapes only; this also compares which model it is.
+        model_spec.claim_checkpoint_dir(CHECKPOINT_DIR.value, MODEL.value, writer=is_chief)
 
     steps_per_epoch = data_lib.steps_per_epoch(data, GLOBAL_BATCH_SIZE.value)
     epochs = (math.ceil(STEPS.value / steps_per_epoch) if STEPS.value
@@ -278,6 +288,14 @@ def _check_pipeline_flags(cluster):
             "which all towers read; use --variable_placement=main.")
 
 
+def _check_model_flag():
+    """Refuses, before any work, a --model of none of the three forms."""
+    try:
+        model_spec.form_of(MODEL.value)
+    except ValueError as error:
+        raise ValueError(f"--model: {error}") from None
+
+
 def _pipeline_cuts(model, num_stages):
     """The layers to cut `model` after for `num_stages` stages; logs the stages' compute."""
     if num_stages == 1:
@@ -285,7 +303,7 @@ def _pipeline_cuts(model, num_stages):
     try:
         cuts = models.pipeline_cuts(model, num_stages)
     except ValueError as error:
-        raise ValueError(f"--pipeline_stages={num_stages} is too many for this model: {error}"
+        raise ValueError(f"--pipeline_stages={num_stages} cannot cut this model: {error}"
                          ) from None
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     names = [layer.name for layer in layers]
