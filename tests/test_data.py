@@ -1,5 +1,6 @@
 """towers.data: the datasets' arrays and the order and content of their batches."""
 
+import logging
 import os
 import sys
 
@@ -278,6 +279,75 @@ def test_npz_is_never_unpickled(tmp_path):
                       y_train=np.array([0, 1]), x_test=np.zeros((1, 2)), y_test=np.array([1]))
     with pytest.raises(ValueError, match="x_train holds Python objects"):
         data_lib.load_data("npz", data_npz=path)
+
+
+def test_holdout_split_is_stratified_fixed_and_disjoint():
+    # 10 classes of 10..100 examples (550 in all), in a shuffled order.
+    labels = np.repeat(np.arange(10), np.arange(10, 101, 10))
+    labels = np.random.default_rng(1).permutation(labels)
+    train_index, holdout_index = data_lib.holdout_split(labels)
+
+    assert len(holdout_index) == 55  # 10%
+    np.testing.assert_array_equal(np.sort(np.concatenate([train_index, holdout_index])),
+                                  np.arange(len(labels)))  # disjoint, and together all
+    # Stratified: every class holds out 10% of its examples, to within one.
+    np.testing.assert_allclose(np.bincount(labels[holdout_index], minlength=10),
+                               0.1 * np.bincount(labels), atol=1)
+    # Fixed: the same examples on every call; another seed draws others.
+    again = data_lib.holdout_split(labels)
+    np.testing.assert_array_equal(again[1], holdout_index)
+    assert not np.array_equal(data_lib.holdout_split(labels, seed=1)[1], holdout_index)
+
+
+@pytest.mark.parametrize("sizes, held_out", [
+    ([14], 1),            # 1.4 rounds down
+    ([25], 3),            # 2.5 rounds up (Python's round() would give 2)
+    ([3, 1, 1], 1),       # 0.5 -> at least one, from the class that can spare it
+    ([1, 1, 2], 1),
+    ([2] * 30, 6),        # 6 classes give one each, every class keeps one
+])
+def test_holdout_split_rounds_and_keeps_a_training_example_per_class(sizes, held_out):
+    labels = np.repeat(np.arange(len(sizes)), sizes)
+    train_index, holdout_index = data_lib.holdout_split(labels)
+    assert len(holdout_index) == held_out
+    assert set(labels[train_index]) == set(labels)
+
+
+def test_holdout_split_needs_a_class_with_two_examples():
+    with pytest.raises(ValueError, match="no class has two; add x_test and y_test"):
+        data_lib.holdout_split(np.arange(5))
+
+
+def test_npz_without_test_split_holds_out_10_percent(tmp_path, caplog):
+    # 60 examples of 3 classes (10, 20, 30); pixel (0, 0) numbers the example.
+    x = np.zeros((60, 2, 2), np.uint8)
+    x[:, 0, 0] = np.arange(60)
+    y = np.random.default_rng(0).permutation(np.repeat([0, 1, 2], [10, 20, 30]))
+    path = _write_npz(tmp_path, x_train=x, y_train=y)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        data = data_lib.load_data("npz", data_npz=path, seed=0)
+    assert "holding out 6 of the 60 training examples" in caplog.text
+
+    train_ids = np.round(data.x_train[:, 0, 0, 0] * 255).astype(int)
+    test_ids = np.round(data.x_test[:, 0, 0, 0] * 255).astype(int)
+    assert len(test_ids) == 6 and len(train_ids) == 54
+    assert not set(train_ids) & set(test_ids)
+    np.testing.assert_array_equal(data.y_test, y[test_ids])  # labels stay with their images
+    np.testing.assert_array_equal(data.y_train, y[train_ids])
+    np.testing.assert_array_equal(np.bincount(data.y_test), [1, 2, 3])  # stratified
+    assert data.num_classes == 3 and data.input_shape == (2, 2, 1)
+    # The training seed does not move the split.
+    other = data_lib.load_data("npz", data_npz=path, seed=5)
+    np.testing.assert_array_equal(other.x_test, data.x_test)
+
+
+@pytest.mark.parametrize("present", ["x_test", "y_test"])
+def test_npz_with_one_test_array_is_an_error(tmp_path, present):
+    arrays = dict(x_train=np.zeros((4, 2)), y_train=np.array([0, 1, 0, 1]))
+    arrays[present] = arrays[present.replace("test", "train")]
+    missing = "y_test" if present == "x_test" else "x_test"
+    with pytest.raises(ValueError, match=f"lacks {missing};.*x_test, y_test both or neither"):
+        data_lib.load_data("npz", data_npz=_write_npz(tmp_path, **arrays))
 
 
 # --- Keras datasets, offline ----------------------------------------------------------------

@@ -24,8 +24,11 @@ from towers import split
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+HOLDOUT_FRACTION = 0.1  # of an .npz's training examples, when it has no test split
 
-_DIGITS_SPLIT_SEED = 0  # fixed, so the test set is the same whatever the training seed
+# Fixed, so the test set is the same whatever the training seed.
+_DIGITS_SPLIT_SEED = 0
+_HOLDOUT_SEED = 0
 _SYNTHETIC_SHAPE, _SYNTHETIC_CLASSES = (32, 32, 3), 10
 _SYNTHETIC_TRAIN, _SYNTHETIC_TEST = 2048, 512
 
@@ -85,7 +88,9 @@ def load_data(name, data_npz=None, seed=0):
         read without unpickling. x may be (N, H, W, C), (N, H, W) (a channel
         is added) or (N, D) (a column image (N, D, 1, 1)); integer x is taken
         as 0..255 pixels and divided by 255. y: integer class ids (integral
-        floats and (N, 1) are accepted); num_classes = max label + 1.
+        floats and (N, 1) are accepted); num_classes = max label + 1. Without
+        x_test and y_test, `holdout_split` keeps a fixed, stratified 10% of
+        the training examples apart as the test split (one log line says so).
       seed: non-negative int; draws the "synthetic" arrays. The "digits"
         train/test split is fixed and does not depend on it.
 
@@ -96,7 +101,10 @@ def load_data(name, data_npz=None, seed=0):
     """
     _check_int("seed", seed, minimum=0)
     if data_npz is not None:
-        return _from_arrays(str(name), *_read_npz(data_npz))
+        x_train, y_train, x_test, y_test = _read_npz(data_npz)
+        if x_test is None:
+            return _with_holdout(str(name), x_train, y_train)
+        return _from_arrays(str(name), x_train, y_train, x_test, y_test)
     if name == "digits":
         return _load_digits()
     if name == "synthetic":
@@ -155,6 +163,56 @@ def eval_dataset(data, global_batch_size):
     _check_int("global_batch_size", global_batch_size, minimum=1)
     return _batches(data._host_tensors["test"], np.arange(len(data.y_test)),
                     global_batch_size)
+
+
+def holdout_split(labels, fraction=HOLDOUT_FRACTION, seed=_HOLDOUT_SEED):
+    """Stratified indices of a training part and a held-out part of `labels`.
+
+    round(fraction * N) examples are held out (half up, at least one), shared
+    among the classes in proportion to their sizes (largest remainders first),
+    but every class keeps at least one training example. Which examples of a
+    class go is drawn from `seed` alone, so the split is the same for every
+    training seed.
+
+    Args:
+      labels: (N,) integer class ids.
+      fraction: the share to hold out, in (0, 1).
+      seed: int >= 0.
+
+    Returns:
+      (train_index, holdout_index): sorted int64 arrays that together are
+      0..N-1, each example in exactly one.
+
+    Raises:
+      ValueError: a bad fraction, or no class with two examples to spare one.
+    """
+    labels = np.asarray(labels)
+    _check_int("seed", seed, minimum=0)
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction!r}.")
+    classes, class_of, sizes = np.unique(labels, return_inverse=True, return_counts=True)
+    spare = sizes - 1  # each class keeps one training example
+    if not spare.sum():
+        raise ValueError(f"cannot hold out a test split from {len(labels)} examples: no class "
+                         "has two; add x_test and y_test.")
+    wanted = min(max(1, math.floor(fraction * len(labels) + 0.5)), int(spare.sum()))
+    share = sizes * (wanted / len(labels))  # each class's exact share
+    take = np.minimum(np.floor(share).astype(np.int64), spare)
+    # The rest go to the largest remainders among classes with examples to spare.
+    for c in np.argsort(-(share - take), kind="stable"):
+        if take.sum() == wanted:
+            break
+        if take[c] < spare[c]:
+            take[c] += 1
+    while take.sum() < wanted:  # only when the caps left some over: fill in class order
+        c = int(np.flatnonzero(take < spare)[0])
+        take[c] += 1
+    rng = np.random.default_rng(seed)
+    held_out = np.concatenate([
+        rng.permutation(np.flatnonzero(class_of == c))[:take[c]] for c in range(len(classes))])
+    is_held_out = np.zeros(len(labels), bool)
+    is_held_out[held_out] = True
+    return np.flatnonzero(~is_held_out), np.flatnonzero(is_held_out)
 
 
 def steps_per_epoch(data, global_batch_size):
@@ -260,7 +318,10 @@ def _online(url, timeout_s=3.0):
 
 
 def _read_npz(path):
-    """x_train, y_train, x_test, y_test from an .npz file, never unpickling."""
+    """x_train, y_train, x_test, y_test from an .npz file, never unpickling.
+
+    x_test and y_test are None when the file has neither.
+    """
     path = os.path.expanduser(os.fspath(path))
     if not os.path.isfile(path):
         raise ValueError(f"data_npz file {path!r} does not exist; give an .npz with arrays "
@@ -275,18 +336,35 @@ def _read_npz(path):
                          f"arrays {', '.join(NPZ_KEYS)}; write it with numpy.savez.")
     with arrays:
         missing = [key for key in NPZ_KEYS if key not in arrays.files]
-        if missing:
+        if missing in ([], ["x_test", "y_test"]):
+            keys = [key for key in NPZ_KEYS if key not in missing]
+        else:
             raise ValueError(f"data_npz file {path!r} lacks {', '.join(missing)}; it has "
-                             f"{', '.join(arrays.files) or 'no arrays'}, and needs "
-                             f"{', '.join(NPZ_KEYS)}.")
+                             f"{', '.join(arrays.files) or 'no arrays'}, and needs x_train, "
+                             "y_train, and x_test, y_test both or neither (without them 10% "
+                             "of the training examples is held out).")
         loaded = []
-        for key in NPZ_KEYS:
+        for key in keys:
             try:
                 loaded.append(arrays[key])
             except ValueError:
                 raise ValueError(f"data_npz file {path!r}: {key} holds Python objects, which "
                                  "are not unpickled; save numeric arrays.") from None
-    return loaded
+    return loaded + [None] * (len(NPZ_KEYS) - len(loaded))
+
+
+def _with_holdout(name, x_train, y_train):
+    """Data whose test split is holdout_split's part of the training arrays."""
+    # Checked and converted first, so the split sees (N,) class ids whatever the file
+    # held; the first training example stands in for the missing test split meanwhile.
+    checked = _from_arrays(name, x_train, y_train, x_train[:1], y_train[:1])
+    train_index, test_index = holdout_split(checked.y_train)
+    logging.info("%s: no x_test, y_test; holding out %d of the %d training examples (%g%%, "
+                 "stratified by class, the same whatever the seed) for evaluation.", name,
+                 len(test_index), len(checked.y_train), 100 * HOLDOUT_FRACTION)
+    return Data(checked.x_train[train_index], checked.y_train[train_index],
+                checked.x_train[test_index], checked.y_train[test_index],
+                checked.num_classes, name)
 
 
 def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
