@@ -1,6 +1,12 @@
-"""The --model zoo: shapes, parameter counts, one gradient step, seeds and errors."""
+"""The --model zoo: shapes, parameter counts, one gradient step, seeds and errors; and
+the other forms --model takes (towers.model_spec)."""
 
 import itertools
+import json
+import os
+import sys
+import tempfile
+from unittest import mock
 
 import keras
 import numpy as np
@@ -8,7 +14,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
-from towers import models
+from towers import model_spec, models
 
 DIGITS, CIFAR = (8, 8, 1), (32, 32, 3)
 NUM_CLASSES = 10
@@ -311,3 +317,92 @@ class PipelineCutsTest(tf.test.TestCase, parameterized.TestCase):
         model = models.build_model("mlp", DIGITS, NUM_CLASSES, seed=0)  # 4 layers
         with self.assertRaisesRegex(ValueError, "num_stages must be an int from 1 to 4"):
             models.pipeline_cuts(model, num_stages)
+
+
+class SubclassedModel(keras.Model):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, images):
+        return self.logits(self.flatten(images))
+
+
+class ModelSpecTest(tf.test.TestCase, parameterized.TestCase):
+    """What model_spec adds to build_model; tests/test_train.py runs each form and error."""
+
+    def _new_directory(self):
+        return self.enter_context(tempfile.TemporaryDirectory())
+
+    @parameterized.parameters(
+        ("mlp", "builtin"), ("examples.my_model:small_cnn", "function"),
+        ("my_model:build", "function"), ("runs/a:b.keras", "file"), ("model.keras", "file"))
+    def test_forms(self, spec, form):
+        self.assertEqual(model_spec.form_of(spec), form)
+
+    @parameterized.parameters("vgg", "my_model.py", "a.b:", ":f", "a:b.c", "1a:f", "a:f-g", None)
+    def test_none_of_the_forms(self, spec):
+        with self.assertRaisesRegex(ValueError, "none of the three forms"):
+            model_spec.form_of(spec)
+
+    def test_builtin_name_is_build_model(self):
+        loaded = model_spec.load_model("mlp", DIGITS, NUM_CLASSES, seed=3)
+        built = models.build_model("mlp", DIGITS, NUM_CLASSES, seed=3)
+        for a, b in zip(loaded.weights, built.weights):
+            self.assertAllEqual(a, b)
+
+    def test_module_is_found_in_the_current_directory(self):
+        directory = self._new_directory()
+        with open(os.path.join(directory, "towers_test_here.py"), "w") as f:
+            f.write("import keras\n"
+                    "def model(input_shape, num_classes):\n"
+                    "    return keras.Sequential([keras.layers.Flatten(),\n"  # unbuilt
+                    "                             keras.layers.Dense(num_classes)])\n")
+        self.enter_context(mock.patch.object(sys, "path", [p for p in sys.path if p]))
+        self.addCleanup(sys.modules.pop, "towers_test_here", None)
+        self.addCleanup(os.chdir, os.getcwd())
+        os.chdir(directory)
+        model = model_spec.load_model("towers_test_here:model", DIGITS, NUM_CLASSES)
+        self.assertEqual(tuple(model.output_shape), (None, NUM_CLASSES))
+
+    def test_example_model_fits_any_image_shape(self):
+        model = model_spec.load_model("examples.my_model:small_cnn", (28, 28, 1), 3)
+        self.assertEqual(tuple(model.input_shape), (None, 28, 28, 1))
+        self.assertEqual(tuple(model.output_shape), (None, 3))
+
+    def test_pipeline_cuts_refuse_a_subclassed_model(self):
+        model = SubclassedModel(NUM_CLASSES)
+        model(_batch(DIGITS)[0])
+        with self.assertRaisesRegex(ValueError, "is a subclassed keras.Model: its call\\(\\) is "
+                                                "Python code"):
+            models.pipeline_cuts(model, 2)
+
+    def test_checkpoint_dir_records_the_model_of_its_first_checkpoint(self):
+        directory = os.path.join(self._new_directory(), "run")
+        record = os.path.join(directory, model_spec.RECORD_FILE)
+        model_spec.claim_checkpoint_dir(directory, "mlp", writer=False)
+        self.assertFalse(os.path.exists(directory))  # a reader writes nothing
+        model_spec.claim_checkpoint_dir(directory, "mlp")
+        model_spec.claim_checkpoint_dir(directory, "cnn")  # no checkpoint yet: a new start
+        with open(record) as f:
+            self.assertEqual(json.load(f), {"model": "cnn"})
+
+        tf.train.Checkpoint(v=tf.Variable(1.0)).save(os.path.join(directory, "ckpt"))
+        model_spec.claim_checkpoint_dir(directory, "cnn")
+        with self.assertRaisesRegex(ValueError, "does not match this model: it holds model "
+                                                "'cnn', not 'mlp'"):
+            model_spec.claim_checkpoint_dir(directory, "mlp", writer=False)
+        os.remove(record)  # checkpoints from before the record: the shapes alone decide
+        model_spec.claim_checkpoint_dir(directory, "mlp")
+        self.assertFalse(os.path.exists(record))
+
+    def test_a_keras_file_is_recorded_by_its_absolute_path(self):
+        directory = self._new_directory()
+        self.addCleanup(os.chdir, os.getcwd())
+        os.chdir(directory)
+        model_spec.claim_checkpoint_dir("run", "model.keras")
+        tf.train.Checkpoint(v=tf.Variable(1.0)).save(os.path.join("run", "ckpt"))
+        model_spec.claim_checkpoint_dir("run", os.path.join(directory, "model.keras"))
+        with self.assertRaisesRegex(ValueError, "not '/.*/other/model.keras'"):
+            model_spec.claim_checkpoint_dir("run", "other/model.keras")

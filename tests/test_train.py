@@ -1,11 +1,15 @@
 """The towers-train command line: learning, crash safety, TensorBoard, bad input."""
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+from unittest import mock
 
 import keras
 import numpy as np
@@ -21,6 +25,46 @@ if not flags.FLAGS.is_parsed():
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = dict(model="mlp", num_towers=4, global_batch_size=64)
+EXAMPLE_MODEL = "examples.my_model:small_cnn"
+# Models of a user's own module, good and bad, for --model=towers_test_models:FUNCTION.
+USER_MODULE = "towers_test_models"
+USER_MODELS = textwrap.dedent("""
+    import keras
+    from keras import layers
+
+    def small_cnn_tanh(input_shape, num_classes):
+        # examples.my_model.small_cnn with tanh: the same variables, another model.
+        images = keras.Input(input_shape)
+        x = layers.Conv2D(16, 3, padding="same", activation="tanh")(images)
+        x = layers.MaxPooling2D(2, padding="same")(x)
+        x = layers.Conv2D(32, 3, padding="same", activation="tanh")(x)
+        x = layers.GlobalAveragePooling2D()(x)
+        return keras.Model(images, layers.Dense(num_classes)(x))
+
+    class Subclassed(keras.Model):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.flatten = layers.Flatten()
+            self.hidden = layers.Dense(16, activation="relu")
+            self.logits = layers.Dense(num_classes)
+
+        def call(self, images):
+            return self.logits(self.hidden(self.flatten(images)))
+
+    def subclassed(input_shape, num_classes):
+        return Subclassed(num_classes)
+
+    def not_a_model(input_shape, num_classes):
+        return "a model"
+
+    def too_wide(input_shape, num_classes):
+        return keras.Sequential([keras.Input(input_shape), layers.Flatten(),
+                                 layers.Dense(num_classes + 1)])
+
+    def for_mnist(input_shape, num_classes):
+        return keras.Sequential([keras.Input((28, 28, 1)), layers.Flatten(),
+                                 layers.Dense(num_classes)])
+""")
 
 
 def _run_cli(*args, timeout=300):
@@ -241,6 +285,116 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         self.assertContainsSubset(
             {"train/loss", "train/accuracy", "train/learning_rate", "train/examples_per_sec",
              "eval/loss", "eval/accuracy"}, tags)
+
+
+class OwnModelTest(tf.test.TestCase, parameterized.TestCase):
+    """--model=PACKAGE.MODULE:FUNCTION and --model=PATH.keras, in-process."""
+
+    def setUp(self):
+        super().setUp()
+        self.directory = self.create_tempdir().full_path
+        with open(os.path.join(self.directory, f"{USER_MODULE}.py"), "w") as f:
+            f.write(USER_MODELS)
+        with open(os.path.join(self.directory, "towers_test_broken.py"), "w") as f:
+            f.write("import towers_test_no_such_package\n")
+        with open(os.path.join(self.directory, "not_a_model.keras"), "w") as f:
+            f.write("weights, honest")
+        self.tiny_keras = os.path.join(self.directory, "tiny.keras")
+        keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                          keras.layers.Dense(10)]).save(self.tiny_keras)
+        lambda_model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                         keras.layers.Lambda(lambda x: 2 * x),
+                                         keras.layers.Dense(10)])
+        lambda_model.save(os.path.join(self.directory, "lambda.keras"))
+        self.enter_context(mock.patch.object(sys, "path", [self.directory] + sys.path))
+        for name in (USER_MODULE, "towers_test_broken"):
+            self.addCleanup(sys.modules.pop, name, None)
+
+    def _main_stderr(self, **flag_values):
+        """Runs towers-train's main() with these flags; returns (exit status, stderr)."""
+        stderr = io.StringIO()
+        with flagsaver.flagsaver(**{**QUICK, "steps": 1, **flag_values}):
+            with contextlib.redirect_stderr(stderr):
+                status = train.main(["towers-train"])
+        return status, stderr.getvalue()
+
+    def test_function_keras_file_and_subclassed_model_train(self):
+        output = os.path.join(self.directory, "out.json")
+        for spec, name in ((EXAMPLE_MODEL, "small_cnn"), (self.tiny_keras, "sequential"),
+                           (f"{USER_MODULE}:subclassed", "subclassed")):
+            with flagsaver.flagsaver(**{**QUICK, "model": spec}, steps=2, output_json=output):
+                with self.assertLogs("absl", "INFO") as logs:
+                    train.train()
+            with open(output) as f:
+                results = json.load(f)
+            self.assertEqual((results["model"], results["steps"]), (spec, 2))
+            self.assertTrue(np.isfinite(results["eval_loss"]))
+            self.assertTrue(any(f"from {spec}: " in line and f"model '{name}" in line
+                                for line in logs.output), logs.output)
+
+    def test_own_model_is_cut_into_pipeline_stages(self):
+        with flagsaver.flagsaver(**{**QUICK, "model": EXAMPLE_MODEL, "num_towers": 2},
+                                 steps=2, pipeline_stages=2, micro_batches=2):
+            results = train.train()
+        self.assertLen(results["pipeline_cuts"], 1)
+        self.assertEqual(results["steps"], 2)
+
+    @parameterized.named_parameters(
+        ("none_of_the_forms", dict(model="vgg"),
+         r"'vgg' is none of the three forms: a built-in model \(mlp\|cnn\|resnet\|text\), "
+         "PACKAGE.MODULE:FUNCTION"),
+        ("module_that_does_not_import", dict(model="towers_test_broken:model"),
+         "cannot import module 'towers_test_broken': ModuleNotFoundError: No module named "
+         "'towers_test_no_such_package'"),
+        ("no_such_function", dict(model=f"{USER_MODULE}:missing"),
+         f"module '{USER_MODULE}' (.*) has no function 'missing'; it defines "
+         "Subclassed, for_mnist, not_a_model, small_cnn_tanh, subclassed, too_wide"),
+        ("not_a_keras_model", dict(model=f"{USER_MODULE}:not_a_model"),
+         r"not_a_model\(input_shape=\(8, 8, 1\), num_classes=10\) returned builtins.str, "
+         "not a keras.Model"),
+        ("output_width", dict(model=f"{USER_MODULE}:too_wide"),
+         r"outputs shape \(None, 11\); it must output logits of shape \(None, 10\)"),
+        ("input_shape", dict(model=f"{USER_MODULE}:for_mnist"),
+         r"takes inputs of shape \(None, 28, 28, 1\) but the data's examples come in "
+         r"batches of shape \(None, 8, 8, 1\)"),
+        ("missing_file", dict(model="/no/such/model.keras"),
+         "model file '/no/such/model.keras' does not exist"),
+        ("file_that_is_not_keras", dict(model="{directory}/not_a_model.keras"),
+         "not_a_model.keras' is not a Keras .keras archive"),
+        ("file_with_a_lambda", dict(model="{directory}/lambda.keras"),  # safe_mode stays on
+         "lambda.keras' does not load: ValueError: Requested the deserialization of a "
+         "`Lambda` layer"),
+        ("subclassed_model_in_stages", dict(model=f"{USER_MODULE}:subclassed",
+                                            pipeline_stages=2, num_towers=2),
+         "--pipeline_stages=2 cannot cut this model: model .* is a subclassed keras.Model"),
+    )
+    def test_bad_model_exits_with_one_line(self, flag_values, message):
+        flag_values["model"] = flag_values["model"].format(directory=self.directory)
+        status, stderr = self._main_stderr(**flag_values)
+        self.assertEqual(status, 1)
+        self.assertLen(stderr.splitlines(), 1, stderr)
+        self.assertRegex(stderr, "^towers-train: error: --(model|pipeline_stages)")
+        self.assertRegex(stderr, message)
+
+    def test_checkpoint_of_another_own_model_is_refused_and_kept(self):
+        directory = os.path.join(self.directory, "run")
+        with flagsaver.flagsaver(**{**QUICK, "model": EXAMPLE_MODEL}, steps=2,
+                                 checkpoint_dir=directory):
+            train.train()
+        before = {name: os.path.getmtime(os.path.join(directory, name))
+                  for name in os.listdir(directory)}
+        # The same variables in another model: restoring alone would take it.
+        other = f"{USER_MODULE}:small_cnn_tanh"
+        with flagsaver.flagsaver(**{**QUICK, "model": other}, steps=3, checkpoint_dir=directory):
+            with self.assertRaisesRegex(ValueError, f"does not match this model: it holds model "
+                                                    f"'{EXAMPLE_MODEL}', not '{other}'"):
+                train.train()
+        after = {name: os.path.getmtime(os.path.join(directory, name))
+                 for name in os.listdir(directory)}
+        self.assertEqual(before, after)
+        with flagsaver.flagsaver(**{**QUICK, "model": EXAMPLE_MODEL}, steps=3,
+                                 checkpoint_dir=directory):
+            self.assertEqual(train.train()["steps"], 3)  # the same model resumes
 
 
 class BadFlagsTest(tf.test.TestCase, parameterized.TestCase):

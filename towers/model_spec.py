@@ -105,7 +105,8 @@ def _call_function(spec, input_shape, num_classes):
                         if callable(value) and not name.startswith("_")
                         and getattr(value, "__module__", None) == module.__name__)
         raise ValueError(f"module {module_name!r} ({module.__file__}) has no function "
-                         f"{function_name!r}; its functions: {', '.join(public) or 'none'}.")
+                         f"{function_name!r}; it defines {', '.join(public) or 'nothing to call'}"
+                         ".")
     call = f"{function_name}(input_shape={input_shape}, num_classes={num_classes})"
     try:
         model = function(input_shape, num_classes)
@@ -140,6 +141,13 @@ def _load_file(path):
 def _check_fits(model, input_shape, num_classes):
     """One input that takes (B, *input_shape), one output (B, num_classes), or ValueError."""
     data_batch = (None,) + input_shape
+    if isinstance(model, keras.Sequential) and not model.built:
+        # Built by a first call, a Sequential would fix that call's batch size in its graph.
+        try:
+            model.build(data_batch)
+        except Exception as error:
+            raise ValueError(f"the model cannot be built for batches of the data's shape "
+                             f"{data_batch}: {_one_line(error)}") from None
     inputs = _symbolic(model, "inputs")
     if inputs is not None:  # functional, or a Sequential with an Input
         if len(inputs) != 1:
@@ -153,7 +161,7 @@ def _check_fits(model, input_shape, num_classes):
                              f"input_shape={input_shape}.")
         outputs = _symbolic(model, "outputs")
         output_shapes = [tuple(t.shape) for t in outputs]
-    else:  # subclassed, or a Sequential without an Input: a first call builds it
+    else:  # subclassed: a first call builds it
         try:
             outputs = model(tf.zeros((2,) + input_shape), training=False)
         except Exception as error:
