@@ -257,6 +257,19 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
              "pipeline_cuts": []})
         self.assertLen(results["devices"], 4)  # flat: one device per tower
 
+    def test_npz_without_test_split_evaluates_on_a_held_out_tenth(self):
+        rng = np.random.default_rng(0)
+        path = os.path.join(self.create_tempdir().full_path, "mine.npz")
+        x = rng.integers(0, 256, size=(40, 6, 6), dtype=np.uint8)
+        np.savez(path, x_train=x, y_train=np.arange(40) % 4)
+        with flagsaver.flagsaver(**QUICK, data_npz=path, steps=1):
+            with self.assertLogs("absl", "INFO") as logs:
+                results = train.train()
+        self.assertTrue(any("holding out 4 of the 40 training examples" in line
+                            for line in logs.output))
+        self.assertEqual(results["steps"], 1)
+        self.assertBetween(results["eval_accuracy"], 0.0, 1.0)
+
     @parameterized.named_parameters(
         ("several_workers", dict(worker_hosts=["127.0.0.1:2222", "127.0.0.1:2223"], task_index=0),
          "--pipeline_stages=2 cannot be combined with several workers"),
