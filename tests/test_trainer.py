@@ -115,19 +115,6 @@ class BadInputTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, message):
             _trainer(**kwargs)
 
-    def test_jit_compile_needs_one_device(self):
-        with self.assertRaisesRegex(ValueError, "jit_compile=True compiles the whole step"):
-            _trainer(jit_compile=True)
-
-    def test_jit_compile_on_one_tower_equals_plain(self):
-        batches = reference.make_batches(10, num_steps=3)
-        plain, xla = _trainer(devices=DEVICES[:1]), _trainer(devices=DEVICES[:1], jit_compile=True)
-        for batch in batches:
-            plain.train_step(batch)
-            xla.train_step(batch)
-        for a, b in zip(plain.model.weights, xla.model.weights):
-            self.assertAllClose(a, b, atol=1e-5)
-
     def test_optimizer_that_is_not_keras(self):
         with self.assertRaisesRegex(ValueError, "keras.optimizers.Optimizer"):
             towers.TowerTrainer(reference.make_model(), reference.make_loss(), "adam",

@@ -155,7 +155,7 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
 
 
 def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=None,
-               densify=None, replicas=None, cluster=None, first_tower=0):
+               densify=None, replicas=None, cluster=None, first_tower=0, compiled_tower=None):
     """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
 
     `stages`: the model as a stages.Stages (one stage: the whole model).
@@ -167,6 +167,8 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
     `batch` is this worker's part of the global batch, its towers are numbered
     from `first_tower` (for their dropout seeds), and the result is the whole
     global batch's, the same on every worker.
+    `compiled_tower`: None, or tower.compiled_tower's XLA function, which then
+    runs steps 3-4 of each (one-stage) tower.
     """
     main_device, model = stage_devices[0], stages.model
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
@@ -182,9 +184,15 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
                 tower_state = broadcast_stages(stages, state, row, trainable=False)
             else:
                 tower_weights, tower_state = replicas.read(i)
-            outputs.append(tower.run_tower(                                       # 3, 4
-                stages, loss, shard, tower_weights, tower_state, row, first_tower + i,
-                *options.tower_schedule, loss_scale, densify))
+            if compiled_tower is None:
+                outputs.append(tower.run_tower(                                   # 3, 4
+                    stages, loss, shard, tower_weights, tower_state, row, first_tower + i,
+                    *options.tower_schedule, loss_scale, densify))
+            else:
+                with tf.device(row[0]):
+                    outputs.append(compiled_tower(                                # 3, 4
+                        shard, tower_weights, tower_state, tf.constant(first_tower + i),
+                        loss_scale))
     grads, state = [], []
     for k, stage_device in enumerate(stage_devices):
         column = [row[k] for row in grid]

@@ -174,6 +174,28 @@ def _table(shape):
     return [[None] * columns for _ in range(rows)]
 
 
+def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
+    """run_tower on one device, compiled by XLA; call it under tf.device(tower).
+
+    One tf.function(jit_compile=True) serves every tower: the tower index is an
+    argument, and no device is named inside, so the call runs, as one XLA
+    computation, on the device it is called on. XLA compiles once per shape
+    of the shard, and split_batch gives at most two shard sizes per global
+    batch size (uneven batches and the last short one add a few more), so
+    compilations stay few; nothing is padded, since padding rows would change
+    BatchNorm's statistics.
+
+    Returns:
+      fn(shard, weights, state, tower_index, loss_scale) -> TowerOutput.
+    """
+    @tf.function(jit_compile=True)
+    def run_compiled_tower(shard, weights, state, tower_index, loss_scale):
+        return run_tower(stages, loss, shard, weights, state, [None], tower_index,
+                         micro_batches, schedule_name, loss_scale, densify)
+
+    return run_compiled_tower
+
+
 def predict(stages, weights, state, x, row):
     """Step 3 without gradients, stage by stage along `row`: (y_pred, regularization).
 
@@ -253,10 +275,12 @@ def _offset_seeds(model, state, tower_index):
 
     Tower 0 keeps the model's own seeds, and its advanced state is the one
     written back, so the model's random stream moves on as on one device.
+    `tower_index` is an int, or an int scalar Tensor (one XLA computation for
+    every tower).
     """
-    if tower_index == 0:
+    if isinstance(tower_index, int) and tower_index == 0:
         return state
-    offset = tf.constant([tower_index, 0], tf.int64)
+    offset = tf.stack([tf.cast(tower_index, tf.int64), tf.constant(0, tf.int64)])
     return [value + tf.cast(offset, value.dtype) if variable.path.endswith(_SEED_STATE_SUFFIX)
             else value for variable, value in zip(model.non_trainable_variables, state)]
 

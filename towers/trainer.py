@@ -30,7 +30,9 @@ class TowerTrainer:
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
         micro_batches, pipeline_schedule).
       metrics: Keras metrics updated on every train and evaluation batch.
-      jit_compile: whether the step is compiled with XLA (one tower only).
+      jit_compile: whether each tower's forward and backward (all its
+        micro-batches) is compiled by XLA as one computation on its device;
+        split, gather, average and apply stay as they are.
       cluster: None, or the joined towers.Cluster this process is a worker of:
         each batch is then this worker's part of the global batch, and every
         worker applies the same update of the whole global batch.
@@ -72,13 +74,12 @@ class TowerTrainer:
         devices_lib.check_devices_exist(sum(self._grid, []) + [self.main_device])
         for k in range(len(self._stage_devices)):
             exchange.check_aggregation(aggregation, [row[k] for row in self._grid])
-        every_device = set(sum(self._grid, []) + [self.main_device])
-        if jit_compile and len(every_device) > 1:
-            # XLA compiles a function for one device; the tower step spans several.
+        if jit_compile and self.pipeline_cuts is not None:
+            # XLA compiles a computation for one device; a pipelined tower spans several.
             raise ValueError(
-                f"jit_compile=True compiles the whole step with XLA for one device, but the "
-                f"towers and main device are {sorted(every_device)}; "
-                "use it with a single tower, or leave jit_compile=False.")
+                "jit_compile=True compiles each tower's forward and backward with XLA for "
+                "its device, but with pipeline_cuts a tower spans several devices; leave "
+                "jit_compile=False with pipeline stages.")
         if jit_compile and cluster is not None:
             raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
                              "leave jit_compile=False with a cluster.")
@@ -98,6 +99,7 @@ class TowerTrainer:
         self._functions = {}  # (kind, batch spec text) -> compiled step
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
+        self._compiled_tower = None  # with jit_compile: tower.compiled_tower's function
         if len(self._stage_devices) > 1:
             stages_lib.update_on_variable_devices(self.optimizer)
         if model.built:
@@ -147,7 +149,15 @@ class TowerTrainer:
         with (self._watchdog.step(self.step + 1) if self._watchdog
               else contextlib.nullcontext()):
             batch, train_function = self._prepare(batch, "train")
-            logs = train_function(batch)
+            try:
+                logs = train_function(batch)
+            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
+                if not self.jit_compile:
+                    raise
+                reason = error.message.strip().splitlines()[0].rstrip(".")
+                raise ValueError(  # before any update: the step stopped in a tower
+                    f"XLA cannot compile this model's tower step: {reason}. Pass "
+                    "jit_compile=False to run it without XLA.") from None
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         if not finite and self.options.on_nonfinite == "raise":
             raise NonFiniteError(
@@ -196,7 +206,8 @@ class TowerTrainer:
         result = run_towers(self._stages, self.loss, batch, self._grid, self._stage_devices,
                             self.options, loss_scale=scale, densify=self._densify,
                             replicas=self._replicas, cluster=self.cluster,
-                            first_tower=self._first_tower)                         # 1-6
+                            first_tower=self._first_tower,
+                            compiled_tower=self._compiled_tower)                   # 1-6
         with tf.device(self.main_device):
             grads = clip_gradients(result.grads, self.options.clip_global_norm, scale)
             grads_finite = aggregate.all_finite(grads)
@@ -285,8 +296,7 @@ class TowerTrainer:
         key = (kind, _spec_text(spec))
         if key not in self._functions:
             step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
-            self._functions[key] = tf.function(step, input_signature=[spec],
-                                               jit_compile=self.jit_compile)
+            self._functions[key] = tf.function(step, input_signature=[spec])
         return batch, self._functions[key]
 
     def _first_batch_setup(self, batch):
@@ -309,6 +319,9 @@ class TowerTrainer:
             self._densify = tower.choose_dense_gradients(
                 self.model, self.loss, split.split_batch(batch, len(self._grid))[0],
                 self.options.sparse_policy)
+            if self.jit_compile:
+                self._compiled_tower = tower.compiled_tower(
+                    self._stages, self.loss, *self.options.tower_schedule, self._densify)
         loop.build_metrics(self.metrics, y, y_pred)
         if self.cluster is not None:
             self._join_workers()

@@ -1,0 +1,125 @@
+"""jit_compile=True: each tower's forward and backward is one XLA computation on its
+device; the weights still equal one device's on the whole batch."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+from tests import reference
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+TOLERANCE = 1e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Uneven over 3 and 4 towers, a tower left empty (3 over 4), and a short last batch.
+BATCH_SIZES = (12, 10, 3, 12, 7)
+
+
+def _batches():
+    return [b for size in BATCH_SIZES for b in reference.make_batches(size, num_steps=1,
+                                                                      seed=size)]
+
+
+class XlaEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters(1, 2, 3, 4)
+    def test_matches_one_device(self, num_towers):
+        batches = _batches()
+        expected = reference.single_device_weights(
+            reference.make_model(), reference.OPTIMIZERS["adam"](), reference.make_loss(),
+            batches)
+        model = reference.make_model()
+        trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                      reference.OPTIMIZERS["adam"](),
+                                      devices=DEVICES[:num_towers], jit_compile=True)
+        for batch in batches:
+            trainer.train_step(batch)
+        for want, got in zip(expected, model.weights):
+            self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
+
+    def test_batchnorm_and_accumulation_match_the_same_towers_without_xla(self):
+        # (Not dropout: XLA's random number kernels draw other masks than TensorFlow's.)
+        def model_fn():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([
+                keras.Input((reference.NUM_FEATURES,)), keras.layers.Dense(6),
+                keras.layers.BatchNormalization(momentum=0.5),
+                keras.layers.Dense(reference.NUM_CLASSES)])
+
+        models = []
+        for jit_compile in (False, True):
+            models.append(model_fn())
+            trainer = towers.TowerTrainer(models[-1], reference.make_loss(),
+                                          keras.optimizers.SGD(0.1), devices=DEVICES[:2],
+                                          accum_steps=2, jit_compile=jit_compile)
+            for batch in _batches()[:2]:
+                trainer.train_step(batch)
+        for want, got in zip(*[m.weights for m in models]):
+            self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
+
+
+class XlaCompilationTest(tf.test.TestCase):
+
+    def test_one_compilation_per_shard_size_shared_by_every_tower(self):
+        # XLA writes each executable it compiles to its persistent cache: count them.
+        cache = tempfile.mkdtemp(dir=self.get_temp_dir())
+        script = textwrap.dedent(f"""
+            import tests.conftest
+            import towers
+            from tests import reference
+            from tests.test_xla import BATCH_SIZES, DEVICES, _batches
+            trainer = towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                          reference.OPTIMIZERS["sgd"](), devices=DEVICES,
+                                          jit_compile=True)
+            for _ in range(3):  # three epochs: nothing new to compile after the first
+                for batch in _batches():
+                    trainer.train_step(batch)
+            """)
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+               "TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"}
+        result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+        shard_sizes = {size for batch in BATCH_SIZES
+                       for size in towers.split.shard_sizes(batch, len(DEVICES))}
+        self.assertEqual(shard_sizes, {3, 2, 1, 0})
+        self.assertLen(os.listdir(cache), len(shard_sizes))
+
+
+class XlaErrorTest(tf.test.TestCase):
+
+    def test_an_op_xla_cannot_compile_is_one_line_and_changes_nothing(self):
+        keras.utils.set_random_seed(0)
+        host_only = keras.layers.Lambda(
+            lambda x: tf.ensure_shape(tf.numpy_function(lambda a: a, [x], tf.float32,
+                                                        stateful=False), x.shape),
+            output_shape=(reference.NUM_FEATURES,))
+        model = keras.Sequential([keras.Input((reference.NUM_FEATURES,)), host_only,
+                                  keras.layers.Dense(reference.NUM_CLASSES)])
+        trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.Adam(),
+                                      devices=DEVICES[:2], jit_compile=True)
+        before = [v.numpy() for v in model.weights]
+        with self.assertRaisesRegex(ValueError, r"XLA cannot compile this model's tower step: "
+                                                r".*Pass jit_compile=False"):
+            trainer.train_step(reference.make_batches(4, num_steps=1)[0])
+        for want, got in zip(before, model.weights):
+            self.assertAllEqual(want, got)
+        self.assertEqual(trainer.step, 0)
+
+    def test_refused_with_pipeline_stages(self):
+        with self.assertRaisesRegex(ValueError, "with pipeline_cuts a tower spans several"):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                keras.optimizers.Adam(), devices=[DEVICES[:2]],
+                                pipeline_cuts=[reference.make_model().layers[0].name],
+                                jit_compile=True)
+
+
+if __name__ == "__main__":
+    tf.test.main()
