@@ -18,7 +18,7 @@ from absl import flags
 from absl.testing import flagsaver, parameterized
 
 from tests.checkpoint_files import checkpoint_values, position
-from towers import train
+from towers import model_spec, train
 
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
@@ -213,15 +213,20 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         directory = self.create_tempdir().full_path
         with flagsaver.flagsaver(**QUICK, steps=5, checkpoint_dir=directory):
             train.train()
-        before = {name: os.path.getmtime(os.path.join(directory, name))
-                  for name in os.listdir(directory)}
-        with flagsaver.flagsaver(**{**QUICK, "model": "cnn"}, steps=5,
-                                 checkpoint_dir=directory):
-            with self.assertRaisesRegex(ValueError, "does not match this model"):
-                train.train()
-        after = {name: os.path.getmtime(os.path.join(directory, name))
-                 for name in os.listdir(directory)}
-        self.assertEqual(before, after)
+        # Refused by the model the directory records, and, without that record (a
+        # checkpoint written before it existed), by the checkpoint's variables.
+        for remove_record in (False, True):
+            if remove_record:
+                os.remove(os.path.join(directory, model_spec.RECORD_FILE))
+            before = {name: os.path.getmtime(os.path.join(directory, name))
+                      for name in os.listdir(directory)}
+            with flagsaver.flagsaver(**{**QUICK, "model": "cnn"}, steps=5,
+                                     checkpoint_dir=directory):
+                with self.assertRaisesRegex(ValueError, "does not match this model"):
+                    train.train()
+            after = {name: os.path.getmtime(os.path.join(directory, name))
+                     for name in os.listdir(directory)}
+            self.assertEqual(before, after)
 
     def test_unwritable_checkpoint_dir_fails_before_training(self):
         not_a_directory = self.create_tempfile().full_path

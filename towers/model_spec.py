@@ -128,7 +128,7 @@ def _load_file(path):
         raise ValueError(f"model file {path!r} is not a Keras {KERAS_SUFFIX} archive; save "
                          "one with model.save(path).")
     try:
-        # safe_mode stays on: a Lambda layer's pickled Python code is refused, not run.
+        # safe_mode stays on: a Lambda layer's serialized Python bytecode is refused, not run.
         # compile=False: training brings its own loss and optimizer.
         return keras.models.load_model(path, compile=False, safe_mode=True)
     except Exception as error:
@@ -183,7 +183,7 @@ def _symbolic(model, attribute):
     """model.inputs or model.outputs when the model is a graph of layers, else None."""
     try:
         return getattr(model, attribute)
-    except (AttributeError, ValueError):  # never called: a subclass, an unbuilt Sequential
+    except (AttributeError, ValueError):  # a subclassed model: no graph until it is called
         return None
 
 
