@@ -96,7 +96,8 @@ class TowerTrainer:
         self._stages = None  # a stages.Stages, once the model is built
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
-        self._functions = {}  # (kind, batch spec text) -> compiled step
+        self._functions = {}  # (kind, batch spec text) -> compiled step (a tf.function)
+        self._concrete_functions = {}  # the same keys -> its one traced graph
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         self._compiled_tower = None  # with jit_compile: tower.compiled_tower's function
@@ -297,7 +298,10 @@ class TowerTrainer:
         if key not in self._functions:
             step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
             self._functions[key] = tf.function(step, input_signature=[spec])
-        return batch, self._functions[key]
+            # Calling the traced graph directly skips tf.function's argument matching,
+            # about 0.2 ms of host time per step.
+            self._concrete_functions[key] = self._functions[key].get_concrete_function()
+        return batch, self._concrete_functions[key]
 
     def _first_batch_setup(self, batch):
         """Builds model and optimizer on the main device and checks the loss, eagerly."""
