@@ -1,4 +1,5 @@
-"""Compares towers with a plain loop, Keras fit, MirroredStrategy and no-communication towers.
+"""Compares towers with a plain loop, Keras fit, MirroredStrategy and no-communication towers,
+with and without XLA.
 
     python benchmarks/compare_strategies.py --models=mlp,cnn --num_towers=1,2,4 \\
         --global_batch_size=256 --steps=50 --output_dir=DIR

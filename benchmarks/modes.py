@@ -4,10 +4,12 @@ Every mode trains a model built from the same seed (so all start from identical
 weights) with the same loss and optimizer on the same fixed global batch, which
 is made once and placed on the devices before timing (tf_cnn_benchmarks' synthetic
 data). Every step ends with the loss fetched as a Python float: one host sync per
-step in every mode, so no mode gains from queueing steps ahead of the host.
+step in every mode (keras_fit_xla_spe10 aside, below), so no mode gains from
+queueing steps ahead of the host.
 
-    plain            one device, whole batch, a GradientTape step in a tf.function
-    keras_fit        one device, model.compile + model.fit
+    plain...         one device, whole batch, a GradientTape step in a tf.function
+                     (plain_xla: the same tf.function with jit_compile=True)
+    keras_fit...     one device, model.compile + model.fit, one entry per FIT_CONFIGS row
     towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row
     independent      N devices, no gradient exchange: each tower trains its own copy
     mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
@@ -15,7 +17,9 @@ step in every mode, so no mode gains from queueing steps ahead of the host.
 
 The Keras fit modes are fed through tf.data (the same batch, repeated), because
 that is how fit takes data and how it splits a batch over replicas; every other
-mode reads tensors that already sit on its devices. No mode uses XLA.
+mode reads tensors that already sit on its devices. Only the modes named *_xla
+compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's compiled
+function and so fetches its logs once per 10 steps: that saving is what it measures.
 """
 
 import dataclasses
@@ -50,11 +54,18 @@ def _tower_configs():
             configs[f"towers_{aggregation}_{placement}"] = {
                 "aggregation": aggregation, "variable_placement": placement}
     configs["towers_packed"] = {"pack_gradients": True}
+    configs["towers_xla"] = {"jit_compile": True}
     return configs
 
 
 TOWER_CONFIGS = _tower_configs()
-SINGLE_DEVICE_MODES = ("plain", "keras_fit")
+# Options of the one-device GradientTape loop, and compile() arguments of Keras fit, by mode.
+# jit_compile=False is explicit: Keras would turn XLA on by itself on a GPU.
+PLAIN_CONFIGS = {"plain": {"jit_compile": False}, "plain_xla": {"jit_compile": True}}
+FIT_CONFIGS = {"keras_fit": {"jit_compile": False},
+               "keras_fit_xla": {"jit_compile": True},
+               "keras_fit_xla_spe10": {"jit_compile": True, "steps_per_execution": 10}}
+SINGLE_DEVICE_MODES = (*PLAIN_CONFIGS, *FIT_CONFIGS)
 MULTI_DEVICE_MODES = (*TOWER_CONFIGS, "independent", "mirrored_custom", "mirrored_fit")
 MODES = SINGLE_DEVICE_MODES + MULTI_DEVICE_MODES
 
@@ -120,45 +131,58 @@ class Mode:
 
 
 class FitMode(Mode):
-    """A compiled Keras model trained with model.fit; steps are timed by a callback."""
+    """A compiled Keras model trained with model.fit; steps are timed by a callback.
+
+    With steps_per_execution=K fit calls back once per K steps, so each sample
+    is one call's time divided by its steps: such a mode has fewer samples.
+    """
 
     def __init__(self, name, num_towers, model, dataset, info=None):
         super().__init__(name, num_towers, None, model, info)
         self._dataset = dataset
 
     def run(self, num_steps):
-        timer = _StepTimer()
-        self.model.fit(self._dataset, epochs=1, steps_per_epoch=num_steps, verbose=0,
-                        shuffle=False, callbacks=[timer])
+        timer = _StepTimer(num_steps)
+        # Exactly num_steps batches: fit's in-graph loop stops at their end, so a last call
+        # of fewer than K steps runs only those (as steps_per_epoch would not).
+        self.model.fit(self._dataset.take(num_steps), epochs=1, verbose=0, shuffle=False,
+                       callbacks=[timer])
         return timer.times
 
 
 class _StepTimer(keras.callbacks.Callback):
-    """Wall time of each fit step: from one batch's end to the next (the first from its begin).
+    """Wall time per step of each call of fit's step function, from one call's end to the
+    next (the first from its begin), divided by the steps the call ran.
 
     Defining on_train_batch_end makes Keras convert the logs to Python floats
-    before calling it, every step: the same one host sync per step as the other
-    modes. Fit's own set-up before the first batch is not counted.
+    before calling it, every call: one host sync per call, as in the other
+    modes (which make one call per step). Fit's set-up before the first call
+    is not counted.
     """
 
-    def __init__(self):
+    def __init__(self, num_steps):
         super().__init__()
-        self.times, self._last = [], None
+        self.times, self._num_steps, self._first_step, self._last = [], num_steps, 0, None
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._first_step = batch  # the call's first step
         if self._last is None:
             self._last = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
+        # batch: the call's last step, first + K - 1 even where the data ended sooner.
         now = time.perf_counter()
-        self.times.append(now - self._last)
+        steps = min(batch + 1, self._num_steps) - self._first_step
+        self.times.append((now - self._last) / steps)
         self._last = now
 
 
 def build(name, setup, devices):
     """Builds mode `name` on `devices`; returns a Mode. Raises Unsupported."""
-    if name in TOWER_CONFIGS:
-        return _towers(name, TOWER_CONFIGS[name], setup, devices)
+    for configs, builder in ((TOWER_CONFIGS, _towers), (PLAIN_CONFIGS, _plain),
+                             (FIT_CONFIGS, _keras_fit)):
+        if name in configs:
+            return builder(name, configs[name], setup, devices)
     return _BUILDERS[name](setup, devices)
 
 
@@ -170,7 +194,7 @@ def make_loss(reduction="sum_over_batch_size"):
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
-def _plain(setup, devices):
+def _plain(name, options, setup, devices):
     device = devices[0]
     with tf.device(device):
         model, optimizer = setup.make_model(), make_optimizer()
@@ -178,7 +202,7 @@ def _plain(setup, devices):
         x, y = tf.constant(setup.x), tf.constant(setup.y)
     loss_fn = make_loss()
 
-    @tf.function
+    @tf.function(jit_compile=options["jit_compile"])
     def step():
         with tf.device(device):
             with tf.GradientTape() as tape:
@@ -187,15 +211,14 @@ def _plain(setup, devices):
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
 
-    return Mode("plain", 1, lambda: float(step()), model)
+    return Mode(name, 1, lambda: float(step()), model, {"options": options})
 
 
-def _keras_fit(setup, devices):
+def _keras_fit(name, options, setup, devices):
     with tf.device(devices[0]):
         model = setup.make_model()
-        # jit_compile=False: Keras would turn XLA on by itself on a GPU, no other mode uses it.
-        model.compile(optimizer=make_optimizer(), loss=make_loss(), jit_compile=False)
-    return FitMode("keras_fit", 1, model, setup.dataset())
+        model.compile(optimizer=make_optimizer(), loss=make_loss(), **options)
+    return FitMode(name, 1, model, setup.dataset(), {"options": options})
 
 
 def _towers(name, options, setup, devices):
@@ -304,5 +327,5 @@ def _regularization(model):
     return tf.add_n(model.losses) if model.losses else 0.0
 
 
-_BUILDERS = {"plain": _plain, "keras_fit": _keras_fit, "independent": _independent,
-             "mirrored_custom": _mirrored_custom, "mirrored_fit": _mirrored_fit}
+_BUILDERS = {"independent": _independent, "mirrored_custom": _mirrored_custom,
+             "mirrored_fit": _mirrored_fit}
