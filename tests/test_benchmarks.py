@@ -18,8 +18,8 @@ from towers import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
-RUN_MODES = ["plain", "keras_fit", "towers", "towers_packed", "independent", "mirrored_custom",
-             "mirrored_fit"]
+RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "towers",
+             "towers_packed", "towers_xla", "independent", "mirrored_custom", "mirrored_fit"]
 
 
 class RunBenchmarkTest(tf.test.TestCase):
@@ -67,11 +67,23 @@ class RunBenchmarkTest(tf.test.TestCase):
         self.assertGreater(self.model["flops_per_step"], 0)
 
     def test_weights_match_plain_except_independent(self):
+        # The XLA modes too, and fit with steps_per_execution=10 ran exactly the steps asked
+        # (3 here: 10 more would move the weights far more than this).
         for key in [("towers", 1), ("towers", 2), ("mirrored_custom", 1),
-                    ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2)]:
+                    ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2),
+                    ("plain_xla", 1), ("keras_fit_xla", 1), ("keras_fit_xla_spe10", 1),
+                    ("towers_xla", 1), ("towers_xla", 2)]:
             self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
         # Tower 0 of independent trained on half the batch only.
         self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
+
+    def test_xla_and_steps_per_execution_rows_say_their_options(self):
+        self.assertEqual(self.rows["plain_xla", 1]["options"], {"jit_compile": True})
+        self.assertEqual(self.rows["towers_xla", 2]["options"], {"jit_compile": True})
+        self.assertEqual(self.rows["keras_fit_xla_spe10", 1]["options"],
+                         {"jit_compile": True, "steps_per_execution": 10})
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            self.assertIn("| towers_xla | 2 |", f.read())
 
     def test_phase_breakdown_and_chrome_trace(self):
         table = self.model["phases"]["2"]
