@@ -73,9 +73,10 @@ class Checkpointer:
             return path
         return None
 
-    def batch_done(self, epoch, batch_in_epoch):
-        """Records the position after a batch; saves when `every_steps` batches have passed."""
-        self._batches_since_save += 1
+    def batch_done(self, epoch, batch_in_epoch, batches=1):
+        """Records the position after `batches` more batches (an execution of several steps
+        counts them all); saves when `every_steps` batches have passed since the last save."""
+        self._batches_since_save += batches
         if self.every_steps and self._batches_since_save >= self.every_steps:
             self.save(epoch, batch_in_epoch)
 

@@ -133,25 +133,26 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         while epoch < epochs and not _reached(trainer, max_steps):
             _reset(trainer.metrics)
             callbacks.on_epoch_begin(epoch)
-            batches = _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator)
+            steps = _EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator)
             progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
             start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
             broke_off = False
-            for batch in batches:
+
+            def before_step():
                 callbacks.on_train_batch_begin(batch_index)
                 if signals.received:
                     trainer.request_stop()  # with a cluster, every worker stops after this step
-                logs = trainer.train_step(batch)
-                batch_index += 1
-                # With a cluster the batch is this worker's part; the step counts them all.
-                size = (int(logs.pop("examples")) if "examples" in logs
-                        else int(tf.nest.flatten(batch)[0].shape[0]))
+
+            while (execution := steps.run(before_step, _limit(
+                    trainer, batch_index, steps_per_epoch, max_steps))) is not None:
+                logs, ran, size = execution
+                batch_index += ran
                 loss_sum, examples = loss_sum + logs["loss"] * size, examples + size
                 logs["examples_per_sec"] = examples / (time.perf_counter() - start)
                 progress.update(batch_index, logs)
                 summaries.train(trainer, logs)
                 if saver is not None:
-                    saver.batch_done(epoch, batch_index)
+                    saver.batch_done(epoch, batch_index, ran)
                 callbacks.on_train_batch_end(batch_index - 1,
                                              _metric_logs(trainer, loss_sum / examples))
                 if logs.pop("stop_requested", signals.received):
@@ -257,15 +258,58 @@ class _Summaries:
         self._writer.flush()
 
 
-def _epoch_batches(dataset, epoch, steps_per_epoch, skip, shared_iterator):
-    """The batches of one epoch, from batch number `skip` on."""
-    remaining = None if steps_per_epoch is None else steps_per_epoch - skip
-    if shared_iterator is not None:
-        return itertools.islice(shared_iterator, remaining)
-    data = dataset(epoch) if callable(dataset) else dataset
-    if isinstance(data, tf.data.Dataset):
-        return itertools.islice(data.skip(skip), remaining)
-    return itertools.islice(data, skip, steps_per_epoch)
+class _EpochSteps:
+    """One epoch's batches from batch number `skip` on, run one step per call of the
+    trainer, or trainer.steps_per_execution steps per call when they come from a
+    tf.data.Dataset (other iterables run a step at a time)."""
+
+    def __init__(self, trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator):
+        self._trainer = trainer
+        data = shared_iterator
+        if data is None:
+            data = dataset(epoch) if callable(dataset) else dataset
+            data = data.skip(skip) if isinstance(data, tf.data.Dataset) else data
+        self._in_graph = trainer.steps_per_execution > 1 and (
+            isinstance(data, tf.data.Dataset) or isinstance(data, tf.data.Iterator))
+        if self._in_graph:
+            self._iterator = iter(data)
+        else:
+            first = skip if shared_iterator is None and not isinstance(data, tf.data.Dataset) else 0
+            self._iterator = itertools.islice(data, first, None)
+
+    def run(self, before_step, limit):
+        """Runs the next execution of at most `limit` steps (an int, see _limit).
+
+        Calls before_step() first. Returns (logs, steps run, examples), or None
+        when the epoch's batches or `limit` ran out.
+        """
+        if limit == 0:
+            return None
+        if self._in_graph:
+            before_step()
+            logs = self._trainer.train_steps(self._iterator, limit)
+            if not logs["steps"]:
+                return None
+            return logs, logs.pop("steps"), int(logs.pop("examples"))
+        batch = next(self._iterator, None)
+        if batch is None:
+            return None
+        before_step()
+        logs = self._trainer.train_step(batch)
+        # With a cluster the batch is this worker's part; the step counts them all.
+        size = (int(logs.pop("examples")) if "examples" in logs
+                else int(tf.nest.flatten(batch)[0].shape[0]))
+        return logs, 1, size
+
+
+def _limit(trainer, batch_index, steps_per_epoch, max_steps):
+    """Steps the next execution may run: what is left of the epoch and of max_steps."""
+    limits = [trainer.steps_per_execution]
+    if steps_per_epoch is not None:
+        limits.append(steps_per_epoch - batch_index)
+    if max_steps is not None:
+        limits.append(max_steps - trainer.step)
+    return max(min(limits), 0)
 
 
 def _reached(trainer, max_steps):

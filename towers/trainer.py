@@ -33,6 +33,8 @@ class TowerTrainer:
       jit_compile: whether each tower's forward and backward (all its
         micro-batches) is compiled by XLA as one computation on its device;
         split, gather, average and apply stay as they are.
+      steps_per_execution: steps fit runs per call of one compiled function (an
+        in-graph loop over a tf.data iterator; see train_steps).
       cluster: None, or the joined towers.Cluster this process is a worker of:
         each batch is then this worker's part of the global batch, and every
         worker applies the same update of the whole global batch.
@@ -43,7 +45,7 @@ class TowerTrainer:
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
-                 pipeline_schedule="gpipe"):
+                 pipeline_schedule="gpipe", steps_per_execution=1):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -80,6 +82,14 @@ class TowerTrainer:
                 "jit_compile=True compiles each tower's forward and backward with XLA for "
                 "its device, but with pipeline_cuts a tower spans several devices; leave "
                 "jit_compile=False with pipeline stages.")
+        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
+                or steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be an integer >= 1, got "
+                             f"{steps_per_execution!r}.")
+        if steps_per_execution > 1 and cluster is not None:
+            raise ValueError("steps_per_execution > 1 cannot be combined with a cluster yet: "
+                             "the workers' all-reduce runs once per call; leave it at 1.")
+        self.steps_per_execution = steps_per_execution
         if jit_compile and cluster is not None:
             raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
                              "leave jit_compile=False with a cluster.")
@@ -161,14 +171,45 @@ class TowerTrainer:
                     "jit_compile=False to run it without XLA.") from None
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         if not finite and self.options.on_nonfinite == "raise":
-            raise NonFiniteError(
-                f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
-                "Inf, so nothing was applied. Lower the learning rate, check the data, "
-                "or pass on_nonfinite='skip' to skip such steps.")
+            raise self._nonfinite_error()
         self._skipped_steps += not applied
         logs = {name: float(value) for name, value in logs.items()}
         logs["skipped_steps"] = self._skipped_steps
         return logs
+
+    def train_steps(self, iterator, num_steps):
+        """Up to `num_steps` steps on batches from a tf.data iterator, in one call.
+
+        One compiled function loops over the iterator in the graph (no Python
+        between steps; the end of the data ends the loop early), each step
+        exactly train_step's. The first call ever runs one step eagerly set
+        up, as train_step does.
+
+        Returns:
+          logs as train_step's, over the steps run: "loss" is their mean over
+          their examples (the metrics run on, as ever), plus "steps" (how many
+          ran, 0 when the data had ended) and "examples".
+
+        Raises:
+          NonFiniteError: on_nonfinite="raise" and a step was not finite; the
+            steps before it in this call are applied, it and later ones not.
+        """
+        if not self._functions:
+            batch = next(iterator, None)
+            if batch is None:
+                return {"steps": 0}
+            logs = self.train_step(batch)
+            return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
+        key = ("steps", _spec_text(iterator.element_spec))
+        if key not in self._functions:
+            self._functions[key] = tf.function(self._compiled_train_loop)
+        logs = self._functions[key](iterator, tf.constant(num_steps, tf.int32))
+        steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
+        self._skipped_steps += skipped
+        if bool(logs.pop("nonfinite")):
+            raise self._nonfinite_error()
+        logs = {name: float(value) for name, value in logs.items()}
+        return {**logs, "steps": steps, "skipped_steps": self._skipped_steps}
 
     def request_stop(self):
         """Asks every worker to stop after the next step (fit calls it on SIGTERM/SIGINT).
@@ -244,6 +285,35 @@ class TowerTrainer:
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
         return logs
+
+    def _compiled_train_loop(self, iterator, num_steps):
+        """Up to num_steps of _compiled_train_step in a tf.while_loop over `iterator`."""
+        steps, skipped = tf.constant(0), tf.constant(0)
+        examples, loss_sum, nonfinite = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
+        for _ in tf.range(num_steps):
+            element = iterator.get_next_as_optional()
+            if not element.has_value():
+                break
+            batch = tuple(tf.nest.map_structure(_as_tensor, tuple(element.get_value())))
+            logs = self._compiled_train_step(batch)
+            size = tf.cast(split.batch_size(batch), tf.float32)
+            steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
+            skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
+            if self.options.on_nonfinite == "raise" and not logs["finite"]:
+                nonfinite = tf.constant(True)
+                break
+        logs = {"loss": tf.math.divide_no_nan(loss_sum, examples), "steps": steps,
+                "examples": examples, "skipped": skipped, "nonfinite": nonfinite,
+                **{metric.name: metric.result() for metric in self.metrics}}
+        if self._loss_scale() is not None:
+            logs["loss_scale"] = self.optimizer.dynamic_scale.value
+        return logs
+
+    def _nonfinite_error(self):
+        return NonFiniteError(
+            f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
+            "Inf, so nothing was applied. Lower the learning rate, check the data, "
+            "or pass on_nonfinite='skip' to skip such steps.")
 
     def _compiled_eval_step(self, batch):
         shards = split.split_batch(batch, len(self._grid))
