@@ -126,11 +126,14 @@ class CrashSafetyTest(tf.test.TestCase):
             self.assertAllEqual(expected[name], actual[name], msg=name)
 
     def test_sigkill_then_rerun_gives_the_uninterrupted_weights(self):
+        # The killed run takes 5 steps per call, checkpointing between calls; the
+        # uninterrupted one takes single steps: the weights must still be the same.
         args = ["--model=mlp", "--steps=300", "--checkpoint_every=20", "--deterministic",
                 "--global_batch_size=32"]
         interrupted = self.create_tempdir().full_path
-        killed_at, resumed = self._sigkill_at_first_checkpoint_then_rerun(args, interrupted)
-        self.assertEqual(resumed["steps"], 300)
+        killed_at, resumed = self._sigkill_at_first_checkpoint_then_rerun(
+            [*args, "--steps_per_execution=5"], interrupted)
+        self.assertEqual((resumed["steps"], resumed["steps_per_execution"]), (300, 5))
 
         uninterrupted = self.create_tempdir().full_path
         straight = _run_cli(*args, f"--checkpoint_dir={uninterrupted}")
@@ -174,14 +177,17 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         keras.mixed_precision.set_global_policy("float32")
         super().tearDown()
 
-    def test_accumulation_flag_gives_the_same_model(self):
+    def test_accumulation_xla_and_execution_flags_give_the_same_model(self):
         results = []
         # With one pipeline stage, --micro_batches is gradient accumulation too.
-        for options in (dict(), dict(accum_steps=3), dict(micro_batches=3)):
+        for options in (dict(), dict(accum_steps=3), dict(micro_batches=3),
+                        dict(jit_compile=True, steps_per_execution=3)):
             with flagsaver.flagsaver(**QUICK, steps=8, **options):
                 results.append(train.train())
-        self.assertAllClose(results[0]["eval_loss"], results[1]["eval_loss"], atol=1e-5)
-        self.assertAllClose(results[0]["eval_loss"], results[2]["eval_loss"], atol=1e-5)
+        for result in results[1:]:
+            self.assertAllClose(results[0]["eval_loss"], result["eval_loss"], atol=1e-5)
+        self.assertEqual((results[3]["jit_compile"], results[3]["steps_per_execution"],
+                          results[3]["steps"]), (True, 3, 8))
 
     @parameterized.parameters("mixed_float16", "mixed_bfloat16")
     def test_mixed_precision_flag(self, policy):

@@ -64,6 +64,15 @@ VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
                                        towers.devices.VARIABLE_PLACEMENTS,
                                        "One copy of the variables on the main device, or a "
                                        "copy on every tower refreshed after each step.")
+STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    "steps_per_execution", 1,
+    "Training steps per call of one compiled function (an in-graph loop, no Python "
+    "between them); logs, progress, callbacks and checkpoints then happen once per call.",
+    lower_bound=1)
+JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile", False,
+    "Compile each tower's forward and backward with XLA, one computation on its device "
+    "(not with --pipeline_stages > 1 or several workers).")
 ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 1,
                                    "Micro-batches each tower runs one after another per step "
                                    "(gradient accumulation: less memory, same result).",
@@ -200,6 +209,7 @@ def train():
         devices=tower_devices, metrics=["accuracy"], aggregation=AGGREGATION.value,
         pack_gradients=PACK_GRADIENTS.value, variable_placement=VARIABLE_PLACEMENT.value,
         accum_steps=ACCUM_STEPS.value, pipeline_cuts=cuts or None,
+        steps_per_execution=STEPS_PER_EXECUTION.value, jit_compile=JIT_COMPILE.value,
         micro_batches=MICRO_BATCHES.value, pipeline_schedule=PIPELINE_SCHEDULE.value,
         clip_global_norm=CLIP_GLOBAL_NORM.value or None, cluster=cluster)
     checkpointer = None
@@ -240,6 +250,8 @@ def train():
         "aggregation": AGGREGATION.value,
         "variable_placement": VARIABLE_PLACEMENT.value,
         "accum_steps": ACCUM_STEPS.value,
+        "steps_per_execution": STEPS_PER_EXECUTION.value,
+        "jit_compile": JIT_COMPILE.value,
         "mixed_precision": MIXED_PRECISION.value,
         "pipeline_stages": num_stages,
         "micro_batches": MICRO_BATCHES.value,
