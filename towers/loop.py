@@ -4,7 +4,6 @@ The trainer owns the step; this module only decides which batches to feed it
 and how to summarise what comes back.
 """
 
-import itertools
 import sys
 import time
 
@@ -12,7 +11,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import callbacks as callbacks_lib, exchange, preemption, split
+from towers import callbacks as callbacks_lib, exchange, executions, preemption, split
 from towers.errors import Preempted
 
 _ACCURACY_NAMES = ("accuracy", "acc")
@@ -133,7 +132,8 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         while epoch < epochs and not _reached(trainer, max_steps):
             _reset(trainer.metrics)
             callbacks.on_epoch_begin(epoch)
-            steps = _EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator)
+            steps = executions.EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip,
+                                           shared_iterator)
             progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
             start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
             broke_off = False
@@ -143,7 +143,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                 if signals.received:
                     trainer.request_stop()  # with a cluster, every worker stops after this step
 
-            while (execution := steps.run(before_step, _limit(
+            while (execution := steps.run(before_step, executions.limit(
                     trainer, batch_index, steps_per_epoch, max_steps))) is not None:
                 logs, ran, size = execution
                 batch_index += ran
@@ -256,60 +256,6 @@ class _Summaries:
             for name, value in logs.items():
                 tf.summary.scalar(f"{prefix}/{name}", value)
         self._writer.flush()
-
-
-class _EpochSteps:
-    """One epoch's batches from batch number `skip` on, run one step per call of the
-    trainer, or trainer.steps_per_execution steps per call when they come from a
-    tf.data.Dataset (other iterables run a step at a time)."""
-
-    def __init__(self, trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator):
-        self._trainer = trainer
-        data = shared_iterator
-        if data is None:
-            data = dataset(epoch) if callable(dataset) else dataset
-            data = data.skip(skip) if isinstance(data, tf.data.Dataset) else data
-        self._in_graph = trainer.steps_per_execution > 1 and (
-            isinstance(data, tf.data.Dataset) or isinstance(data, tf.data.Iterator))
-        if self._in_graph:
-            self._iterator = iter(data)
-        else:
-            first = skip if shared_iterator is None and not isinstance(data, tf.data.Dataset) else 0
-            self._iterator = itertools.islice(data, first, None)
-
-    def run(self, before_step, limit):
-        """Runs the next execution of at most `limit` steps (an int, see _limit).
-
-        Calls before_step() first. Returns (logs, steps run, examples), or None
-        when the epoch's batches or `limit` ran out.
-        """
-        if limit == 0:
-            return None
-        if self._in_graph:
-            before_step()
-            logs = self._trainer.train_steps(self._iterator, limit)
-            if not logs["steps"]:
-                return None
-            return logs, logs.pop("steps"), int(logs.pop("examples"))
-        batch = next(self._iterator, None)
-        if batch is None:
-            return None
-        before_step()
-        logs = self._trainer.train_step(batch)
-        # With a cluster the batch is this worker's part; the step counts them all.
-        size = (int(logs.pop("examples")) if "examples" in logs
-                else int(tf.nest.flatten(batch)[0].shape[0]))
-        return logs, 1, size
-
-
-def _limit(trainer, batch_index, steps_per_epoch, max_steps):
-    """Steps the next execution may run: what is left of the epoch and of max_steps."""
-    limits = [trainer.steps_per_execution]
-    if steps_per_epoch is not None:
-        limits.append(steps_per_epoch - batch_index)
-    if max_steps is not None:
-        limits.append(max_steps - trainer.step)
-    return max(min(limits), 0)
 
 
 def _reached(trainer, max_steps):

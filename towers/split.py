@@ -1,5 +1,6 @@
 """Step 1: splitting the global batch into one shard per tower."""
 
+import keras
 import tensorflow as tf
 
 
@@ -11,6 +12,12 @@ def unpack_batch(batch):
         raise ValueError(f"a batch must be (x, y) or (x, y, sample_weight), got {kind}.")
     return batch[0], batch[1], batch[2] if len(batch) == 3 else None
 
+
+def as_tensor(value):
+    """One part of a batch as a Tensor; float64 (NumPy's default) becomes Keras's floatx."""
+    tensor = tf.convert_to_tensor(value)
+    # A float64 batch would make a float64 graph; Keras models compute in floatx.
+    return tf.cast(tensor, keras.config.floatx()) if tensor.dtype == tf.float64 else tensor
 
 
 def split_batch(batch, num_shards):

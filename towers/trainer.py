@@ -7,7 +7,7 @@ import tensorflow as tf
 from absl import logging
 
 from towers import aggregate, cluster as cluster_lib, devices as devices_lib, exchange, losses
-from towers import loop, split, stages as stages_lib, tower
+from towers import executions, loop, split, stages as stages_lib, tower
 from towers.errors import NonFiniteError
 from towers.step import TowerOptions, apply_update, assign_state, broadcast_stages, clip_gradients
 from towers.step import run_towers
@@ -202,7 +202,8 @@ class TowerTrainer:
             return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
         key = ("steps", _spec_text(iterator.element_spec))
         if key not in self._functions:
-            self._functions[key] = tf.function(self._compiled_train_loop)
+            self._functions[key] = tf.function(
+                lambda iterator, num_steps: executions.compiled_loop(self, iterator, num_steps))
         logs = self._functions[key](iterator, tf.constant(num_steps, tf.int32))
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
@@ -286,29 +287,6 @@ class TowerTrainer:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
         return logs
 
-    def _compiled_train_loop(self, iterator, num_steps):
-        """Up to num_steps of _compiled_train_step in a tf.while_loop over `iterator`."""
-        steps, skipped = tf.constant(0), tf.constant(0)
-        examples, loss_sum, nonfinite = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
-        for _ in tf.range(num_steps):
-            element = iterator.get_next_as_optional()
-            if not element.has_value():
-                break
-            batch = tuple(tf.nest.map_structure(_as_tensor, tuple(element.get_value())))
-            logs = self._compiled_train_step(batch)
-            size = tf.cast(split.batch_size(batch), tf.float32)
-            steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
-            skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
-            if self.options.on_nonfinite == "raise" and not logs["finite"]:
-                nonfinite = tf.constant(True)
-                break
-        logs = {"loss": tf.math.divide_no_nan(loss_sum, examples), "steps": steps,
-                "examples": examples, "skipped": skipped, "nonfinite": nonfinite,
-                **{metric.name: metric.result() for metric in self.metrics}}
-        if self._loss_scale() is not None:
-            logs["loss_scale"] = self.optimizer.dynamic_scale.value
-        return logs
-
     def _nonfinite_error(self):
         return NonFiniteError(
             f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
@@ -357,7 +335,7 @@ class TowerTrainer:
         short batches reuse it.
         """
         split.unpack_batch(batch)
-        batch = tuple(tf.nest.map_structure(_as_tensor, tuple(batch)))
+        batch = tuple(tf.nest.map_structure(split.as_tensor, tuple(batch)))
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError("the batch is empty (batch size 0); give at least one example.")
         spec = tf.nest.map_structure(
@@ -441,12 +419,6 @@ class TowerTrainer:
                 "model %r has variables on %s, not on main_device %s; they stay there. To "
                 "keep them on the main device, build the model inside `with tf.device(%r):`.",
                 self.model.name, misplaced, self.main_device, self.main_device)
-
-
-def _as_tensor(value):
-    tensor = tf.convert_to_tensor(value)
-    # NumPy's default float64 would make a float64 graph; Keras models compute in floatx.
-    return tf.cast(tensor, keras.config.floatx()) if tensor.dtype == tf.float64 else tensor
 
 
 def _spec_text(spec):

@@ -1,0 +1,96 @@
+"""Several training steps per call of one compiled function (steps_per_execution).
+
+`compiled_loop` is the in-graph loop TowerTrainer.train_steps compiles: a
+tf.while_loop over a tf.data iterator, each step the trainer's own. fit runs
+an epoch as `EpochSteps`: executions of up to steps_per_execution steps, never
+past the epoch's end or max_steps (`limit`).
+"""
+
+import itertools
+
+import tensorflow as tf
+
+from towers import split
+
+
+def compiled_loop(trainer, iterator, num_steps):
+    """Up to num_steps of the trainer's compiled step, in a tf.while_loop over `iterator`.
+
+    Call it inside a tf.function. Returns the logs trainer.train_steps reads:
+    loss (mean over the examples), steps, examples, skipped, nonfinite and the
+    metric results, all Tensors.
+    """
+    steps, skipped = tf.constant(0), tf.constant(0)
+    examples, loss_sum, nonfinite = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
+    for _ in tf.range(num_steps):
+        element = iterator.get_next_as_optional()
+        if not element.has_value():
+            break
+        batch = tuple(tf.nest.map_structure(split.as_tensor, tuple(element.get_value())))
+        logs = trainer._compiled_train_step(batch)
+        size = tf.cast(split.batch_size(batch), tf.float32)
+        steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
+        skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
+        if trainer.options.on_nonfinite == "raise" and not logs["finite"]:
+            nonfinite = tf.constant(True)
+            break
+    logs = {"loss": tf.math.divide_no_nan(loss_sum, examples), "steps": steps,
+            "examples": examples, "skipped": skipped, "nonfinite": nonfinite,
+            **{metric.name: metric.result() for metric in trainer.metrics}}
+    if trainer._loss_scale() is not None:
+        logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
+    return logs
+
+
+class EpochSteps:
+    """One epoch's batches from batch number `skip` on, run one step per call of the
+    trainer, or trainer.steps_per_execution steps per call when they come from a
+    tf.data.Dataset (other iterables run a step at a time)."""
+
+    def __init__(self, trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator):
+        self._trainer = trainer
+        data = shared_iterator
+        if data is None:
+            data = dataset(epoch) if callable(dataset) else dataset
+            data = data.skip(skip) if isinstance(data, tf.data.Dataset) else data
+        self._in_graph = trainer.steps_per_execution > 1 and (
+            isinstance(data, tf.data.Dataset) or isinstance(data, tf.data.Iterator))
+        if self._in_graph:
+            self._iterator = iter(data)
+        else:
+            first = skip if shared_iterator is None and not isinstance(data, tf.data.Dataset) else 0
+            self._iterator = itertools.islice(data, first, None)
+
+    def run(self, before_step, limit):
+        """Runs the next execution of at most `limit` steps (an int, see _limit).
+
+        Calls before_step() first. Returns (logs, steps run, examples), or None
+        when the epoch's batches or `limit` ran out.
+        """
+        if limit == 0:
+            return None
+        if self._in_graph:
+            before_step()
+            logs = self._trainer.train_steps(self._iterator, limit)
+            if not logs["steps"]:
+                return None
+            return logs, logs.pop("steps"), int(logs.pop("examples"))
+        batch = next(self._iterator, None)
+        if batch is None:
+            return None
+        before_step()
+        logs = self._trainer.train_step(batch)
+        # With a cluster the batch is this worker's part; the step counts them all.
+        size = (int(logs.pop("examples")) if "examples" in logs
+                else int(tf.nest.flatten(batch)[0].shape[0]))
+        return logs, 1, size
+
+
+def limit(trainer, batch_index, steps_per_epoch, max_steps):
+    """Steps the next execution may run: what is left of the epoch and of max_steps."""
+    limits = [trainer.steps_per_execution]
+    if steps_per_epoch is not None:
+        limits.append(steps_per_epoch - batch_index)
+    if max_steps is not None:
+        limits.append(max_steps - trainer.step)
+    return max(min(limits), 0)
