@@ -1,6 +1,7 @@
 """TowerTrainer: the tower step compiled once, with batch checks, metrics and the loop."""
 
 import contextlib
+import functools
 
 import keras
 import tensorflow as tf
@@ -108,6 +109,7 @@ class TowerTrainer:
         self._skipped_steps = 0
         self._functions = {}  # (kind, batch spec text) -> compiled step (a tf.function)
         self._concrete_functions = {}  # the same keys -> its one traced graph
+        self._log_names = {}  # packed python function -> names of its logs, in order
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         self._compiled_tower = None  # with jit_compile: tower.compiled_tower's function
@@ -159,9 +161,9 @@ class TowerTrainer:
         """
         with (self._watchdog.step(self.step + 1) if self._watchdog
               else contextlib.nullcontext()):
-            batch, train_function = self._prepare(batch, "train")
+            batch, key = self._prepare(batch, "train")
             try:
-                logs = train_function(batch)
+                logs = self._read_logs(key, self._concrete_functions[key], batch)
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
                 if not self.jit_compile:
                     raise
@@ -173,7 +175,6 @@ class TowerTrainer:
         if not finite and self.options.on_nonfinite == "raise":
             raise self._nonfinite_error()
         self._skipped_steps += not applied
-        logs = {name: float(value) for name, value in logs.items()}
         logs["skipped_steps"] = self._skipped_steps
         return logs
 
@@ -202,14 +203,14 @@ class TowerTrainer:
             return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
         key = ("steps", _spec_text(iterator.element_spec))
         if key not in self._functions:
-            self._functions[key] = tf.function(
-                lambda iterator, num_steps: executions.compiled_loop(self, iterator, num_steps))
-        logs = self._functions[key](iterator, tf.constant(num_steps, tf.int32))
+            self._functions[key] = tf.function(self._packed(key, functools.partial(
+                executions.compiled_loop, self)))
+        logs = self._read_logs(key, self._functions[key], iterator,
+                               tf.constant(num_steps, tf.int32))
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
-        if bool(logs.pop("nonfinite")):
+        if logs.pop("nonfinite"):
             raise self._nonfinite_error()
-        logs = {name: float(value) for name, value in logs.items()}
         return {**logs, "steps": steps, "skipped_steps": self._skipped_steps}
 
     def request_stop(self):
@@ -241,8 +242,8 @@ class TowerTrainer:
 
     def eval_step(self, batch):
         """Sum of per-example losses, example count and regularisation for one batch."""
-        batch, eval_function = self._prepare(batch, "eval")
-        return eval_function(batch)
+        batch, key = self._prepare(batch, "eval")
+        return self._concrete_functions[key](batch)
 
     def _compiled_train_step(self, batch):
         scale = self._loss_scale()
@@ -287,6 +288,23 @@ class TowerTrainer:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
         return logs
 
+    def _packed(self, key, compiled):
+        """`compiled`, returning its dict of scalar logs as one float64 vector, so the host
+        reads every log of a call at once; their names go to self._log_names[key]."""
+        names = self._log_names.setdefault(key, [])
+
+        def packed(*args):
+            logs = compiled(*args)
+            names[:] = list(logs)  # when traced
+            return tf.stack([tf.cast(value, tf.float64) for value in logs.values()])
+
+        return packed
+
+    def _read_logs(self, key, function, *args):
+        """Calls the packed compiled `function` of `key`; its logs as Python floats."""
+        values = function(*args).numpy()  # the call's one device-to-host read
+        return dict(zip(self._log_names[key], values.tolist()))
+
     def _nonfinite_error(self):
         return NonFiniteError(
             f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
@@ -328,7 +346,8 @@ class TowerTrainer:
         return None
 
     def _prepare(self, batch, kind):
-        """Checks a batch; returns it as Tensors and the compiled `kind` step for it.
+        """Checks a batch; returns it as Tensors and the key of the compiled `kind` step for
+        it (in self._functions and self._concrete_functions).
 
         The step is traced once per batch structure (with or without sample
         weights, dtypes, feature shapes) with dim 0 left as None, so uneven and
@@ -344,12 +363,13 @@ class TowerTrainer:
             self._first_batch_setup(batch)
         key = (kind, _spec_text(spec))
         if key not in self._functions:
-            step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
+            step = (self._packed(key, self._compiled_train_step) if kind == "train"
+                    else self._compiled_eval_step)
             self._functions[key] = tf.function(step, input_signature=[spec])
             # Calling the traced graph directly skips tf.function's argument matching,
             # about 0.2 ms of host time per step.
             self._concrete_functions[key] = self._functions[key].get_concrete_function()
-        return batch, self._concrete_functions[key]
+        return batch, key
 
     def _first_batch_setup(self, batch):
         """Builds model and optimizer on the main device and checks the loss, eagerly."""
