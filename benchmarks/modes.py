@@ -4,7 +4,7 @@ Every mode trains a model built from the same seed (so all start from identical
 weights) with the same loss and optimizer on the same fixed global batch, which
 is made once and placed on the devices before timing (tf_cnn_benchmarks' synthetic
 data). Every step ends with the loss fetched as a Python float: one host sync per
-step in every mode (keras_fit_xla_spe10 aside, below), so no mode gains from
+step in every mode (the *_spe10 modes aside, below), so no mode gains from
 queueing steps ahead of the host.
 
     plain...         one device, whole batch, a GradientTape step in a tf.function
@@ -15,11 +15,14 @@ queueing steps ahead of the host.
     mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
     mirrored_fit     MirroredStrategy with model.compile + model.fit
 
-The Keras fit modes are fed through tf.data (the same batch, repeated), because
-that is how fit takes data and how it splits a batch over replicas; every other
-mode reads tensors that already sit on its devices. Only the modes named *_xla
-compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's compiled
-function and so fetches its logs once per 10 steps: that saving is what it measures.
+The Keras fit modes and towers_spe10 are fed through tf.data (the same batch,
+repeated), because that is how fit takes data and how it splits a batch over
+replicas, and how an in-graph loop reads its batches; every other mode reads
+tensors that already sit on its devices. Only the modes named *_xla compile
+with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's compiled function,
+and towers_spe10 10 steps per call of TowerTrainer.train_steps (towers' defaults
+otherwise, no XLA), and so fetch their logs once per 10 steps: that saving is
+what they measure.
 """
 
 import dataclasses
@@ -55,6 +58,7 @@ def _tower_configs():
                 "aggregation": aggregation, "variable_placement": placement}
     configs["towers_packed"] = {"pack_gradients": True}
     configs["towers_xla"] = {"jit_compile": True}
+    configs["towers_spe10"] = {"steps_per_execution": 10}  # run by ExecutionMode
     return configs
 
 
@@ -128,6 +132,28 @@ class Mode:
     def weights(self):
         """The weights now, as a list of NumPy arrays (for independent: tower 0's copy)."""
         return self.model.get_weights()
+
+
+class ExecutionMode(Mode):
+    """A mode that runs several steps per call: execute(max_steps) runs up to max_steps in one
+    call (one host sync) and returns how many ran.
+
+    Each sample is one call's time divided by its steps, as FitMode's, so such a
+    mode has fewer samples.
+    """
+
+    def __init__(self, name, num_towers, execute, model, info=None):
+        super().__init__(name, num_towers, None, model, info)
+        self._execute = execute
+
+    def run(self, num_steps):
+        times, left = [], num_steps
+        while left > 0:
+            start = time.perf_counter()
+            steps = self._execute(left)
+            times.append((time.perf_counter() - start) / steps)
+            left -= steps
+        return times
 
 
 class FitMode(Mode):
@@ -230,8 +256,17 @@ def _towers(name, options, setup, devices):
                                       **options)
     except (TypeError, ValueError) as error:
         raise Unsupported(f"{type(error).__name__}: {error}") from None
-    return Mode(name, len(devices), lambda: trainer.train_step(batch)["loss"], model,
-                {"options": options})
+    info = {"options": options}
+    if trainer.steps_per_execution == 1:
+        return Mode(name, len(devices), lambda: trainer.train_step(batch)["loss"], model, info)
+    # Calls of at most steps_per_execution steps (the trainer's very first call runs one).
+    iterator = iter(setup.dataset())
+
+    def execute(max_steps):
+        logs = trainer.train_steps(iterator, min(max_steps, trainer.steps_per_execution))
+        return logs["steps"]  # the data repeats forever: never 0
+
+    return ExecutionMode(name, len(devices), execute, model, info)
 
 
 def _independent(setup, devices):

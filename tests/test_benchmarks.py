@@ -19,7 +19,8 @@ from towers import models
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
 RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "towers",
-             "towers_packed", "towers_xla", "independent", "mirrored_custom", "mirrored_fit"]
+             "towers_packed", "towers_xla", "towers_spe10", "independent", "mirrored_custom",
+             "mirrored_fit"]
 
 
 class RunBenchmarkTest(tf.test.TestCase):
@@ -67,12 +68,13 @@ class RunBenchmarkTest(tf.test.TestCase):
         self.assertGreater(self.model["flops_per_step"], 0)
 
     def test_weights_match_plain_except_independent(self):
-        # The XLA modes too, and fit with steps_per_execution=10 ran exactly the steps asked
-        # (3 here: 10 more would move the weights far more than this).
+        # The XLA modes too, and fit and towers with steps_per_execution=10 ran exactly the
+        # steps asked (3 here: 10 more would move the weights far more than this).
         for key in [("towers", 1), ("towers", 2), ("mirrored_custom", 1),
                     ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2),
                     ("plain_xla", 1), ("keras_fit_xla", 1), ("keras_fit_xla_spe10", 1),
-                    ("towers_xla", 1), ("towers_xla", 2)]:
+                    ("towers_xla", 1), ("towers_xla", 2), ("towers_spe10", 1),
+                    ("towers_spe10", 2)]:
             self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
         # Tower 0 of independent trained on half the batch only.
         self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
@@ -82,6 +84,7 @@ class RunBenchmarkTest(tf.test.TestCase):
         self.assertEqual(self.rows["towers_xla", 2]["options"], {"jit_compile": True})
         self.assertEqual(self.rows["keras_fit_xla_spe10", 1]["options"],
                          {"jit_compile": True, "steps_per_execution": 10})
+        self.assertEqual(self.rows["towers_spe10", 2]["options"], {"steps_per_execution": 10})
         with open(os.path.join(self.output_dir, "results.md")) as f:
             self.assertIn("| towers_xla | 2 |", f.read())
 
@@ -102,6 +105,18 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
         with mock.patch.dict(modes.TOWER_CONFIGS, {"towers_new": {"no_such_option": True}}):
             with self.assertRaisesRegex(modes.Unsupported, "no_such_option"):
                 modes.build("towers_new", setup, DEVICES)
+
+    def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self):
+        # 12 steps: the trainer's first call runs one, then one call of 10, then the last one.
+        setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
+                            x=np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 2, 2, 1),
+                            y=np.array([0, 1, 1, 0], np.int32))
+        # One tower: the loop is the same on more (the run above has towers_spe10 on two).
+        plain, spe = (modes.build(name, setup, DEVICES[:1]) for name in ("plain", "towers_spe10"))
+        plain.run(12)
+        self.assertLen(spe.run(12), 3)
+        for a, b in zip(spe.weights(), plain.weights()):
+            self.assertAllClose(a, b, atol=1e-5)
 
     @parameterized.parameters(
         ("split:SplitV", "split"),
