@@ -9,7 +9,6 @@ share of each stage device (the bubble) and the boxes of the timeline.
 """
 
 import dataclasses
-import json
 import os
 import statistics
 
@@ -19,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 import towers
-from benchmarks import harness, measure, modes, phases, pipeline_profile
+from benchmarks import harness, measure, modes, phases, pipeline_profile, report
 from towers import models as models_lib, schedule
 
 NUM_CLASSES = harness.NUM_CLASSES
@@ -233,11 +232,7 @@ def _check_arguments(configs, devices, num_towers, global_batch_size, steps, rou
 
 
 def _write_all(results, output_dir):
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(markdown(results))
+    report.write_json_and_markdown(results, markdown(results), output_dir)
     path = os.path.join(output_dir, "timeline.png")
     panels = pipeline_profile.timeline_panels(results["rows"], *results["config"]["timeline"])
     if panels and not pipeline_profile.draw_timeline(panels, path):

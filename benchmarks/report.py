@@ -34,12 +34,17 @@ NOTES = """\
 
 def write_all(results, output_dir):
     """Writes results.json, results.md and results.png (when matplotlib is there) to output_dir."""
+    write_json_and_markdown(results, markdown(results), output_dir)
+    write_plot(results, os.path.join(output_dir, "results.png"))
+
+
+def write_json_and_markdown(results, markdown_text, output_dir):
+    """Writes `results` as output_dir/results.json and `markdown_text` as results.md."""
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     with open(os.path.join(output_dir, "results.md"), "w") as f:
-        f.write(markdown(results))
-    write_plot(results, os.path.join(output_dir, "results.png"))
+        f.write(markdown_text)
 
 
 def markdown(results):

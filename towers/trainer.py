@@ -109,7 +109,7 @@ class TowerTrainer:
         self._skipped_steps = 0
         self._functions = {}  # (kind, batch spec text) -> compiled step (a tf.function)
         self._concrete_functions = {}  # the same keys -> its one traced graph
-        self._log_names = {}  # packed python function -> names of its logs, in order
+        self._log_names = {}  # the same keys (train steps) -> names of the packed logs, in order
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         self._compiled_tower = None  # with jit_compile: tower.compiled_tower's function
