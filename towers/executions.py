@@ -10,7 +10,7 @@ import itertools
 
 import tensorflow as tf
 
-from towers import split
+from towers import prefetch, split
 
 
 def compiled_loop(trainer, iterator, num_steps):
@@ -23,10 +23,10 @@ def compiled_loop(trainer, iterator, num_steps):
     steps, skipped = tf.constant(0), tf.constant(0)
     examples, loss_sum, nonfinite = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
     for _ in tf.range(num_steps):
-        element = iterator.get_next_as_optional()
-        if not element.has_value():
+        has_batch, get_batch = prefetch.get_next_as_optional(iterator, trainer.input_devices)
+        if not has_batch:
             break
-        batch = tuple(tf.nest.map_structure(split.as_tensor, tuple(element.get_value())))
+        batch = get_batch()
         logs = trainer._compiled_train_step(batch)
         size = tf.cast(split.batch_size(batch), tf.float32)
         steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
@@ -45,21 +45,23 @@ def compiled_loop(trainer, iterator, num_steps):
 class EpochSteps:
     """One epoch's batches from batch number `skip` on, run one step per call of the
     trainer, or trainer.steps_per_execution steps per call when they come from a
-    tf.data.Dataset (other iterables run a step at a time)."""
+    tf.data.Dataset (other iterables run a step at a time). A Dataset's batches
+    come split, each shard on its tower's device, with trainer.prefetch_to_devices."""
 
     def __init__(self, trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator):
         self._trainer = trainer
-        data = shared_iterator
+        data, first = shared_iterator, 0  # first: batches to skip here, not in tf.data
         if data is None:
             data = dataset(epoch) if callable(dataset) else dataset
-            data = data.skip(skip) if isinstance(data, tf.data.Dataset) else data
-        self._in_graph = trainer.steps_per_execution > 1 and (
-            isinstance(data, tf.data.Dataset) or isinstance(data, tf.data.Iterator))
-        if self._in_graph:
-            self._iterator = iter(data)
-        else:
-            first = skip if shared_iterator is None and not isinstance(data, tf.data.Dataset) else 0
-            self._iterator = itertools.islice(data, first, None)
+            if not isinstance(data, tf.data.Dataset):
+                first = skip
+            elif trainer.prefetch_to_devices:
+                data = trainer.shard_iterator(data.skip(skip))
+            else:
+                data = data.skip(skip)
+        self._in_graph = trainer.steps_per_execution > 1 and isinstance(
+            data, (tf.data.Dataset, tf.data.Iterator, prefetch.ShardIterator))
+        self._iterator = iter(data) if self._in_graph else itertools.islice(data, first, None)
 
     def run(self, before_step, limit):
         """Runs the next execution of at most `limit` steps (an int, see _limit).
@@ -82,7 +84,7 @@ class EpochSteps:
         logs = self._trainer.train_step(batch)
         # With a cluster the batch is this worker's part; the step counts them all.
         size = (int(logs.pop("examples")) if "examples" in logs
-                else int(tf.nest.flatten(batch)[0].shape[0]))
+                else int(split.batch_size(batch)))
         return logs, 1, size
 
 

@@ -47,10 +47,10 @@ def update_metrics(metrics, batch, y_pred, device, cluster=None):
     right for metrics whose state variables are sums (counts, totals,
     confusion matrices), as Keras's built-in metrics are.
     """
-    _, y, sample_weight = split.unpack_batch(batch)
     variables = [v for metric in metrics for v in metric.variables] if cluster else []
     before = [tf.identity(v.value) for v in variables]  # .value is the variable itself
     with tf.device(device):
+        y, sample_weight = split.targets(batch)
         for metric in metrics:
             metric.update_state(y, y_pred, sample_weight=sample_weight)
         if variables:

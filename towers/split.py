@@ -44,6 +44,33 @@ def split_batch(batch, num_shards):
             for i in range(num_shards)]
 
 
+class Shards(list):
+    """A global batch already split into one shard per tower, in tower order.
+
+    prefetch.ShardIterator yields these with shard i on tower i's device; the
+    step then skips step 1 (see shards_of).
+    """
+
+
+def shards_of(batch, num_shards):
+    """Step 1: `batch` split into `num_shards` shards, or its shards if it is Shards."""
+    if not isinstance(batch, Shards):
+        return split_batch(batch, num_shards)
+    if len(batch) != num_shards:
+        raise ValueError(f"the batch comes in {len(batch)} shards but the step has "
+                         f"{num_shards} towers; split it for {num_shards}.")
+    return list(batch)
+
+
+def targets(batch):
+    """(y, sample_weight or None) of the whole batch; Shards' rows are concatenated."""
+    if not isinstance(batch, Shards):
+        return unpack_batch(batch)[1:]
+    y, *sample_weight = [tf.nest.map_structure(lambda *rows: tf.concat(rows, 0), *part)
+                         for part in list(zip(*batch))[1:]]  # each part: one per shard
+    return y, sample_weight[0] if sample_weight else None
+
+
 def shard_sizes(global_batch_size, num_shards):
     """Per-shard sizes summing to `global_batch_size`, larger first.
 
@@ -67,6 +94,8 @@ def batch_size(batch):
     Raises:
       ValueError: a part is a scalar, or the parts disagree on dim 0.
     """
+    if isinstance(batch, Shards):
+        return sum(batch_size(shard) for shard in batch)
     leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(batch)]
     if not leaves:
         raise ValueError("the batch holds no tensors.")

@@ -132,7 +132,8 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     Args:
       model: a built keras.Model.
       loss: a keras.losses.Loss or callable(y_true, y_pred) -> per-example losses.
-      batch: (x, y) or (x, y, sample_weight), dim 0 = global batch.
+      batch: (x, y) or (x, y, sample_weight), dim 0 = global batch, or its
+        split.Shards (one per device).
       devices: tower device names, one shard each.
       main_device: where gradients are gathered and averaged; None = devices[0].
       accum_steps, state_policy: as in TowerOptions.
@@ -158,6 +159,8 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
                densify=None, replicas=None, cluster=None, first_tower=0, compiled_tower=None):
     """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
 
+    `batch`: (x, y[, sample_weight]), or its split.Shards, one per tower (the
+    input pipeline did step 1: prefetch.ShardIterator).
     `stages`: the model as a stages.Stages (one stage: the whole model).
     `grid`: one row of devices per tower, one device per stage.
     `stage_devices`: per stage, its main device, where its variables live and
@@ -172,7 +175,7 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
     """
     main_device, model = stage_devices[0], stages.model
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
-        shards = split.split_batch(batch, len(grid))                              # 1
+        shards = split.shards_of(batch, len(grid))                                # 1
         shard_sizes = [split.batch_size(shard) for shard in shards]
     weights = [v.value for v in model.trainable_variables]
     state = [v.value for v in model.non_trainable_variables]

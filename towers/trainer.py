@@ -8,7 +8,7 @@ import tensorflow as tf
 from absl import logging
 
 from towers import aggregate, cluster as cluster_lib, devices as devices_lib, exchange, losses
-from towers import executions, loop, split, stages as stages_lib, tower
+from towers import executions, loop, prefetch, split, stages as stages_lib, tower
 from towers.errors import NonFiniteError
 from towers.step import TowerOptions, apply_update, assign_state, broadcast_stages, clip_gradients
 from towers.step import run_towers
@@ -36,6 +36,9 @@ class TowerTrainer:
         split, gather, average and apply stay as they are.
       steps_per_execution: steps fit runs per call of one compiled function (an
         in-graph loop over a tf.data iterator; see train_steps).
+      prefetch_to_devices: whether fit splits each batch of a tf.data.Dataset
+        in the input pipeline and stages every shard on its tower's device
+        while the previous step runs (shard_iterator).
       cluster: None, or the joined towers.Cluster this process is a worker of:
         each batch is then this worker's part of the global batch, and every
         worker applies the same update of the whole global batch.
@@ -46,7 +49,7 @@ class TowerTrainer:
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
-                 pipeline_schedule="gpipe", steps_per_execution=1):
+                 pipeline_schedule="gpipe", steps_per_execution=1, prefetch_to_devices=True):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -91,6 +94,10 @@ class TowerTrainer:
             raise ValueError("steps_per_execution > 1 cannot be combined with a cluster yet: "
                              "the workers' all-reduce runs once per call; leave it at 1.")
         self.steps_per_execution = steps_per_execution
+        if not isinstance(prefetch_to_devices, bool):
+            raise ValueError(
+                f"prefetch_to_devices must be True or False, got {prefetch_to_devices!r}.")
+        self.prefetch_to_devices = prefetch_to_devices
         if jit_compile and cluster is not None:
             raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
                              "leave jit_compile=False with a cluster.")
@@ -132,6 +139,11 @@ class TowerTrainer:
         return self._num_towers
 
     @property
+    def input_devices(self):
+        """Where each tower's shard enters it: its device (with stages, its first stage's)."""
+        return [row[0] for row in self._grid]
+
+    @property
     def step(self):
         """Optimizer steps applied so far (int); skipped steps do not count."""
         return int(self.optimizer.iterations.numpy())
@@ -141,7 +153,8 @@ class TowerTrainer:
 
         Args:
           batch: (x, y) or (x, y, sample_weight); arrays or Tensors, dim 0 = the
-            global batch size, any size >= 1.
+            global batch size, any size >= 1. Or the batch's split.Shards, one
+            per tower, from shard_iterator.
 
         Returns:
           {"loss": mean loss over the batch (+ regularisation), metric results...,
@@ -178,13 +191,24 @@ class TowerTrainer:
         logs["skipped_steps"] = self._skipped_steps
         return logs
 
+    def shard_iterator(self, dataset, buffer_size=1):
+        """A prefetch.ShardIterator: `dataset`'s global batches as split.Shards, each
+        tower's shard staged on its input device `buffer_size` batches ahead.
+
+        train_step and train_steps take it (or what it yields) as they take a
+        dataset's iterator (or a batch), and skip step 1.
+        """
+        return prefetch.ShardIterator(dataset, self.input_devices,
+                                      source_device=cluster_lib.HOST_DEVICE,
+                                      buffer_size=buffer_size)
+
     def train_steps(self, iterator, num_steps):
         """Up to `num_steps` steps on batches from a tf.data iterator, in one call.
 
         One compiled function loops over the iterator in the graph (no Python
         between steps; the end of the data ends the loop early), each step
         exactly train_step's. The first call ever runs one step eagerly set
-        up, as train_step does.
+        up, as train_step does. `iterator` may be a shard_iterator.
 
         Returns:
           logs as train_step's, over the steps run: "loss" is their mean over
@@ -201,7 +225,9 @@ class TowerTrainer:
                 return {"steps": 0}
             logs = self.train_step(batch)
             return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
-        key = ("steps", _spec_text(iterator.element_spec))
+        if isinstance(iterator, prefetch.ShardIterator):
+            iterator = iterator.multi_device_iterator  # a tf.function argument, as a tf.data iterator
+        key = ("steps", type(iterator).__name__, _spec_text(iterator.element_spec))
         if key not in self._functions:
             self._functions[key] = tf.function(self._packed(key, functools.partial(
                 executions.compiled_loop, self)))
@@ -312,7 +338,7 @@ class TowerTrainer:
             "or pass on_nonfinite='skip' to skip such steps.")
 
     def _compiled_eval_step(self, batch):
-        shards = split.split_batch(batch, len(self._grid))
+        shards = split.shards_of(batch, len(self._grid))
         weights = [v.value for v in self.model.trainable_variables]
         state = [v.value for v in self.model.non_trainable_variables]
         loss_sums, outputs = [], []
@@ -353,18 +379,25 @@ class TowerTrainer:
         weights, dtypes, feature shapes) with dim 0 left as None, so uneven and
         short batches reuse it.
         """
-        split.unpack_batch(batch)
-        batch = tuple(tf.nest.map_structure(split.as_tensor, tuple(batch)))
+        is_shards = isinstance(batch, split.Shards)
+        parts = []
+        for part in (batch if is_shards else [batch]):
+            split.unpack_batch(part)
+            parts.append(tuple(tf.nest.map_structure(split.as_tensor, tuple(part))))
+        batch = split.Shards(parts) if is_shards else parts[0]
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError("the batch is empty (batch size 0); give at least one example.")
         spec = tf.nest.map_structure(
-            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), batch)
+            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype),
+            list(batch) if is_shards else batch)
         if not self._functions:
             self._first_batch_setup(batch)
-        key = (kind, _spec_text(spec))
+        key = (kind, is_shards, _spec_text(spec))
         if key not in self._functions:
             step = (self._packed(key, self._compiled_train_step) if kind == "train"
                     else self._compiled_eval_step)
+            if is_shards:  # its one argument comes as a list: Shards again inside
+                step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(step, input_signature=[spec])
             # Calling the traced graph directly skips tf.function's argument matching,
             # about 0.2 ms of host time per step.
@@ -373,7 +406,9 @@ class TowerTrainer:
 
     def _first_batch_setup(self, batch):
         """Builds model and optimizer on the main device and checks the loss, eagerly."""
-        x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:1], batch))
+        first_shard = split.shards_of(batch, len(self._grid))[0]  # holds the batch's first example
+        x, y, sample_weight = split.unpack_batch(
+            tf.nest.map_structure(lambda t: t[:1], first_shard))
         with tf.device(self.main_device):
             try:
                 y_pred = self.model(x, training=False)
@@ -389,8 +424,7 @@ class TowerTrainer:
             if self.options.variable_placement == "replicated":
                 self._replicas = devices_lib.Replicas(self.model, self.devices)
             self._densify = tower.choose_dense_gradients(
-                self.model, self.loss, split.split_batch(batch, len(self._grid))[0],
-                self.options.sparse_policy)
+                self.model, self.loss, first_shard, self.options.sparse_policy)
             if self.jit_compile:
                 self._compiled_tower = tower.compiled_tower(
                     self._stages, self.loss, *self.options.tower_schedule, self._densify)
@@ -439,6 +473,10 @@ class TowerTrainer:
                 "model %r has variables on %s, not on main_device %s; they stay there. To "
                 "keep them on the main device, build the model inside `with tf.device(%r):`.",
                 self.model.name, misplaced, self.main_device, self.main_device)
+
+
+def _with_shards(step, shards):
+    return step(split.Shards(shards))
 
 
 def _spec_text(spec):

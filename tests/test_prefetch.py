@@ -1,0 +1,147 @@
+"""Prefetch to device: fit splits each tf.data batch in the input pipeline and the
+step receives every tower's shard already on that tower's device."""
+
+from unittest import mock
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import towers
+from tests import reference
+from towers import devices as devices_lib, prefetch, split, tower
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+SIZE, BATCH = 14, 4  # batches of 4, 4, 4, 2: the last one leaves towers 2 and 3 empty
+
+
+def _batches():
+    return reference.make_batches(SIZE, num_steps=1, seed=6)[0]
+
+
+def _dataset():
+    return tf.data.Dataset.from_tensor_slices(_batches()).batch(BATCH)
+
+
+def _trainer(devices=DEVICES, model=None, **options):
+    return towers.TowerTrainer(model or reference.make_model(), reference.make_loss(),
+                               keras.optimizers.SGD(0.1, momentum=0.9), devices=devices,
+                               **options)
+
+
+def _expected_weights(epochs):
+    x, y, w = _batches()
+    batches = [(x[i:i + BATCH], y[i:i + BATCH], w[i:i + BATCH]) for i in range(0, SIZE, BATCH)]
+    return reference.single_device_weights(
+        reference.make_model(), keras.optimizers.SGD(0.1, momentum=0.9),
+        reference.make_loss(), batches * epochs)
+
+
+def _devices_of(shards):
+    """Per shard, the canonical device of each of its tensors."""
+    return [{devices_lib.canonical_name(t.device) for t in tf.nest.flatten(shard)}
+            for shard in shards]
+
+
+class ShardIteratorTest(tf.test.TestCase):
+
+    def test_each_shard_is_the_steps_split_on_its_device(self):
+        iterator = prefetch.ShardIterator(_dataset(), DEVICES)
+        batches = list(_dataset())
+        for batch, shards in zip(batches, iterator, strict=True):
+            self.assertIsInstance(shards, split.Shards)
+            self.assertEqual(_devices_of(shards), [{d} for d in DEVICES])
+            for want, got in zip(split.split_batch(batch, len(DEVICES)), shards):
+                for a, b in zip(want, got):
+                    self.assertAllEqual(a, b)
+        self.assertEqual([split.batch_size(s) for s in shards], [1, 1, 0, 0])
+
+    def test_float64_features_arrive_as_float32(self):
+        x, y, _ = _batches()
+        dataset = tf.data.Dataset.from_tensor_slices((x.astype("float64"), y)).batch(BATCH)
+        shards = next(prefetch.ShardIterator(dataset, DEVICES[:2]))
+        self.assertEqual(shards[1][0].dtype, tf.float32)
+
+    def test_bad_input_is_one_clear_error(self):
+        with self.assertRaisesRegex(ValueError, "needs a tf.data.Dataset, got list"):
+            prefetch.ShardIterator([_batches()], DEVICES)
+        single = tf.data.Dataset.from_tensor_slices(_batches()[0]).batch(BATCH)
+        with self.assertRaisesRegex(ValueError, r"\(x, y\) or \(x, y, sample_weight\)"):
+            prefetch.ShardIterator(single, DEVICES)
+        with self.assertRaisesRegex(ValueError, "buffer_size must be an integer >= 1"):
+            prefetch.ShardIterator(_dataset(), DEVICES, buffer_size=0)
+        with self.assertRaisesRegex(ValueError, "prefetch_to_devices must be True or False"):
+            _trainer(prefetch_to_devices="yes")
+        shards = next(_trainer(DEVICES[:2]).shard_iterator(_dataset()))
+        with self.assertRaisesRegex(ValueError, "comes in 2 shards but the step has 4 towers"):
+            _trainer().train_step(shards)
+
+
+class FitPrefetchTest(tf.test.TestCase):
+
+    def _assert_expected(self, trainer, epochs):
+        for want, got in zip(_expected_weights(epochs), trainer.model.weights):
+            self.assertAllClose(want, got, atol=1e-5, msg=got.path)
+
+    def test_every_step_receives_each_shard_on_its_tower(self):
+        trainer = _trainer()
+        with mock.patch.object(trainer, "train_step", wraps=trainer.train_step) as train_step:
+            trainer.fit(_dataset(), epochs=2, verbose=False)
+        received = [call.args[0] for call in train_step.call_args_list]
+        self.assertLen(received, 8)
+        for shards in received:
+            self.assertIsInstance(shards, split.Shards)
+            self.assertEqual(_devices_of(shards), [{d} for d in DEVICES])
+        self.assertEqual([split.batch_size(s) for s in received[3]], [1, 1, 0, 0])
+        self._assert_expected(trainer, epochs=2)
+
+    def test_the_in_graph_loop_reads_each_shard_on_its_tower(self):
+        traced = []
+
+        def run_tower(stages, loss, shard, *args):
+            traced.append({t.device for t in tf.nest.flatten(shard)})  # '' for an argument
+            return run_tower.original(stages, loss, shard, *args)
+
+        run_tower.original = tower.run_tower
+        trainer = _trainer(steps_per_execution=3)
+        with mock.patch.object(tower, "run_tower", run_tower):
+            trainer.fit(_dataset(), epochs=2, verbose=False)
+        # The first step sets the trainer up (a graph of its own); then one loop graph.
+        self.assertLen(traced, 8)
+        self.assertEqual([{devices_lib.canonical_name(d) for d in devices} for devices in traced[4:]],
+                         [{d} for d in DEVICES])
+        self._assert_expected(trainer, epochs=2)
+
+    def test_without_prefetch_the_step_splits_and_agrees_bit_for_bit(self):
+        staged, unstaged = _trainer(), _trainer(prefetch_to_devices=False)
+        for trainer in (staged, unstaged):
+            trainer.fit(_dataset(), epochs=2, verbose=False)
+        for want, got in zip(unstaged.model.weights, staged.model.weights):
+            self.assertAllEqual(want, got, msg=got.path)
+
+    def test_pipeline_rows_get_their_shard_on_the_first_stage(self):
+        model = reference.make_model()
+        trainer = _trainer([DEVICES[:2], DEVICES[2:]], model,
+                           pipeline_cuts=[model.layers[0].name], micro_batches=2)
+        self.assertEqual(trainer.input_devices, [DEVICES[0], DEVICES[2]])
+        shards = next(trainer.shard_iterator(_dataset()))
+        self.assertEqual(_devices_of(shards), [{DEVICES[0]}, {DEVICES[2]}])
+        trainer.fit(_dataset(), epochs=2, verbose=False)
+        self._assert_expected(trainer, epochs=2)
+
+    def test_metrics_see_the_whole_batch(self):
+        trainer = _trainer(metrics=["accuracy"])
+        logs = trainer.fit(_dataset(), verbose=False).history
+        model = reference.make_model()
+        x, y, w = _batches()
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        metric = keras.metrics.SparseCategoricalAccuracy()
+        for i in range(0, SIZE, BATCH):  # accuracy of each batch before its update
+            metric.update_state(y[i:i + BATCH], model(x[i:i + BATCH]), w[i:i + BATCH])
+            reference.single_device_weights(model, optimizer, reference.make_loss(),
+                                            [(x[i:i + BATCH], y[i:i + BATCH], w[i:i + BATCH])])
+        self.assertAllClose(logs["accuracy"], [metric.result()], atol=1e-6)
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,83 @@
+"""Step 1 in the input pipeline: each tower's shard of the next batch waits on its device.
+
+ShardIterator splits every global batch of a tf.data.Dataset on the host with
+the step's own split (split.split_batch), and a multi-device iterator copies
+shard i to tower i's device `buffer_size` batches ahead of the step. On a GPU
+the host-to-device copy of the next batch so overlaps the running step, as
+MirroredStrategy's per-replica prefetch and tf_cnn_benchmarks' staging areas
+do. The step receives split.Shards and skips its own split.
+"""
+
+import functools
+
+import tensorflow as tf
+# Private: tf.data's public tf.data.experimental.prefetch_to_device stages on one
+# device, and tf.distribute's distribute_dataset belongs to a strategy. Switch if
+# tf.data exports its multi-device iterator.
+from tensorflow.python.data.ops import multi_device_iterator_ops
+
+from towers import split
+
+
+class ShardIterator:
+    """Iterates a tf.data.Dataset of global batches as split.Shards, shard i on devices[i].
+
+    Args:
+      dataset: a tf.data.Dataset of (x, y) or (x, y, sample_weight) batches,
+        dim 0 = the global batch; the last batch may be short.
+      devices: one device per tower (with pipeline stages, its first stage's).
+      source_device: the host device the dataset runs on.
+      buffer_size: batches each device holds ready ahead of the step (>= 1).
+    """
+
+    def __init__(self, dataset, devices, source_device="/device:CPU:0", buffer_size=1):
+        if not isinstance(dataset, tf.data.Dataset):
+            raise ValueError(f"ShardIterator needs a tf.data.Dataset, got "
+                             f"{type(dataset).__name__}.")
+        split.unpack_batch(dataset.element_spec)
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(f"buffer_size must be an integer >= 1, got {buffer_size!r}.")
+        self.devices = list(devices)
+        num_shards = len(self.devices)
+
+        def to_shards(*batch):  # one element per tower, in tower order
+            batch = tuple(tf.nest.map_structure(split.as_tensor, batch))
+            return functools.reduce(tf.data.Dataset.concatenate, [
+                tf.data.Dataset.from_tensors(shard)
+                for shard in split.split_batch(batch, num_shards)])
+
+        # Hands out elements round-robin: element i of each batch goes to devices[i].
+        self.multi_device_iterator = multi_device_iterator_ops.OwnedMultiDeviceIterator(
+            dataset.flat_map(to_shards), self.devices, prefetch_buffer_size=buffer_size,
+            source_device=source_device)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return split.Shards(tuple(shard) for shard in next(self.multi_device_iterator))
+
+
+def get_next_as_optional(iterator, devices):
+    """In a tf.function: (has_value, get_value) for the next batch of `iterator`.
+
+    `iterator`: a tf.data iterator, whose get_value() gives a batch of Tensors,
+    or a ShardIterator's multi_device_iterator, whose get_value() gives
+    split.Shards with shard i on devices[i].
+    """
+    if not isinstance(iterator, multi_device_iterator_ops.OwnedMultiDeviceIterator):
+        element = iterator.get_next_as_optional()
+        return element.has_value(), lambda: tuple(
+            tf.nest.map_structure(split.as_tensor, tuple(element.get_value())))
+    optionals = iterator.get_next_as_optional()
+
+    def shards():
+        values = []
+        for device, optional in zip(devices, optionals):
+            with tf.device(device):
+                # get_value is only colocated with its iterator (an argument of the
+                # function, no device in the graph); the identity states the device.
+                values.append(tuple(tf.nest.map_structure(tf.identity, optional.get_value())))
+        return split.Shards(values)
+
+    return optionals[0].has_value(), shards
