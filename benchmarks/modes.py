@@ -15,14 +15,18 @@ queueing steps ahead of the host.
     mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
     mirrored_fit     MirroredStrategy with model.compile + model.fit
 
-The Keras fit modes and towers_spe10 are fed through tf.data (the same batch,
+The Keras fit modes and the towers modes with an "input" (towers_tfdata,
+towers_staged, towers_spe10...) are fed through tf.data (the same batch,
 repeated), because that is how fit takes data and how it splits a batch over
 replicas, and how an in-graph loop reads its batches; every other mode reads
-tensors that already sit on its devices. Only the modes named *_xla compile
-with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's compiled function,
-and towers_spe10 10 steps per call of TowerTrainer.train_steps (towers' defaults
-otherwise, no XLA), and so fetch their logs once per 10 steps: that saving is
-what they measure.
+tensors that already sit on its devices. "tf.data": the host batch goes into
+the step, which splits it and copies each shard to its tower; "staged": the
+input pipeline splits it and stages each shard on its tower's device ahead of
+the step (TowerTrainer.shard_iterator, what fit does). Only the modes named
+*_xla compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's
+compiled function, and towers_spe10* 10 steps per call of
+TowerTrainer.train_steps (towers' defaults otherwise, no XLA), and so fetch
+their logs once per 10 steps: that saving is what they measure.
 """
 
 import dataclasses
@@ -47,8 +51,9 @@ def _tower_configs():
     """TowerTrainer keyword arguments per towers mode, by mode name.
 
     "towers" is the library's defaults; then every aggregation x
-    variable_placement, and gradient packing. An option the library does not
-    know yet raises TypeError/ValueError when the trainer is built and the mode
+    variable_placement, and gradient packing. "input" is not the trainer's:
+    "tf.data" or "staged" (see above); without it, constants on the main
+    device. An option the library does not know yet raises TypeError/ValueError when the trainer is built and the mode
     is reported as unsupported, so its rows light up once the library has it.
     """
     configs = {"towers": {}}
@@ -58,7 +63,10 @@ def _tower_configs():
                 "aggregation": aggregation, "variable_placement": placement}
     configs["towers_packed"] = {"pack_gradients": True}
     configs["towers_xla"] = {"jit_compile": True}
-    configs["towers_spe10"] = {"steps_per_execution": 10}  # run by ExecutionMode
+    configs["towers_tfdata"] = {"input": "tf.data"}
+    configs["towers_staged"] = {"input": "staged"}
+    configs["towers_spe10"] = {"steps_per_execution": 10, "input": "tf.data"}  # ExecutionMode
+    configs["towers_spe10_staged"] = {"steps_per_execution": 10, "input": "staged"}
     return configs
 
 
@@ -251,17 +259,23 @@ def _towers(name, options, setup, devices):
     with tf.device(devices[0]):  # the main device holds the variables
         model = setup.make_model()
         batch = (tf.constant(setup.x), tf.constant(setup.y))
+    trainer_options = {k: v for k, v in options.items() if k != "input"}
     try:
         trainer = towers.TowerTrainer(model, make_loss(), make_optimizer(), devices=devices,
-                                      **options)
+                                      **trainer_options)
     except (TypeError, ValueError) as error:
         raise Unsupported(f"{type(error).__name__}: {error}") from None
     info = {"options": options}
+    iterator = {None: None, "tf.data": iter, "staged": trainer.shard_iterator}[
+        options.get("input")]
+    iterator = iterator and iterator(setup.dataset())
     if trainer.steps_per_execution == 1:
-        return Mode(name, len(devices), lambda: trainer.train_step(batch)["loss"], model, info)
-    # Calls of at most steps_per_execution steps (the trainer's very first call runs one).
-    iterator = iter(setup.dataset())
+        def step():
+            return trainer.train_step(batch if iterator is None else next(iterator))["loss"]
 
+        return Mode(name, len(devices), step, model, info)
+
+    # Calls of at most steps_per_execution steps (the trainer's very first call runs one).
     def execute(max_steps):
         logs = trainer.train_steps(iterator, min(max_steps, trainer.steps_per_execution))
         return logs["steps"]  # the data repeats forever: never 0

@@ -9,7 +9,7 @@ NOTES = """\
 - Every mode trains the same model (same seed, same initial weights) with SGD on the
   same synthetic global batch, made once and reused every step; each step fetches its
   loss as a Python float, so every mode pays one host sync per step, except
-  keras_fit_xla_spe10 and towers_spe10 (fit / TowerTrainer.train_steps with
+  keras_fit_xla_spe10 and towers_spe10... (fit / TowerTrainer.train_steps with
   steps_per_execution=10: one per 10 steps; each of their samples is one call's time /
   its steps, so their n counts calls).
 - plain... and keras_fit... run on one device; speedup = plain's time / this time at
@@ -20,8 +20,10 @@ NOTES = """\
   to be far from 0. Keras fit may differ from plain by float32 round-off. With
   BatchNorm (resnet) each tower, like each MirroredStrategy replica, normalises with
   its own shard's statistics, so there Δw > 0 for N > 1 is expected too.
-- Keras fit modes and towers_spe10 read the batch through tf.data; the others from
-  tensors already on their devices. Only modes named *_xla use XLA: plain_xla and
+- Keras fit modes and towers_tfdata/_staged/_spe10... read the batch through tf.data
+  (_staged: split in the input pipeline, each shard staged on its tower's device ahead
+  of the step, as TowerTrainer.fit does); the others from tensors already on their
+  devices. Only modes named *_xla use XLA: plain_xla and
   keras_fit_xla... compile the whole step; towers_xla each tower's forward and backward
   (split, gather, average and apply run without XLA).
 - Logical CPU devices share the same cores, so on a CPU more towers cannot add

@@ -19,8 +19,8 @@ from towers import models
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
 RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "towers",
-             "towers_packed", "towers_xla", "towers_spe10", "independent", "mirrored_custom",
-             "mirrored_fit"]
+             "towers_packed", "towers_xla", "towers_spe10", "towers_staged", "towers_spe10_staged",
+             "independent", "mirrored_custom", "mirrored_fit"]
 
 
 class RunBenchmarkTest(tf.test.TestCase):
@@ -74,7 +74,7 @@ class RunBenchmarkTest(tf.test.TestCase):
                     ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2),
                     ("plain_xla", 1), ("keras_fit_xla", 1), ("keras_fit_xla_spe10", 1),
                     ("towers_xla", 1), ("towers_xla", 2), ("towers_spe10", 1),
-                    ("towers_spe10", 2)]:
+                    ("towers_spe10", 2), ("towers_staged", 2), ("towers_spe10_staged", 2)]:
             self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
         # Tower 0 of independent trained on half the batch only.
         self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
@@ -84,7 +84,8 @@ class RunBenchmarkTest(tf.test.TestCase):
         self.assertEqual(self.rows["towers_xla", 2]["options"], {"jit_compile": True})
         self.assertEqual(self.rows["keras_fit_xla_spe10", 1]["options"],
                          {"jit_compile": True, "steps_per_execution": 10})
-        self.assertEqual(self.rows["towers_spe10", 2]["options"], {"steps_per_execution": 10})
+        self.assertEqual(self.rows["towers_spe10", 2]["options"],
+                         {"steps_per_execution": 10, "input": "tf.data"})
         with open(os.path.join(self.output_dir, "results.md")) as f:
             self.assertIn("| towers_xla | 2 |", f.read())
 

@@ -177,17 +177,19 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         keras.mixed_precision.set_global_policy("float32")
         super().tearDown()
 
-    def test_accumulation_xla_and_execution_flags_give_the_same_model(self):
+    def test_accumulation_xla_execution_and_prefetch_flags_give_the_same_model(self):
         results = []
         # With one pipeline stage, --micro_batches is gradient accumulation too.
         for options in (dict(), dict(accum_steps=3), dict(micro_batches=3),
-                        dict(jit_compile=True, steps_per_execution=3)):
+                        dict(jit_compile=True, steps_per_execution=3),
+                        dict(prefetch_to_devices=False)):
             with flagsaver.flagsaver(**QUICK, steps=8, **options):
                 results.append(train.train())
         for result in results[1:]:
             self.assertAllClose(results[0]["eval_loss"], result["eval_loss"], atol=1e-5)
         self.assertEqual((results[3]["jit_compile"], results[3]["steps_per_execution"],
                           results[3]["steps"]), (True, 3, 8))
+        self.assertEqual([r["prefetch_to_devices"] for r in results], [True] * 4 + [False])
 
     @parameterized.parameters("mixed_float16", "mixed_bfloat16")
     def test_mixed_precision_flag(self, policy):
