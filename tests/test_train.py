@@ -358,12 +358,13 @@ class OwnModelTest(tf.test.TestCase, parameterized.TestCase):
             self.assertTrue(any(f"from {spec}: " in line and f"model '{name}" in line
                                 for line in logs.output), logs.output)
 
-    def test_own_model_is_cut_into_pipeline_stages(self):
+    def test_own_model_is_cut_into_pipeline_stages_and_compiled_by_xla(self):
         with flagsaver.flagsaver(**{**QUICK, "model": EXAMPLE_MODEL, "num_towers": 2},
-                                 steps=2, pipeline_stages=2, micro_batches=2):
+                                 steps=2, pipeline_stages=2, micro_batches=2, jit_compile=True):
             results = train.train()
         self.assertLen(results["pipeline_cuts"], 1)
-        self.assertEqual(results["steps"], 2)
+        self.assertEqual((results["steps"], results["jit_compile"]), (2, True))
+        self.assertTrue(np.isfinite(results["eval_loss"]))
 
     @parameterized.named_parameters(
         ("none_of_the_forms", dict(model="vgg"),

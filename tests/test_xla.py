@@ -64,33 +64,76 @@ class XlaEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(*[m.weights for m in models]):
             self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
 
+    @parameterized.parameters("gpipe", "1f1b")
+    def test_pipeline_stages_match_one_device(self, schedule):
+        # 2 towers x 2 stages, 2 micro-batches: each stage's forward and backward per
+        # micro-batch is an XLA computation on its device.
+        batches = _batches()
+        expected = reference.single_device_weights(
+            reference.make_model(), reference.OPTIMIZERS["adam"](), reference.make_loss(),
+            batches)
+        model = reference.make_model()
+        trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                      reference.OPTIMIZERS["adam"](),
+                                      devices=[DEVICES[:2], DEVICES[2:]], jit_compile=True,
+                                      pipeline_cuts=[model.layers[0].name], micro_batches=2,
+                                      pipeline_schedule=schedule)
+        for batch in batches:
+            trainer.train_step(batch)
+        for want, got in zip(expected, model.weights):
+            self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
+
 
 class XlaCompilationTest(tf.test.TestCase):
 
-    def test_one_compilation_per_shard_size_shared_by_every_tower(self):
+    def _executables_per_epoch(self, trainer_options):
+        """Runs 3 epochs of _batches() on a TowerTrainer(jit_compile=True, **trainer_options)
+        in a fresh process; the number of XLA executables after each epoch."""
         # XLA writes each executable it compiles to its persistent cache: count them.
         cache = tempfile.mkdtemp(dir=self.get_temp_dir())
         script = textwrap.dedent(f"""
+            import os
             import tests.conftest
             import towers
             from tests import reference
-            from tests.test_xla import BATCH_SIZES, DEVICES, _batches
-            trainer = towers.TowerTrainer(reference.make_model(), reference.make_loss(),
-                                          reference.OPTIMIZERS["sgd"](), devices=DEVICES,
-                                          jit_compile=True)
-            for _ in range(3):  # three epochs: nothing new to compile after the first
+            from tests.test_xla import DEVICES, _batches
+            model = reference.make_model()
+            options = {trainer_options!r}
+            if "pipeline_cuts" in options:  # cut after the first layer, whatever its name
+                options["pipeline_cuts"] = [model.layers[0].name]
+            trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                          reference.OPTIMIZERS["sgd"](), jit_compile=True,
+                                          **options)
+            for _ in range(3):
                 for batch in _batches():
                     trainer.train_step(batch)
+                print(len(os.listdir({cache!r})))
             """)
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                "TF_XLA_FLAGS": f"--tf_xla_persistent_cache_directory={cache}"}
         result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=300)
         self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+        return [int(line) for line in result.stdout.split()]
+
+    def test_one_compilation_per_shard_size_shared_by_every_tower(self):
         shard_sizes = {size for batch in BATCH_SIZES
                        for size in towers.split.shard_sizes(batch, len(DEVICES))}
         self.assertEqual(shard_sizes, {3, 2, 1, 0})
-        self.assertLen(os.listdir(cache), len(shard_sizes))
+        # Nothing new to compile after the first epoch.
+        self.assertEqual(self._executables_per_epoch({"devices": DEVICES}),
+                         [len(shard_sizes)] * 3)
+
+    def test_pipeline_compilations_stay_bounded(self):
+        executables = self._executables_per_epoch({
+            "devices": [DEVICES[:2], DEVICES[2:]], "pipeline_cuts": True, "micro_batches": 2})
+        micro_batch_sizes = {micro for batch in BATCH_SIZES
+                             for shard in towers.split.shard_sizes(batch, 2)
+                             for micro in towers.split.shard_sizes(shard, 2)}
+        self.assertEqual(micro_batch_sizes, {3, 2, 1, 0})
+        # At most a forward and a backward per stage and micro-batch size, all in epoch 1.
+        self.assertLessEqual(executables[0], 2 * 2 * len(micro_batch_sizes))
+        self.assertEqual(executables, executables[:1] * 3)
 
 
 class XlaErrorTest(tf.test.TestCase):
@@ -112,14 +155,6 @@ class XlaErrorTest(tf.test.TestCase):
         for want, got in zip(before, model.weights):
             self.assertAllEqual(want, got)
         self.assertEqual(trainer.step, 0)
-
-    def test_refused_with_pipeline_stages(self):
-        with self.assertRaisesRegex(ValueError, "with pipeline_cuts a tower spans several"):
-            towers.TowerTrainer(reference.make_model(), reference.make_loss(),
-                                keras.optimizers.Adam(), devices=[DEVICES[:2]],
-                                pipeline_cuts=[reference.make_model().layers[0].name],
-                                jit_compile=True)
-
 
 if __name__ == "__main__":
     tf.test.main()

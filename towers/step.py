@@ -170,8 +170,8 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
     `batch` is this worker's part of the global batch, its towers are numbered
     from `first_tower` (for their dropout seeds), and the result is the whole
     global batch's, the same on every worker.
-    `compiled_tower`: None, or tower.compiled_tower's XLA function, which then
-    runs steps 3-4 of each (one-stage) tower.
+    `compiled_tower`: None, or tower.compiled_tower's function, which then
+    runs steps 3-4 of each tower with XLA.
     """
     main_device, model = stage_devices[0], stages.model
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
@@ -192,10 +192,9 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
                     stages, loss, shard, tower_weights, tower_state, row, first_tower + i,
                     *options.tower_schedule, loss_scale, densify))
             else:
-                with tf.device(row[0]):
-                    outputs.append(compiled_tower(                                # 3, 4
-                        shard, tower_weights, tower_state, tf.constant(first_tower + i),
-                        loss_scale))
+                outputs.append(compiled_tower(                                    # 3, 4
+                    shard, tower_weights, tower_state, row, tf.constant(first_tower + i),
+                    loss_scale))
     grads, state = [], []
     for k, stage_device in enumerate(stage_devices):
         column = [row[k] for row in grid]

@@ -6,6 +6,7 @@ weights, so towers never race to update BatchNorm statistics or RNG state.
 """
 
 import collections
+import functools
 import inspect
 
 import tensorflow as tf
@@ -26,7 +27,7 @@ _SEED_STATE_SUFFIX = "seed_generator_state"
 
 
 def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batches=1,
-              schedule_name="1f1b", loss_scale=None, densify=None):
+              schedule_name="1f1b", loss_scale=None, densify=None, forwards=None):
     """Steps 3-4 on one tower: its shard's micro-batches forward and back through the stages.
 
     The shard is split into `micro_batches` micro-batches. Each stage runs on
@@ -50,13 +51,17 @@ def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batch
       loss_scale: None or float32 scalar; gradients are of loss * loss_scale.
       densify: None or one bool per trainable variable: turn that variable's
         tf.IndexedSlices gradient into a dense Tensor here, before the gather.
+      forwards: None, or per stage fn(weights, state, x) -> forward's result in
+        training mode (compiled_tower's XLA functions); None = forward itself.
 
     Returns:
       a TowerOutput; each gradient and state value on its stage's device, the
       loss and y_pred on the last stage's.
     """
+    forwards = forwards or [functools.partial(forward, model, training=True)
+                            for model in stages.models]
     flight = _Flight(stages, shard, weights, _offset_seeds(stages.model, state, tower_index),
-                     micro_batches, loss, loss_scale)
+                     micro_batches, loss, loss_scale, forwards)
     previous = [[] for _ in row]  # per stage: what its last action produced
     for action in schedule.build_order(
             schedule.make(schedule_name, stages.num_stages, micro_batches)):
@@ -81,8 +86,8 @@ def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batch
 class _Flight:
     """What is in flight on one tower during a step: every micro-batch's tensors per stage."""
 
-    def __init__(self, stages, shard, weights, state, micro_batches, loss, loss_scale):
-        self.stages, self.loss, self.loss_scale = stages, loss, loss_scale
+    def __init__(self, stages, shard, weights, state, micro_batches, loss, loss_scale, forwards):
+        self.stages, self.loss, self.loss_scale, self.forwards = stages, loss, loss_scale, forwards
         self.micro = split.split_batch(shard, micro_batches) if micro_batches > 1 else [shard]
         self.sizes = [split.batch_size(micro) for micro in self.micro]
         self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
@@ -107,8 +112,8 @@ class _Flight:
             watched = [t if t.dtype.is_floating else None for t in inputs]
         with tf.GradientTape() as tape:
             tape.watch(self.weights[k] + [t for t in watched if t is not None])
-            outputs, new_state, regularization = forward(
-                self.stages.models[k], self.weights[k], self.state[k], inputs, training=True)
+            outputs, new_state, regularization = self.forwards[k](
+                self.weights[k], self.state[k], inputs)
             if last:
                 self.y_pred[m] = outputs
                 self.losses[m] = shard_loss(self.loss, self.micro[m], outputs, regularization)
@@ -175,25 +180,39 @@ def _table(shape):
 
 
 def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
-    """run_tower on one device, compiled by XLA; call it under tf.device(tower).
+    """run_tower with XLA: fn(shard, weights, state, row, tower_index, loss_scale) -> TowerOutput.
 
-    One tf.function(jit_compile=True) serves every tower: the tower index is an
-    argument, and no device is named inside, so the call runs, as one XLA
-    computation, on the device it is called on. XLA compiles once per shape
-    of the shard, and split_batch gives at most two shard sizes per global
-    batch size (uneven batches and the last short one add a few more), so
-    compilations stay few; nothing is padded, since padding rows would change
-    BatchNorm's statistics.
+    One stage: the tower's forward and backward, all its micro-batches, are one
+    XLA computation on row[0]. With pipeline stages a tower spans several
+    devices and XLA compiles for one, so each stage's forward on a micro-batch
+    is one XLA computation on its device of the row, and so is its backward
+    (the gradient of a compiled function is compiled too); the copies between
+    stages stay outside.
 
-    Returns:
-      fn(shard, weights, state, tower_index, loss_scale) -> TowerOutput.
+    One tf.function(jit_compile=True) (per stage) serves every tower: the tower
+    index is an argument and no device is named inside, so a call runs on the
+    device it is called on. XLA compiles once per shape: split_batch gives at
+    most two shard (and micro-batch) sizes per global batch size, so uneven
+    and last batches add a few compilations, not one per step. Nothing is
+    padded, since padding rows would change BatchNorm's statistics.
     """
+    if stages.num_stages > 1:
+        forwards = [tf.function(functools.partial(forward, model, training=True),
+                                jit_compile=True) for model in stages.models]
+        return lambda shard, weights, state, row, tower_index, loss_scale: run_tower(
+            stages, loss, shard, weights, state, row, tower_index, micro_batches,
+            schedule_name, loss_scale, densify, forwards)
+
     @tf.function(jit_compile=True)
     def run_compiled_tower(shard, weights, state, tower_index, loss_scale):
         return run_tower(stages, loss, shard, weights, state, [None], tower_index,
                          micro_batches, schedule_name, loss_scale, densify)
 
-    return run_compiled_tower
+    def run_on_its_device(shard, weights, state, row, tower_index, loss_scale):
+        with tf.device(row[0]):
+            return run_compiled_tower(shard, weights, state, tower_index, loss_scale)
+
+    return run_on_its_device
 
 
 def predict(stages, weights, state, x, row):

@@ -32,7 +32,8 @@ class TowerTrainer:
         micro_batches, pipeline_schedule).
       metrics: Keras metrics updated on every train and evaluation batch.
       jit_compile: whether each tower's forward and backward (all its
-        micro-batches) is compiled by XLA as one computation on its device;
+        micro-batches) is compiled by XLA as one computation on its device
+        (with pipeline stages: each stage's, per micro-batch, on its device);
         split, gather, average and apply stay as they are.
       steps_per_execution: steps fit runs per call of one compiled function (an
         in-graph loop over a tf.data iterator; see train_steps).
@@ -80,12 +81,6 @@ class TowerTrainer:
         devices_lib.check_devices_exist(sum(self._grid, []) + [self.main_device])
         for k in range(len(self._stage_devices)):
             exchange.check_aggregation(aggregation, [row[k] for row in self._grid])
-        if jit_compile and self.pipeline_cuts is not None:
-            # XLA compiles a computation for one device; a pipelined tower spans several.
-            raise ValueError(
-                "jit_compile=True compiles each tower's forward and backward with XLA for "
-                "its device, but with pipeline_cuts a tower spans several devices; leave "
-                "jit_compile=False with pipeline stages.")
         if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
                 or steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be an integer >= 1, got "
