@@ -158,8 +158,11 @@ class FaultTest(tf.test.TestCase):
 
     def test_sigterm_to_one_worker_stops_all_after_the_same_step_and_a_relaunch_resumes(self):
         directory = self.create_tempdir().full_path
-        # No periodic checkpoint comes round in 120 steps: only the stop saves one.
-        args = [*CLI_ARGS, "--checkpoint_every=1000", f"--checkpoint_dir={directory}"]
+        # No periodic checkpoint comes round in 120 steps: only the stop saves one. Four
+        # steps per call, the all-reduces inside the in-graph loop: the uninterrupted
+        # run, a step per call, must still be met bit for bit.
+        args = [*CLI_ARGS, "--checkpoint_every=1000", "--steps_per_execution=4",
+                f"--checkpoint_dir={directory}"]
         launcher = subprocess.Popen([*LAUNCHER, "2", *args], cwd=ROOT, env=ENV,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         pids = [int(launcher.stdout.readline().split()[4]) for _ in range(2)]

@@ -243,7 +243,7 @@ class Watchdog:
                    f"the all-reduce across workers failed ({_first_line(error)})")
             raise WorkerLostError(
                 f"step {step_number}: {who}, so worker {self.cluster.task_index} stops too; "
-                "the weights were not updated. Restart every worker with the same "
+                "the failing step was not applied. Restart every worker with the same "
                 "checkpoint directory to resume from the last checkpoint.") from None
         finally:
             self._stepping.clear()

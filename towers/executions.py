@@ -18,25 +18,32 @@ def compiled_loop(trainer, iterator, num_steps):
 
     Call it inside a tf.function. Returns the logs trainer.train_steps reads:
     loss (mean over the examples), steps, examples, skipped, nonfinite and the
-    metric results, all Tensors.
+    metric results, all Tensors; with a cluster, examples are every worker's
+    and stop_requested ends the loop after the step every worker sees it in.
     """
     steps, skipped = tf.constant(0), tf.constant(0)
     examples, loss_sum, nonfinite = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
+    stop_requested = tf.constant(False)
     for _ in tf.range(num_steps):
         has_batch, get_batch = prefetch.get_next_as_optional(iterator, trainer.input_devices)
         if not has_batch:
             break
         batch = get_batch()
         logs = trainer._compiled_train_step(batch)
-        size = tf.cast(split.batch_size(batch), tf.float32)
+        size = logs.get("examples", tf.cast(split.batch_size(batch), tf.float32))
         steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
         skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
         if trainer.options.on_nonfinite == "raise" and not logs["finite"]:
             nonfinite = tf.constant(True)
             break
+        if trainer.cluster is not None and logs["stop_requested"]:
+            stop_requested = tf.constant(True)
+            break
     logs = {"loss": tf.math.divide_no_nan(loss_sum, examples), "steps": steps,
             "examples": examples, "skipped": skipped, "nonfinite": nonfinite,
             **{metric.name: metric.result() for metric in trainer.metrics}}
+    if trainer.cluster is not None:
+        logs["stop_requested"] = stop_requested
     if trainer._loss_scale() is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     return logs

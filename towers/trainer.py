@@ -85,9 +85,6 @@ class TowerTrainer:
                 or steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be an integer >= 1, got "
                              f"{steps_per_execution!r}.")
-        if steps_per_execution > 1 and cluster is not None:
-            raise ValueError("steps_per_execution > 1 cannot be combined with a cluster yet: "
-                             "the workers' all-reduce runs once per call; leave it at 1.")
         self.steps_per_execution = steps_per_execution
         if not isinstance(prefetch_to_devices, bool):
             raise ValueError(
@@ -167,8 +164,7 @@ class TowerTrainer:
             NaN/Inf (with loss scaling: the loss); weights and optimizer state
             are left as they were.
         """
-        with (self._watchdog.step(self.step + 1) if self._watchdog
-              else contextlib.nullcontext()):
+        with self._watched():
             batch, key = self._prepare(batch, "train")
             try:
                 logs = self._read_logs(key, self._concrete_functions[key], batch)
@@ -226,8 +222,9 @@ class TowerTrainer:
         if key not in self._functions:
             self._functions[key] = tf.function(self._packed(key, functools.partial(
                 executions.compiled_loop, self)))
-        logs = self._read_logs(key, self._functions[key], iterator,
-                               tf.constant(num_steps, tf.int32))
+        with self._watched():
+            logs = self._read_logs(key, self._functions[key], iterator,
+                                   tf.constant(num_steps, tf.int32))
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         if logs.pop("nonfinite"):
@@ -325,6 +322,10 @@ class TowerTrainer:
         """Calls the packed compiled `function` of `key`; its logs as Python floats."""
         values = function(*args).numpy()  # the call's one device-to-host read
         return dict(zip(self._log_names[key], values.tolist()))
+
+    def _watched(self):
+        """With a cluster: the next call under the watchdog (a lost worker ends it)."""
+        return self._watchdog.step(self.step + 1) if self._watchdog else contextlib.nullcontext()
 
     def _nonfinite_error(self):
         return NonFiniteError(
