@@ -53,8 +53,9 @@ def _tower_configs():
     "towers" is the library's defaults; then every aggregation x
     variable_placement, and gradient packing. "input" is not the trainer's:
     "tf.data" or "staged" (see above); without it, constants on the main
-    device. An option the library does not know yet raises TypeError/ValueError when the trainer is built and the mode
-    is reported as unsupported, so its rows light up once the library has it.
+    device. An option the library does not know yet raises TypeError/ValueError
+    when the trainer is built and the mode is reported as unsupported, so its
+    rows light up once the library has it.
     """
     configs = {"towers": {}}
     for aggregation, placement in itertools.product(AGGREGATIONS, VARIABLE_PLACEMENTS):

@@ -1,9 +1,10 @@
-"""Prefetch to device: fit splits each tf.data batch in the input pipeline and the
+"""Prefetch to device: each tf.data batch is split in the input pipeline and the
 step receives every tower's shard already on that tower's device."""
 
 from unittest import mock
 
 import keras
+from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 
@@ -24,6 +25,7 @@ def _dataset():
 
 
 def _trainer(devices=DEVICES, model=None, **options):
+    options = {"prefetch_to_devices": True, **options}  # "auto" is off on CPU devices
     return towers.TowerTrainer(model or reference.make_model(), reference.make_loss(),
                                keras.optimizers.SGD(0.1, momentum=0.9), devices=devices,
                                **options)
@@ -70,32 +72,31 @@ class ShardIteratorTest(tf.test.TestCase):
             prefetch.ShardIterator(single, DEVICES)
         with self.assertRaisesRegex(ValueError, "buffer_size must be an integer >= 1"):
             prefetch.ShardIterator(_dataset(), DEVICES, buffer_size=0)
-        with self.assertRaisesRegex(ValueError, "prefetch_to_devices must be True or False"):
+        with self.assertRaisesRegex(ValueError, "prefetch_to_devices must be True, False or "
+                                                "'auto', got 'yes'"):
             _trainer(prefetch_to_devices="yes")
         shards = next(_trainer(DEVICES[:2]).shard_iterator(_dataset()))
         with self.assertRaisesRegex(ValueError, "comes in 2 shards but the step has 4 towers"):
             _trainer().train_step(shards)
 
 
-class FitPrefetchTest(tf.test.TestCase):
+class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
 
     def _assert_expected(self, trainer, epochs):
         for want, got in zip(_expected_weights(epochs), trainer.model.weights):
             self.assertAllClose(want, got, atol=1e-5, msg=got.path)
 
-    def test_every_step_receives_each_shard_on_its_tower(self):
-        trainer = _trainer()
-        with mock.patch.object(trainer, "train_step", wraps=trainer.train_step) as train_step:
-            trainer.fit(_dataset(), epochs=2, verbose=False)
-        received = [call.args[0] for call in train_step.call_args_list]
-        self.assertLen(received, 8)
-        for shards in received:
-            self.assertIsInstance(shards, split.Shards)
-            self.assertEqual(_devices_of(shards), [{d} for d in DEVICES])
-        self.assertEqual([split.batch_size(s) for s in received[3]], [1, 1, 0, 0])
+    def test_train_step_takes_the_staged_shards(self):
+        trainer, received = _trainer(), []
+        for _ in range(2):
+            for shards in trainer.shard_iterator(_dataset()):
+                received.append(_devices_of(shards))
+                trainer.train_step(shards)
+        self.assertEqual(received, [[{d} for d in DEVICES]] * 8)
         self._assert_expected(trainer, epochs=2)
 
-    def test_the_in_graph_loop_reads_each_shard_on_its_tower(self):
+    @parameterized.parameters(1, 3)
+    def test_fit_reads_each_shard_on_its_tower(self, steps_per_execution):
         traced = []
 
         def run_tower(stages, loss, shard, *args):
@@ -103,14 +104,18 @@ class FitPrefetchTest(tf.test.TestCase):
             return run_tower.original(stages, loss, shard, *args)
 
         run_tower.original = tower.run_tower
-        trainer = _trainer(steps_per_execution=3)
+        trainer = _trainer(steps_per_execution=steps_per_execution)
         with mock.patch.object(tower, "run_tower", run_tower):
             trainer.fit(_dataset(), epochs=2, verbose=False)
-        # The first step sets the trainer up (a graph of its own); then one loop graph.
+        # The first step sets the trainer up (a graph of its own, shards as arguments);
+        # then fit's compiled loop reads the shards, even at one step per call.
         self.assertLen(traced, 8)
-        self.assertEqual([{devices_lib.canonical_name(d) for d in devices} for devices in traced[4:]],
-                         [{d} for d in DEVICES])
+        in_loop = [{devices_lib.canonical_name(d) for d in devices} for devices in traced[4:]]
+        self.assertEqual(in_loop, [{d} for d in DEVICES])
         self._assert_expected(trainer, epochs=2)
+
+    def test_auto_stages_only_where_a_tower_is_not_a_cpu(self):
+        self.assertFalse(_trainer(prefetch_to_devices="auto").prefetch_to_devices)
 
     def test_without_prefetch_the_step_splits_and_agrees_bit_for_bit(self):
         staged, unstaged = _trainer(), _trainer(prefetch_to_devices=False)

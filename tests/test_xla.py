@@ -29,20 +29,27 @@ def _batches():
 
 class XlaEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.parameters(1, 2, 3, 4)
-    def test_matches_one_device(self, num_towers):
+    def _assert_matches_one_device(self, devices, **options):
+        """jit_compile=True on `devices` (with `options`, `model` meaning the model) equals
+        a plain one-device GradientTape loop over _batches()."""
         batches = _batches()
         expected = reference.single_device_weights(
             reference.make_model(), reference.OPTIMIZERS["adam"](), reference.make_loss(),
             batches)
         model = reference.make_model()
+        if "pipeline_cuts" in options:  # cut after the first layer, whatever its name
+            options["pipeline_cuts"] = [model.layers[0].name]
         trainer = towers.TowerTrainer(model, reference.make_loss(),
-                                      reference.OPTIMIZERS["adam"](),
-                                      devices=DEVICES[:num_towers], jit_compile=True)
+                                      reference.OPTIMIZERS["adam"](), devices=devices,
+                                      jit_compile=True, **options)
         for batch in batches:
             trainer.train_step(batch)
         for want, got in zip(expected, model.weights):
             self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
+
+    @parameterized.parameters(1, 2, 3, 4)
+    def test_matches_one_device(self, num_towers):
+        self._assert_matches_one_device(DEVICES[:num_towers])
 
     def test_batchnorm_and_accumulation_match_the_same_towers_without_xla(self):
         # (Not dropout: XLA's random number kernels draw other masks than TensorFlow's.)
@@ -68,20 +75,8 @@ class XlaEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     def test_pipeline_stages_match_one_device(self, schedule):
         # 2 towers x 2 stages, 2 micro-batches: each stage's forward and backward per
         # micro-batch is an XLA computation on its device.
-        batches = _batches()
-        expected = reference.single_device_weights(
-            reference.make_model(), reference.OPTIMIZERS["adam"](), reference.make_loss(),
-            batches)
-        model = reference.make_model()
-        trainer = towers.TowerTrainer(model, reference.make_loss(),
-                                      reference.OPTIMIZERS["adam"](),
-                                      devices=[DEVICES[:2], DEVICES[2:]], jit_compile=True,
-                                      pipeline_cuts=[model.layers[0].name], micro_batches=2,
-                                      pipeline_schedule=schedule)
-        for batch in batches:
-            trainer.train_step(batch)
-        for want, got in zip(expected, model.weights):
-            self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
+        self._assert_matches_one_device([DEVICES[:2], DEVICES[2:]], pipeline_cuts=True,
+                                        micro_batches=2, pipeline_schedule=schedule)
 
 
 class XlaCompilationTest(tf.test.TestCase):

@@ -73,10 +73,10 @@ JIT_COMPILE = flags.DEFINE_bool(
     "jit_compile", False,
     "Compile each tower's forward and backward with XLA, one computation on its device "
     "(with --pipeline_stages > 1: each stage's, per micro-batch); not with several workers.")
-PREFETCH_TO_DEVICES = flags.DEFINE_bool(
-    "prefetch_to_devices", True,
-    "Split each batch in the input pipeline and copy every tower's shard to its device "
-    "while the previous step runs; --noprefetch_to_devices splits inside the step.")
+PREFETCH_TO_DEVICES = flags.DEFINE_enum(
+    "prefetch_to_devices", "auto", ["auto", "on", "off"],
+    "on: split each batch in the input pipeline and copy every tower's shard to its device "
+    "while the previous step runs; off: split inside the step; auto: on for GPU towers.")
 ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 1,
                                    "Micro-batches each tower runs one after another per step "
                                    "(gradient accumulation: less memory, same result).",
@@ -214,7 +214,8 @@ def train():
         pack_gradients=PACK_GRADIENTS.value, variable_placement=VARIABLE_PLACEMENT.value,
         accum_steps=ACCUM_STEPS.value, pipeline_cuts=cuts or None,
         steps_per_execution=STEPS_PER_EXECUTION.value, jit_compile=JIT_COMPILE.value,
-        prefetch_to_devices=PREFETCH_TO_DEVICES.value, micro_batches=MICRO_BATCHES.value, pipeline_schedule=PIPELINE_SCHEDULE.value,
+        prefetch_to_devices={"auto": "auto", "on": True, "off": False}[PREFETCH_TO_DEVICES.value],
+        micro_batches=MICRO_BATCHES.value, pipeline_schedule=PIPELINE_SCHEDULE.value,
         clip_global_norm=CLIP_GLOBAL_NORM.value or None, cluster=cluster)
     checkpointer = None
     if CHECKPOINT_DIR.value:
@@ -256,7 +257,7 @@ def train():
         "accum_steps": ACCUM_STEPS.value,
         "steps_per_execution": STEPS_PER_EXECUTION.value,
         "jit_compile": JIT_COMPILE.value,
-        "prefetch_to_devices": PREFETCH_TO_DEVICES.value,
+        "prefetch_to_devices": trainer.prefetch_to_devices,
         "mixed_precision": MIXED_PRECISION.value,
         "pipeline_stages": num_stages,
         "micro_batches": MICRO_BATCHES.value,

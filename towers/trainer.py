@@ -39,7 +39,8 @@ class TowerTrainer:
         in-graph loop over a tf.data iterator; see train_steps).
       prefetch_to_devices: whether fit splits each batch of a tf.data.Dataset
         in the input pipeline and stages every shard on its tower's device
-        while the previous step runs (shard_iterator).
+        while the previous step runs (shard_iterator). The default "auto" is
+        True where a tower's input device is not a CPU (a GPU).
       cluster: None, or the joined towers.Cluster this process is a worker of:
         each batch is then this worker's part of the global batch, and every
         worker applies the same update of the whole global batch.
@@ -50,7 +51,8 @@ class TowerTrainer:
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
-                 pipeline_schedule="gpipe", steps_per_execution=1, prefetch_to_devices=True):
+                 pipeline_schedule="gpipe", steps_per_execution=1,
+                 prefetch_to_devices="auto"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -86,9 +88,14 @@ class TowerTrainer:
             raise ValueError(f"steps_per_execution must be an integer >= 1, got "
                              f"{steps_per_execution!r}.")
         self.steps_per_execution = steps_per_execution
-        if not isinstance(prefetch_to_devices, bool):
-            raise ValueError(
-                f"prefetch_to_devices must be True or False, got {prefetch_to_devices!r}.")
+        if not (isinstance(prefetch_to_devices, bool) or prefetch_to_devices == "auto"):
+            raise ValueError(f"prefetch_to_devices must be True, False or 'auto', got "
+                             f"{prefetch_to_devices!r}.")
+        if prefetch_to_devices == "auto":
+            # Logical CPU devices share the host's memory: staging copies nothing there
+            # and only adds host work (benchmarks/RESULTS.md, issue 12).
+            prefetch_to_devices = any(tf.DeviceSpec.from_string(d).device_type != "CPU"
+                                      for d in self.input_devices)
         self.prefetch_to_devices = prefetch_to_devices
         if jit_compile and cluster is not None:
             raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
@@ -217,7 +224,7 @@ class TowerTrainer:
             logs = self.train_step(batch)
             return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
         if isinstance(iterator, prefetch.ShardIterator):
-            iterator = iterator.multi_device_iterator  # a tf.function argument, as a tf.data iterator
+            iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, _spec_text(iterator.element_spec))
         if key not in self._functions:
             self._functions[key] = tf.function(self._packed(key, functools.partial(
