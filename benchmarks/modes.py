@@ -22,7 +22,9 @@ replicas, and how an in-graph loop reads its batches; every other mode reads
 tensors that already sit on its devices. "tf.data": the host batch goes into
 the step, which splits it and copies each shard to its tower; "staged": the
 input pipeline splits it and stages each shard on its tower's device ahead of
-the step (TowerTrainer.shard_iterator, what fit does). Only the modes named
+the step (TowerTrainer.shard_iterator) and TowerTrainer.train_steps reads them
+in its compiled loop, one step per call in towers_staged: what fit does with
+prefetch_to_devices (on by default on GPUs only). Only the modes named
 *_xla compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's
 compiled function, and towers_spe10* 10 steps per call of
 TowerTrainer.train_steps (towers' defaults otherwise, no XLA), and so fetch
@@ -270,7 +272,8 @@ def _towers(name, options, setup, devices):
     iterator = {None: None, "tf.data": iter, "staged": trainer.shard_iterator}[
         options.get("input")]
     iterator = iterator and iterator(setup.dataset())
-    if trainer.steps_per_execution == 1:
+    # fit reads staged shards in its compiled loop even at one step per call.
+    if trainer.steps_per_execution == 1 and options.get("input") != "staged":
         def step():
             return trainer.train_step(batch if iterator is None else next(iterator))["loss"]
 
