@@ -7,6 +7,7 @@ import signal
 import keras
 import numpy as np
 import tensorflow as tf
+from absl.testing import parameterized
 
 import towers
 from tests import reference
@@ -46,7 +47,7 @@ class BatchEnds(keras.callbacks.Callback):
         self.ends.append(batch)
 
 
-class ExecutionTest(tf.test.TestCase):
+class ExecutionTest(tf.test.TestCase, parameterized.TestCase):
 
     def _assert_same_weights(self, expected, actual):
         for want, got in zip(expected.model.weights, actual.model.weights):
@@ -80,8 +81,9 @@ class ExecutionTest(tf.test.TestCase):
         self._assert_same_weights(expected, skipping)
         self.assertEqual((skipping.step, skipping._skipped_steps), (7, 1))
 
-    def test_stopping_at_an_execution_boundary_resumes_exactly(self):
-        directory = self.get_temp_dir() + "/executions"
+    @parameterized.parameters(False, True)  # batches split in the step, or staged shards
+    def test_stopping_at_an_execution_boundary_resumes_exactly(self, prefetch_to_devices):
+        directory = self.get_temp_dir() + f"/executions_{prefetch_to_devices}"
         epoch_data = lambda epoch: _dataset()  # noqa: E731  (the same every epoch)
 
         def stop_after_second_execution(batch, logs):
@@ -89,14 +91,14 @@ class ExecutionTest(tf.test.TestCase):
             if batch == 3:  # the execution of steps 2-4 of the first epoch
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        trainer = _trainer(steps_per_execution=3)
+        trainer = _trainer(steps_per_execution=3, prefetch_to_devices=prefetch_to_devices)
         with self.assertRaises(towers.Preempted):
             trainer.fit(epoch_data, epochs=2, checkpointer=towers.Checkpointer(
                 directory, trainer.model, trainer.optimizer, every_steps=2), verbose=False,
                 callbacks=[keras.callbacks.LambdaCallback(
                     on_train_batch_end=stop_after_second_execution)])
         self.assertEqual(position(checkpoint_values(directory)), (0, 4))
-        resumed = _trainer(steps_per_execution=3)
+        resumed = _trainer(steps_per_execution=3, prefetch_to_devices=prefetch_to_devices)
         resumed.fit(epoch_data, epochs=2, checkpointer=towers.Checkpointer(
             directory, resumed.model, resumed.optimizer), verbose=False)
         single = _trainer()
