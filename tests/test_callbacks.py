@@ -152,7 +152,7 @@ class LearningRateTest(tf.test.TestCase):
             trainer.fit(batches, epochs=4, callbacks=[callback], verbose=False)
             _assert_weights_close(self, self._tape_loop(batches, rate_of_epoch, 4),
                                   trainer.model.weights)
-            [step] = trainer._functions.values()
+            [step] = trainer._compiled.functions()
             self.assertEqual(step.experimental_get_tracing_count(), 1)
 
 

@@ -7,8 +7,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import aggregate, cluster as cluster_lib, devices as devices_lib, exchange, losses
-from towers import executions, loop, prefetch, split, stages as stages_lib, tower
+from towers import aggregate, cluster as cluster_lib, compiled, devices as devices_lib, exchange
+from towers import executions, losses, loop, prefetch, split, stages as stages_lib, tower
 from towers.errors import NonFiniteError
 from towers.step import TowerOptions, apply_update, assign_state, broadcast_stages, clip_gradients
 from towers.step import run_towers
@@ -113,9 +113,7 @@ class TowerTrainer:
         self._stages = None  # a stages.Stages, once the model is built
         self.metrics = loop.resolve_metrics(metrics)
         self._skipped_steps = 0
-        self._functions = {}  # (kind, batch spec text) -> compiled step (a tf.function)
-        self._concrete_functions = {}  # the same keys -> its one traced graph
-        self._log_names = {}  # the same keys (train steps) -> names of the packed logs, in order
+        self._compiled = compiled.CompiledFunctions()
         self._densify = None  # per variable: densify its sparse gradient on the tower
         self._replicas = None  # a devices.Replicas with variable_placement="replicated"
         self._compiled_tower = None  # with jit_compile: tower.compiled_tower's function
@@ -174,7 +172,7 @@ class TowerTrainer:
         with self._watched():
             batch, key = self._prepare(batch, "train")
             try:
-                logs = self._read_logs(key, self._concrete_functions[key], batch)
+                logs = self._compiled.call(key, batch)
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
                 if not self.jit_compile:
                     raise
@@ -217,7 +215,7 @@ class TowerTrainer:
           NonFiniteError: on_nonfinite="raise" and a step was not finite; the
             steps before it in this call are applied, it and later ones not.
         """
-        if not self._functions:
+        if self._compiled.empty:
             batch = next(iterator, None)
             if batch is None:
                 return {"steps": 0}
@@ -225,13 +223,10 @@ class TowerTrainer:
             return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
-        key = ("steps", type(iterator).__name__, _spec_text(iterator.element_spec))
-        if key not in self._functions:
-            self._functions[key] = tf.function(self._packed(key, functools.partial(
-                executions.compiled_loop, self)))
+        key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
+        self._compiled.add(key, functools.partial(executions.compiled_loop, self))
         with self._watched():
-            logs = self._read_logs(key, self._functions[key], iterator,
-                                   tf.constant(num_steps, tf.int32))
+            logs = self._compiled.call(key, iterator, tf.constant(num_steps, tf.int32))
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         if logs.pop("nonfinite"):
@@ -268,7 +263,7 @@ class TowerTrainer:
     def eval_step(self, batch):
         """Sum of per-example losses, example count and regularisation for one batch."""
         batch, key = self._prepare(batch, "eval")
-        return self._concrete_functions[key](batch)
+        return self._compiled.call(key, batch)
 
     def _compiled_train_step(self, batch):
         scale = self._loss_scale()
@@ -312,23 +307,6 @@ class TowerTrainer:
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
         return logs
-
-    def _packed(self, key, compiled):
-        """`compiled`, returning its dict of scalar logs as one float64 vector, so the host
-        reads every log of a call at once; their names go to self._log_names[key]."""
-        names = self._log_names.setdefault(key, [])
-
-        def packed(*args):
-            logs = compiled(*args)
-            names[:] = list(logs)  # when traced
-            return tf.stack([tf.cast(value, tf.float64) for value in logs.values()])
-
-        return packed
-
-    def _read_logs(self, key, function, *args):
-        """Calls the packed compiled `function` of `key`; its logs as Python floats."""
-        values = function(*args).numpy()  # the call's one device-to-host read
-        return dict(zip(self._log_names[key], values.tolist()))
 
     def _watched(self):
         """With a cluster: the next call under the watchdog (a lost worker ends it)."""
@@ -375,13 +353,11 @@ class TowerTrainer:
         return None
 
     def _prepare(self, batch, kind):
-        """Checks a batch; returns it as Tensors and the key of the compiled `kind` step for
-        it (in self._functions and self._concrete_functions).
-
-        The step is traced once per batch structure (with or without sample
-        weights, dtypes, feature shapes) with dim 0 left as None, so uneven and
-        short batches reuse it.
-        """
+        """Checks a batch; returns it as Tensors and the key of the compiled `kind` step
+        for it, traced once per batch structure (self._compiled)."""
+        key = self._compiled.known(kind, batch)
+        if key is not None:  # Tensors shaped as a batch checked before
+            return batch, key
         is_shards = isinstance(batch, split.Shards)
         parts = []
         for part in (batch if is_shards else [batch]):
@@ -390,22 +366,10 @@ class TowerTrainer:
         batch = split.Shards(parts) if is_shards else parts[0]
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError("the batch is empty (batch size 0); give at least one example.")
-        spec = tf.nest.map_structure(
-            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype),
-            list(batch) if is_shards else batch)
-        if not self._functions:
+        if self._compiled.empty:
             self._first_batch_setup(batch)
-        key = (kind, is_shards, _spec_text(spec))
-        if key not in self._functions:
-            step = (self._packed(key, self._compiled_train_step) if kind == "train"
-                    else self._compiled_eval_step)
-            if is_shards:  # its one argument comes as a list: Shards again inside
-                step = functools.partial(_with_shards, step)
-            self._functions[key] = tf.function(step, input_signature=[spec])
-            # Calling the traced graph directly skips tf.function's argument matching,
-            # about 0.2 ms of host time per step.
-            self._concrete_functions[key] = self._functions[key].get_concrete_function()
-        return batch, key
+        step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
+        return batch, self._compiled.for_batch(kind, batch, step, packed=kind == "train")
 
     def _first_batch_setup(self, batch):
         """Builds model and optimizer on the main device and checks the loss, eagerly."""
@@ -476,11 +440,3 @@ class TowerTrainer:
                 "model %r has variables on %s, not on main_device %s; they stay there. To "
                 "keep them on the main device, build the model inside `with tf.device(%r):`.",
                 self.model.name, misplaced, self.main_device, self.main_device)
-
-
-def _with_shards(step, shards):
-    return step(split.Shards(shards))
-
-
-def _spec_text(spec):
-    return str(tf.nest.map_structure(lambda s: f"{s.dtype.name}{s.shape.as_list()}", spec))
