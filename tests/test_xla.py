@@ -131,9 +131,10 @@ class XlaCompilationTest(tf.test.TestCase):
         self.assertEqual(executables, executables[:1] * 3)
 
 
-class XlaErrorTest(tf.test.TestCase):
+class XlaErrorTest(tf.test.TestCase, parameterized.TestCase):
 
-    def test_an_op_xla_cannot_compile_is_one_line_and_changes_nothing(self):
+    @parameterized.parameters(False, True)  # one stage, or the op alone in stage 0
+    def test_an_op_xla_cannot_compile_is_one_line_and_changes_nothing(self, stages):
         keras.utils.set_random_seed(0)
         host_only = keras.layers.Lambda(
             lambda x: tf.ensure_shape(tf.numpy_function(lambda a: a, [x], tf.float32,
@@ -141,8 +142,10 @@ class XlaErrorTest(tf.test.TestCase):
             output_shape=(reference.NUM_FEATURES,))
         model = keras.Sequential([keras.Input((reference.NUM_FEATURES,)), host_only,
                                   keras.layers.Dense(reference.NUM_CLASSES)])
+        options = (dict(devices=[DEVICES[:2], DEVICES[2:]], pipeline_cuts=[host_only.name])
+                   if stages else dict(devices=DEVICES[:2]))
         trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.Adam(),
-                                      devices=DEVICES[:2], jit_compile=True)
+                                      jit_compile=True, **options)
         before = [v.numpy() for v in model.weights]
         with self.assertRaisesRegex(ValueError, r"XLA cannot compile this model's tower step: "
                                                 r".*Pass jit_compile=False"):
