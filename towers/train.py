@@ -72,7 +72,7 @@ STEPS_PER_EXECUTION = flags.DEFINE_integer(
 JIT_COMPILE = flags.DEFINE_bool(
     "jit_compile", False,
     "Compile each tower's forward and backward with XLA, one computation on its device "
-    "(with --pipeline_stages > 1: each stage's, per micro-batch); not with several workers.")
+    "(with --pipeline_stages > 1: each stage's, per micro-batch).")
 PREFETCH_TO_DEVICES = flags.DEFINE_enum(
     "prefetch_to_devices", "auto", ["auto", "on", "off"],
     "on: split each batch in the input pipeline and copy every tower's shard to its device "

@@ -97,9 +97,6 @@ class TowerTrainer:
             prefetch_to_devices = any(tf.DeviceSpec.from_string(d).device_type != "CPU"
                                       for d in self.input_devices)
         self.prefetch_to_devices = prefetch_to_devices
-        if jit_compile and cluster is not None:
-            raise ValueError("jit_compile=True cannot compile the all-reduce across workers; "
-                             "leave jit_compile=False with a cluster.")
         self.jit_compile = bool(jit_compile)
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
