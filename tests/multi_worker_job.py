@@ -47,16 +47,25 @@ def global_batches(kind):
 
 
 def make_trainer(devices, kind, cluster=None, **options):
-    """The same model, loss, optimizer and metric in every process."""
-    with tf.device(devices[0]):
+    """The same model, loss, optimizer and metric in every process.
+
+    options["pipeline_cuts"], if there, holds indices into model.layers.
+    """
+    with tf.device(tf.nest.flatten(devices)[0]):
         model = make_model(kind)
+    if "pipeline_cuts" in options:
+        options["pipeline_cuts"] = [model.layers[i].name for i in options["pipeline_cuts"]]
     return towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
                                devices=devices, metrics=["accuracy"], cluster=cluster,
                                **options)
 
 
 def main(config):
-    devices = towers.configure_devices(config["num_towers"], "cpu")
+    num_stages = config.get("num_stages", 1)
+    devices = towers.configure_devices(config["num_towers"] * num_stages, "cpu")
+    if num_stages > 1:  # one row of the grid per tower
+        devices = [devices[t * num_stages:(t + 1) * num_stages]
+                   for t in range(config["num_towers"])]
     cluster = towers.Cluster(config["worker_hosts"], config["task_index"])
     towers.join_cluster(cluster)
     trainer = make_trainer(devices, config["model"], cluster, **config.get("options", {}))

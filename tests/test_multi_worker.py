@@ -88,16 +88,18 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # must arrive as one device's would, not densified.
         ("sparse_embedding", "embedding", "main", False, (2, 2)),
         # XLA compiles each tower; the all-reduce across workers stays outside.
-        ("different_tower_counts_xla", "dense", "main", False, (1, 3), True))
+        ("different_tower_counts_xla", "dense", "main", False, (1, 3), {"jit_compile": True}),
+        # Each worker a grid of 1 tower x 2 stages, 2 micro-batches (1f1b).
+        ("pipeline_stages", "dense", "main", False, (1, 1),
+         {"pipeline_cuts": [0], "micro_batches": 2, "pipeline_schedule": "1f1b"}, 2))
     def test_two_workers_of_two_towers_match_one_process_of_four(
-            self, model, aggregation, pack, towers_per_worker, jit_compile=False):
-        options = {"aggregation": aggregation, "pack_gradients": pack,
-                   "jit_compile": jit_compile}
+            self, model, aggregation, pack, towers_per_worker, more_options=None, num_stages=1):
+        options = {"aggregation": aggregation, "pack_gradients": pack, **(more_options or {})}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
         workers = [subprocess.Popen(
             [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
                 "worker_hosts": hosts, "task_index": i, "num_towers": towers_per_worker[i],
-                "model": model,
+                "num_stages": num_stages, "model": model,
                 "options": options,
                 "output": os.path.join(directory, f"worker{i}.npz")})],
             cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]

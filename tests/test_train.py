@@ -285,8 +285,6 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         self.assertBetween(results["eval_accuracy"], 0.0, 1.0)
 
     @parameterized.named_parameters(
-        ("several_workers", dict(worker_hosts=["127.0.0.1:2222", "127.0.0.1:2223"], task_index=0),
-         "--pipeline_stages=2 cannot be combined with several workers"),
         ("replicated_variables", dict(variable_placement="replicated"),
          "--pipeline_stages=2 cannot be combined with --variable_placement=replicated"))
     def test_pipeline_refuses_before_any_work(self, flag_values, message):

@@ -131,7 +131,7 @@ class Stages:
         return self.models[stage].variables
 
 
-def check_pipeline(pipeline_cuts, main_device, variable_placement, cluster):
+def check_pipeline(pipeline_cuts, main_device, variable_placement):
     """pipeline_cuts as a list of layer names, or None for no pipeline (None or an
     empty list: one stage), after refusing, up front, what pipeline stages cannot
     be combined with."""
@@ -147,8 +147,6 @@ def check_pipeline(pipeline_cuts, main_device, variable_placement, cluster):
         "variable_placement='replicated'": (
             variable_placement == "replicated",
             "each stage's towers read its variables from devices[0][k]; use 'main'"),
-        "cluster": (cluster is not None,
-                    "pipeline stages run inside one process for now; train on one worker"),
     }
     for name, (given, why) in refused.items():
         if given:

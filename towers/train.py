@@ -168,7 +168,7 @@ def train():
     """Runs the whole job described by the flags; returns the final metrics."""
     _size_thread_pools()  # before anything starts TensorFlow's runtime, which fixes them
     cluster = _cluster()
-    _check_pipeline_flags(cluster)
+    _check_pipeline_flags()
     _check_model_flag()
     num_stages = PIPELINE_STAGES.value
     devices = towers.configure_devices(NUM_TOWERS.value * num_stages, DEVICE_TYPE.value)
@@ -285,7 +285,7 @@ def _size_thread_pools():
                     "fresh towers-train process.") from None
 
 
-def _check_pipeline_flags(cluster):
+def _check_pipeline_flags():
     """Refuses, before any work, flag combinations the pipeline cannot run."""
     if ACCUM_STEPS.value > 1 and MICRO_BATCHES.value > 1:
         raise ValueError(
@@ -294,11 +294,6 @@ def _check_pipeline_flags(cluster):
             "of them (--micro_batches with --pipeline_stages).")
     if PIPELINE_STAGES.value == 1:
         return
-    if cluster is not None:
-        raise ValueError(
-            f"--pipeline_stages={PIPELINE_STAGES.value} cannot be combined with several "
-            "workers (--worker_hosts or TF_CONFIG): pipeline stages run inside one process "
-            "for now; use --pipeline_stages=1, or train on one worker.")
     if VARIABLE_PLACEMENT.value == "replicated":
         raise ValueError(
             f"--pipeline_stages={PIPELINE_STAGES.value} cannot be combined with "

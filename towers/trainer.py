@@ -72,7 +72,7 @@ class TowerTrainer:
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         devices = devices_lib.default_devices() if devices is None else list(devices)
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
-                                                       variable_placement, cluster)
+                                                       variable_placement)
         self._grid = devices_lib.device_grid(
             devices, None if self.pipeline_cuts is None else len(self.pipeline_cuts) + 1)
         self.devices = ([row[0] for row in self._grid] if self.pipeline_cuts is None
