@@ -11,6 +11,7 @@ from keras.src.backend import config as keras_config
 from keras.src.utils import file_utils
 
 from towers import data as data_lib
+from towers import data_files
 
 NUM_TRAIN, NUM_TEST = 10, 7
 
@@ -368,7 +369,7 @@ def keras_home(tmp_path, monkeypatch):
     home.mkdir()
     # Keras reads $KERAS_HOME once at import; get_file reads this global at call time.
     monkeypatch.setattr(keras_config, "_KERAS_DIR", str(home))
-    monkeypatch.setattr(data_lib, "_online", lambda url: False)
+    monkeypatch.setattr(data_files, "_online", lambda url: False)
 
     def no_download(*args, **kwargs):
         raise AssertionError("the test tried to download")
@@ -395,7 +396,7 @@ def test_keras_dataset_offline_names_the_files_to_place(keras_home, name):
 
 def test_keras_dataset_failed_download_is_one_line(keras_home, monkeypatch):
     home, _ = keras_home
-    monkeypatch.setattr(data_lib, "_online", lambda url: True)
+    monkeypatch.setattr(data_files, "_online", lambda url: True)
 
     def failing_download():
         raise Exception("URL fetch failure on https://example/mnist.npz: None -- timed out\n"
