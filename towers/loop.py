@@ -154,7 +154,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                 if saver is not None:
                     saver.batch_done(epoch, batch_index, ran)
                 callbacks.on_train_batch_end(batch_index - 1,
-                                             _metric_logs(trainer, loss_sum / examples))
+                                             _metric_logs(trainer, loss_sum / examples, logs))
                 if logs.pop("stop_requested", signals.received):
                     _stop(trainer, checkpointer, saver, signals,
                           _next_position(epoch, batch_index, steps_per_epoch))
@@ -203,9 +203,15 @@ def _stop(trainer, checkpointer, saver, signals, position):
                     "worker", trainer.step, None if checkpointer is None else checkpointer.directory)
 
 
-def _metric_logs(trainer, loss):
-    """Keras's logs: the mean loss so far, then each metric's result, as floats."""
-    return {"loss": float(loss), **{m.name: float(m.result()) for m in trainer.metrics}}
+def _metric_logs(trainer, loss, step_logs=None):
+    """Keras's logs: the mean loss so far, then each metric's result, as floats.
+
+    step_logs: the logs of the step just run, which hold the metric results
+    already (read with the step's one device-to-host read); None = read them.
+    """
+    if step_logs is None:
+        step_logs = {m.name: float(m.result()) for m in trainer.metrics}
+    return {"loss": float(loss), **{m.name: step_logs[m.name] for m in trainer.metrics}}
 
 
 class _Progress:
