@@ -212,6 +212,38 @@ def check_same(cluster, values, timeout_s=None):
                          "the same program with the same flags, apart from its task index.")
 
 
+def start_together(cluster, model, optimizer, options, main_device, num_towers):
+    """Before the first step: checks that every worker trains alike, then gives each
+    the chief's weights and optimizer state (models built without a common seed
+    would start apart).
+
+    Args:
+      options: the trainer's TowerOptions; main_device: its main device;
+      num_towers: this worker's towers.
+
+    Returns:
+      (first_tower, total_towers): the global index of this worker's first
+      tower, and the towers of all workers together.
+    """
+    check_same(cluster, {
+        "the model's variables": [(v.path, v.shape, v.dtype) for v in model.variables],
+        "the optimizer": (type(optimizer).__name__, optimizer.get_config()),
+        "the trainer's options": options,
+        "the main device type": tf.DeviceSpec.from_string(main_device).device_type,
+        "the optimizer steps taken (every worker must restore the same checkpoint)":
+            int(optimizer.iterations.numpy()),
+    })
+    variables = model.variables + optimizer.variables
+    chiefs, _ = exchange.mean_across_workers(
+        [v.value for v in variables], float(cluster.is_chief), cluster, HOST_DEVICE)
+    for variable, value in zip(variables, chiefs):
+        variable.assign(value)
+    towers_per_worker = exchange.all_reduce_across_workers(
+        [tf.one_hot(cluster.task_index, cluster.num_workers, dtype=tf.int64) * num_towers],
+        cluster, HOST_DEVICE)[0].numpy()
+    return int(towers_per_worker[:cluster.task_index].sum()), int(towers_per_worker.sum())
+
+
 class Watchdog:
     """Pings the other workers while a step runs; aborts the step when one is lost.
 

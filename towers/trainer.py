@@ -394,31 +394,10 @@ class TowerTrainer:
                     self._stages, self.loss, *self.options.tower_schedule, self._densify)
         loop.build_metrics(self.metrics, y, y_pred)
         if self.cluster is not None:
-            self._join_workers()
-
-    def _join_workers(self):
-        """Checks every worker trains alike, copies the chief's weights, numbers the towers."""
-        cluster_lib.check_same(self.cluster, {
-            "the model's variables": [(v.path, v.shape, v.dtype) for v in self.model.variables],
-            "the optimizer": (type(self.optimizer).__name__, self.optimizer.get_config()),
-            "the trainer's options": self.options,
-            "the main device type": tf.DeviceSpec.from_string(self.main_device).device_type,
-            "the optimizer steps taken (every worker must restore the same checkpoint)":
-                self.step,
-        })
-        # Models initialised without a common seed would start apart; the chief's win.
-        variables = self.model.variables + self.optimizer.variables
-        chiefs, _ = exchange.mean_across_workers(
-            [v.value for v in variables], float(self.cluster.is_chief), self.cluster,
-            cluster_lib.HOST_DEVICE)
-        for variable, value in zip(variables, chiefs):
-            variable.assign(value)
-        self.sync_replicas()
-        towers_per_worker = exchange.all_reduce_across_workers(
-            [tf.one_hot(self.cluster.task_index, self.cluster.num_workers, dtype=tf.int64)
-             * len(self._grid)], self.cluster, cluster_lib.HOST_DEVICE)[0].numpy()
-        self._first_tower = int(towers_per_worker[:self.cluster.task_index].sum())
-        self._num_towers = int(towers_per_worker.sum())
+            self._first_tower, self._num_towers = cluster_lib.start_together(
+                self.cluster, self.model, self.optimizer, self.options, self.main_device,
+                len(self._grid))
+            self.sync_replicas()
 
     def _check_model(self):
         """Checks the built model, cuts it into stages and places each stage's variables."""
