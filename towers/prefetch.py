@@ -41,7 +41,7 @@ class ShardIterator:
         num_shards = len(self.devices)
 
         def to_shards(*batch):  # one element per tower, in tower order
-            batch = tuple(tf.nest.map_structure(split.as_tensor, batch))
+            batch = split.as_batch(batch)
             return functools.reduce(tf.data.Dataset.concatenate, [
                 tf.data.Dataset.from_tensors(shard)
                 for shard in split.split_batch(batch, num_shards)])
@@ -67,8 +67,7 @@ def get_next_as_optional(iterator, devices):
     """
     if not isinstance(iterator, multi_device_iterator_ops.OwnedMultiDeviceIterator):
         element = iterator.get_next_as_optional()
-        return element.has_value(), lambda: tuple(
-            tf.nest.map_structure(split.as_tensor, tuple(element.get_value())))
+        return element.has_value(), lambda: split.as_batch(element.get_value())
     optionals = iterator.get_next_as_optional()
 
     def shards():

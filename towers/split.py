@@ -20,6 +20,11 @@ def as_tensor(value):
     return tf.cast(tensor, keras.config.floatx()) if tensor.dtype == tf.float64 else tensor
 
 
+def as_batch(batch):
+    """(x, y[, sample_weight]) as a tuple of Tensors (nested parts kept), through as_tensor."""
+    return tuple(tf.nest.map_structure(as_tensor, tuple(batch)))
+
+
 def split_batch(batch, num_shards):
     """Splits every tensor of `batch` along dim 0 into `num_shards` shards.
 

@@ -359,7 +359,7 @@ class TowerTrainer:
         parts = []
         for part in (batch if is_shards else [batch]):
             split.unpack_batch(part)
-            parts.append(tuple(tf.nest.map_structure(split.as_tensor, tuple(part))))
+            parts.append(split.as_batch(part))
         batch = split.Shards(parts) if is_shards else parts[0]
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError("the batch is empty (batch size 0); give at least one example.")
