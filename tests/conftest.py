@@ -4,6 +4,10 @@ multi-tower path runs on any machine."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow turns its oneDNN kernels on by itself on recent Intel CPUs only; on
+# everywhere, so the suite meets what most x86 users get (their convolutions
+# mishandle 0-row inputs: tests/test_layers.py). Worker processes inherit it.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import tensorflow as tf  # noqa: E402
 

@@ -20,16 +20,23 @@ import tensorflow as tf  # noqa: E402
 import towers  # noqa: E402
 from tests import reference  # noqa: E402
 
-# 7 splits unevenly over 2 workers (4 + 3); 1 leaves worker 1 with no rows at all.
-BATCH_SIZES = (12, 7, 3, 1, 10)
+# 1 leaves worker 1 with no rows at all, at its first step; 7 splits unevenly (4 + 3).
+BATCH_SIZES = (1, 12, 7, 3, 10)
 VOCABULARY, TOKENS = 40, 6
 
 
 def make_model(kind):
-    """reference.make_model, or ("embedding") one whose gradient is a tf.IndexedSlices."""
+    """reference.make_model, ("conv") a convolution over the features, which must not
+    run on a worker's empty part, or ("embedding") one whose gradient is a
+    tf.IndexedSlices."""
     if kind == "dense":
         return reference.make_model()
     keras.utils.set_random_seed(0)
+    if kind == "conv":
+        return keras.Sequential([keras.Input((reference.NUM_FEATURES,)),
+                                 keras.layers.Reshape((reference.NUM_FEATURES, 1)),
+                                 keras.layers.Conv1D(4, 2), keras.layers.Flatten(),
+                                 keras.layers.Dense(reference.NUM_CLASSES)])
     return keras.Sequential([keras.Input((TOKENS,), dtype="int32"),
                              keras.layers.Embedding(VOCABULARY, 4),
                              keras.layers.GlobalAveragePooling1D(),
@@ -39,7 +46,7 @@ def make_model(kind):
 def global_batches(kind):
     batches = [reference.make_batches(size, num_steps=1, seed=step)[0]
                for step, size in enumerate(BATCH_SIZES)]
-    if kind == "dense":
+    if kind != "embedding":
         return batches
     rng = np.random.default_rng(7)  # few tokens, so workers look up the same rows too
     return [(rng.integers(0, VOCABULARY, (len(y), TOKENS)).astype("int32"), y, w)

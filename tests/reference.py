@@ -93,3 +93,34 @@ def mirrored_weights(make_model_fn, make_optimizer_fn, devices, batches):
             lambda ctx: tuple(a[index_shards[ctx.replica_id_in_sync_group]] for a in (x, y, w)))
         step(shards, float(len(x)))
     return [v.numpy() for v in model.weights]
+
+
+def per_shard_weights(model, optimizer, loss, batches, num_shards):
+    """As single_device_weights, but each np.array_split shard runs on its own.
+
+    What the docs promise for BatchNorm: each non-empty shard normalises with
+    its own statistics; gradients and the new moving statistics are averaged
+    weighted by shard size (state_policy="mean"). Without BatchNorm this is
+    the one-device step.
+    """
+    for batch in batches:
+        total = len(batch[0])
+        before = [v.numpy() for v in model.non_trainable_variables]
+        grads, states = None, []
+        for rows in np.array_split(np.arange(total), num_shards):
+            if not len(rows):
+                continue
+            for variable, value in zip(model.non_trainable_variables, before):
+                variable.assign(value)
+            x, y, *w = (part[rows] for part in batch)
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True), sample_weight=w[0] if w else None)
+                value += tf.add_n(model.losses) if model.losses else 0.0
+            fraction = len(rows) / total
+            shard_grads = [g * fraction for g in tape.gradient(value, model.trainable_variables)]
+            grads = shard_grads if grads is None else [a + b for a, b in zip(grads, shard_grads)]
+            states.append([v.numpy() * fraction for v in model.non_trainable_variables])
+        for variable, parts in zip(model.non_trainable_variables, zip(*states)):
+            variable.assign(np.sum(parts, axis=0))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return [v.numpy() for v in model.weights]

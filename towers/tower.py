@@ -112,8 +112,8 @@ class _Flight:
             watched = [t if t.dtype.is_floating else None for t in inputs]
         with tf.GradientTape() as tape:
             tape.watch(self.weights[k] + [t for t in watched if t is not None])
-            outputs, new_state, regularization = self.forwards[k](
-                self.weights[k], self.state[k], inputs)
+            outputs, new_state, regularization = unless_empty(
+                self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs)
             if last:
                 self.y_pred[m] = outputs
                 self.losses[m] = shard_loss(self.loss, self.micro[m], outputs, regularization)
@@ -124,11 +124,9 @@ class _Flight:
                 target *= self.loss_scale
         self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, target
         self.outputs[k][m], self.regularization[k][m] = outputs, regularization
-        kept = self.sizes[m] > 0  # an empty micro-batch's statistics are NaN: keep the old
         for i, new in enumerate(new_state):
             if new is not None:
-                self.state[k][i] = tf.where(kept, new, self.state[k][i])
-                self.changed[k][i] = self.state[k][i]
+                self.state[k][i] = self.changed[k][i] = new
         return tf.nest.flatten(outputs) + [target]
 
     def backward(self, k, m):
@@ -221,16 +219,61 @@ def predict(stages, weights, state, x, row):
     weights, state: in model order, each on its stage's device. y_pred and the
     regularisation (the sum over stages, a float32 scalar) are on row[-1].
     """
-    values, regularization = x, []
+    values, regularization, rows = x, [], split.batch_size(x)
     for k, device in enumerate(row):
         with tf.device(device):
             values = values if k == 0 else [tf.identity(t) for t in tf.nest.flatten(values)]
-            values, _, stage_regularization = forward(
-                stages.models[k], stages.select(weights, k),
-                stages.select(state, k, trainable=False), values, training=False)
+            values, _, stage_regularization = unless_empty(
+                rows, functools.partial(forward, stages.models[k], training=False),
+                stages.select(weights, k), stages.select(state, k, trainable=False), values)
             regularization.append(stage_regularization)
     with tf.device(row[-1]):
         return values, tf.add_n([tf.identity(r) for r in regularization])
+
+
+def unless_empty(rows, forward_fn, weights, state, x):
+    """forward_fn(weights, state, x), run only when the micro-batch x has rows.
+
+    An empty micro-batch (a batch smaller than towers x micro-batches) has
+    nothing to compute: its gradients are zero and its weight in every average
+    is 0, so skipping it is exact. And some kernels mishandle a 0-row input
+    (TensorFlow's oneDNN convolution returns a wrong shape), so the model must
+    not see one. Where `rows` is known only at run time, a tf.cond picks.
+
+    Args:
+      rows: examples in x, an int or an int32 scalar Tensor.
+      forward_fn: fn(weights, state, x) -> (y_pred, new_state, regularization),
+        as `forward`.
+
+    Returns:
+      forward_fn's result; for no rows, y_pred with 0 rows shaped like a real
+      one (unknown dims 0), the state as it was and a regularisation of 0.
+    """
+    if isinstance(rows, int) and rows > 0:
+        return forward_fn(weights, state, x)
+    if tf.executing_eagerly():
+        if int(rows) > 0:
+            return forward_fn(weights, state, x)
+        # The empty result takes its shapes from a traced forward: trace one.
+        return tf.function(unless_empty)(tf.constant(0), forward_fn, weights, state, x)
+    traced = []
+
+    def run():
+        traced.append(forward_fn(weights, state, x))
+        return traced[0]
+
+    def skip():  # traced after run, so it knows run's structure
+        y_pred, new_state, _ = traced[0]
+        return (tf.nest.map_structure(_no_rows, y_pred),
+                [None if new is None else old for new, old in zip(new_state, state)],
+                tf.constant(0.0))
+
+    return tf.cond(tf.greater(rows, 0), run, skip)
+
+
+def _no_rows(like):
+    """A Tensor of 0 rows shaped and typed like `like` (its unknown dims 0)."""
+    return tf.zeros([0] + [d or 0 for d in like.shape.as_list()[1:]], like.dtype)
 
 
 def forward(model, weights, state, x, training):
@@ -285,8 +328,19 @@ def choose_dense_gradients(model, loss, shard, sparse_policy):
 
 
 def concat_rows(parts):
-    """Concatenates a list of (nested) outputs along dim 0."""
-    return tf.nest.map_structure(lambda *pieces: tf.concat(pieces, 0), *parts)
+    """Concatenates a list of (nested) outputs along dim 0.
+
+    The first part holds the most rows (split_batch's order). An empty part
+    (unless_empty's) has 0 for the dims it could not know, so where those are
+    unknown, every part takes the first part's.
+    """
+    def concat(*pieces):
+        if not pieces[0].shape[1:].is_fully_defined():
+            features = tf.shape(pieces[0])[1:]
+            pieces = [tf.reshape(p, tf.concat([tf.shape(p)[:1], features], 0)) for p in pieces]
+        return tf.concat(pieces, 0)
+
+    return tf.nest.map_structure(concat, *parts)
 
 
 def _offset_seeds(model, state, tower_index):

@@ -371,6 +371,10 @@ class TowerTrainer:
     def _first_batch_setup(self, batch):
         """Builds model and optimizer on the main device and checks the loss, eagerly."""
         first_shard = split.shards_of(batch, len(self._grid))[0]  # holds the batch's first example
+        if split.batch_size(first_shard) == 0:  # a worker whose part of the batch is empty
+            # One example of zeros builds the model and checks the loss; nothing trains on it.
+            first_shard = tf.nest.map_structure(
+                lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), first_shard)
         x, y, sample_weight = split.unpack_batch(
             tf.nest.map_structure(lambda t: t[:1], first_shard))
         with tf.device(self.main_device):
