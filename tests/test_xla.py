@@ -148,11 +148,38 @@ class XlaErrorTest(tf.test.TestCase, parameterized.TestCase):
                                       jit_compile=True, **options)
         before = [v.numpy() for v in model.weights]
         with self.assertRaisesRegex(ValueError, r"XLA cannot compile this model's tower step: "
-                                                r".*Pass jit_compile=False"):
+                                                r"Detected unsupported operations.*"
+                                                r"PyFuncStateless.*Pass jit_compile=False") \
+                as caught:
             trainer.train_step(reference.make_batches(4, num_steps=1)[0])
         for want, got in zip(before, model.weights):
             self.assertAllEqual(want, got)
         self.assertEqual(trainer.step, 0)
+        self.assertIsInstance(caught.exception.__cause__, tf.errors.InvalidArgumentError)
+
+    def test_an_error_at_run_time_keeps_its_cause_and_no_xla_advice(self):
+        # The second batch's x has a row more than its y: with shapes known only at
+        # run time, the step's own check fails inside the compiled loop.
+        good, bad = reference.make_batches(4, num_steps=2)
+        bad = (np.concatenate([bad[0], bad[0][:1]]), bad[1], bad[2])
+        spec = tuple(tf.TensorSpec([None, *np.shape(part)[1:]], tf.as_dtype(part.dtype))
+                     for part in good)
+        iterator = iter(tf.data.Dataset.from_generator(lambda: iter([good, bad]),
+                                                       output_signature=spec))
+        model = reference.make_model()
+        trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.Adam(),
+                                      devices=DEVICES[:2], jit_compile=True)
+        trainer.train_steps(iterator, 1)
+        before = [v.numpy() for v in model.weights]
+        with self.assertRaisesRegex(ValueError, r"^the step failed: assertion failed: \[the "
+                                                r"parts of the batch disagree on batch size") as caught:
+            trainer.train_steps(iterator, 1)
+        self.assertNotIn("XLA", str(caught.exception))
+        self.assertIsInstance(caught.exception.__cause__, tf.errors.InvalidArgumentError)
+        for want, got in zip(before, model.weights):
+            self.assertAllEqual(want, got)
+        self.assertEqual(trainer.step, 1)
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -24,7 +24,7 @@ from absl import logging
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
 
-from towers import exchange
+from towers import errors, exchange
 from towers.errors import WorkerLostError
 
 JOB = "worker"
@@ -161,7 +161,7 @@ def join(cluster):
         context.context().ensure_initialized()
     except tf.errors.OpError as error:
         raise ValueError(f"worker {cluster.task_index} could not start its server on "
-                         f"{cluster.workers[cluster.task_index]}: {_first_line(error)}.") from None
+                         f"{cluster.workers[cluster.task_index]}: {errors.root_cause(error)}.") from None
     logging.info("worker %d of %d: waiting up to %.0f s for the others to join",
                  cluster.task_index, cluster.num_workers, cluster.startup_timeout_s)
     check_same(cluster, {"cluster addresses": cluster.workers},
@@ -201,9 +201,9 @@ def check_same(cluster, values, timeout_s=None):
             "task index, and check that they can reach each other's ports.") from None
     except tf.errors.UnavailableError as error:
         raise WorkerLostError(f"a worker stopped while the workers were comparing their set-up "
-                              f"({_first_line(error)}); restart every worker.") from None
+                              f"({errors.root_cause(error)}); restart every worker.") from None
     except tf.errors.OpError as error:
-        raise ValueError(f"the workers could not agree on the cluster ({_first_line(error)}); "
+        raise ValueError(f"the workers could not agree on the cluster ({errors.root_cause(error)}); "
                          "give every worker the same list of addresses.") from None
     count = len(values)
     differ = [name for i, name in enumerate(values) if highest[i] != -highest[count + i]]
@@ -272,7 +272,7 @@ class Watchdog:
             lost = self._lost or self._find_lost()
             who = (f"worker {lost[0]} ({self.cluster.workers[lost[0]]}) stopped answering "
                    f"({lost[1]})" if lost else
-                   f"the all-reduce across workers failed ({_first_line(error)})")
+                   f"the all-reduce across workers failed ({errors.root_cause(error)})")
             raise WorkerLostError(
                 f"step {step_number}: {who}, so worker {self.cluster.task_index} stops too; "
                 "the failing step was not applied. Restart every worker with the same "
@@ -301,7 +301,7 @@ class Watchdog:
                 context.context().check_collective_ops_peer_health(
                     self.cluster.task_name(index), timeout_in_ms=int(timeout_s * 1000))
             except tf.errors.OpError as error:
-                return index, _first_line(error)
+                return index, errors.root_cause(error)
         return None
 
 
@@ -330,6 +330,3 @@ def _check_port_free(cluster):
                 f"({cluster.workers[cluster.task_index]}) is in use ({error.strerror}); stop "
                 "what holds it or give this worker another port.") from None
 
-
-def _first_line(error):
-    return str(getattr(error, "message", error)).strip().splitlines()[0]

@@ -1,4 +1,10 @@
-"""Exceptions that towers raises for problems a user can fix."""
+"""Exceptions that towers raises for problems a user can fix, and TensorFlow's errors in one line."""
+
+import re
+
+# Lines of a TensorFlow graph error that say where, not what.
+_WHERE = re.compile(r"(Graph execution error:|Detected at node|<stack traces|File |\[\[|"
+                    r"\d+ root error\(s\) found)")
 
 
 class DeviceConfigError(RuntimeError):
@@ -29,3 +35,24 @@ class Preempted(RuntimeError):
         saved = (f"a checkpoint is saved in {directory}; rerun the same command to resume"
                  if directory else "nothing was saved (no checkpoint directory was given)")
         super().__init__(f"stopped by {signal_name} after step {step}: {saved}.")
+
+
+def root_cause(error):
+    """What a TensorFlow error (or any exception) says went wrong, in one line.
+
+    A graph error's message starts with where it happened ("Graph execution
+    error", "Detected at node", a stack); this is its first line that says
+    what, without the "(0) INVALID_ARGUMENT:" label and the node names.
+    """
+    text = str(getattr(error, "message", error)).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not _WHERE.match(line):
+            line = re.sub(r"^\(\d+\) [A-Z_]+:\s*", "", line)
+            return re.split(r"\s*(?:\{\{node|\[\[|\[Op:)", line)[0].rstrip(".")
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def is_compile_error(error):
+    """Whether a TensorFlow error is XLA failing to compile a function (not a run-time one)."""
+    return "compil" in root_cause(error).lower()

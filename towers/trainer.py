@@ -7,8 +7,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import aggregate, cluster as cluster_lib, compiled, devices as devices_lib, exchange
-from towers import executions, losses, loop, prefetch, split, stages as stages_lib, tower
+from towers import aggregate, cluster as cluster_lib, compiled, devices as devices_lib, errors
+from towers import exchange, executions, losses, loop, prefetch, split, stages as stages_lib
+from towers import tower
 from towers.errors import NonFiniteError
 from towers.step import TowerOptions, apply_update, assign_state, broadcast_stages, clip_gradients
 from towers.step import run_towers
@@ -168,15 +169,7 @@ class TowerTrainer:
         """
         with self._watched():
             batch, key = self._prepare(batch, "train")
-            try:
-                logs = self._compiled.call(key, batch)
-            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
-                if not self.jit_compile:
-                    raise
-                reason = error.message.strip().splitlines()[0].rstrip(".")
-                raise ValueError(  # before any update: the step stopped in a tower
-                    f"XLA cannot compile this model's tower step: {reason}. Pass "
-                    "jit_compile=False to run it without XLA.") from None
+            logs = self._call(key, batch)
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         if not finite and self.options.on_nonfinite == "raise":
             raise self._nonfinite_error()
@@ -223,7 +216,7 @@ class TowerTrainer:
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
         self._compiled.add(key, functools.partial(executions.compiled_loop, self))
         with self._watched():
-            logs = self._compiled.call(key, iterator, tf.constant(num_steps, tf.int32))
+            logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         if logs.pop("nonfinite"):
@@ -260,7 +253,7 @@ class TowerTrainer:
     def eval_step(self, batch):
         """Sum of per-example losses, example count and regularisation for one batch."""
         batch, key = self._prepare(batch, "eval")
-        return self._compiled.call(key, batch)
+        return self._call(key, batch)
 
     def _compiled_train_step(self, batch):
         scale = self._loss_scale()
@@ -304,6 +297,18 @@ class TowerTrainer:
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
         return logs
+
+    def _call(self, key, *args):
+        """Calls the compiled function of `key`; an error that the batch or the model
+        caused while it ran becomes a ValueError that says it in one line."""
+        try:
+            return self._compiled.call(key, *args)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
+            if self.jit_compile and errors.is_compile_error(error):
+                raise ValueError(  # XLA compiles a tower before it runs: nothing was applied
+                    f"XLA cannot compile this model's tower step: {errors.root_cause(error)}. "
+                    "Pass jit_compile=False to run it without XLA.") from error
+            raise ValueError(f"the step failed: {errors.root_cause(error)}.") from error
 
     def _watched(self):
         """With a cluster: the next call under the watchdog (a lost worker ends it)."""
@@ -382,10 +387,10 @@ class TowerTrainer:
                 y_pred = self.model(x, training=False)
                 losses.per_example_loss(self.loss, y, y_pred, sample_weight)
             except (tf.errors.OpError, TypeError) as error:
-                message = getattr(error, "message", str(error)).strip().splitlines()[0]
                 raise ValueError(
                     f"the model or the loss failed on the first example of the batch: "
-                    f"{message}. Check that x matches the model's inputs and y its outputs.") from None
+                    f"{errors.root_cause(error)}. Check that x matches the model's inputs and y "
+                    "its outputs.") from None
             self._check_model()
             if not self.optimizer.built:
                 self.optimizer.build(self.model.trainable_variables)
