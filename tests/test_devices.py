@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import tensorflow as tf
 from absl.testing import parameterized
@@ -43,6 +44,31 @@ class ConfigureDevicesTest(tf.test.TestCase, parameterized.TestCase):
     def test_bad_memory_limit(self):
         with self.assertRaisesRegex(ValueError, "memory_limit_mb"):
             towers.configure_devices(2, memory_limit_mb=-5)
+
+    @parameterized.named_parameters(("same_memory", 1000, True), ("other_memory", 2000, False))
+    def test_fewer_towers_of_gpus_split_before(self, memory_limit_mb, reused):
+        # Two physical GPUs, each split into two logical GPUs of 1000 MiB when the
+        # runtime started; now 2 towers are asked for, which would be whole GPUs.
+        gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(2)]
+        logical = [tf.config.LogicalDevice(f"/device:GPU:{i}", "GPU") for i in range(4)]
+        split = [tf.config.LogicalDeviceConfiguration(memory_limit=1000)] * 2
+
+        def started(*_):
+            raise RuntimeError("Virtual devices cannot be modified after being initialized")
+
+        with mock.patch.object(tf.config, "list_physical_devices", lambda kind=None: gpus), \
+                mock.patch.object(tf.config, "list_logical_devices", lambda kind=None: logical), \
+                mock.patch.object(tf.config, "get_logical_device_configuration",
+                                  lambda device: split), \
+                mock.patch.object(tf.config, "set_logical_device_configuration", started), \
+                mock.patch.object(towers.devices, "_configured_devices", None):
+            if reused:
+                self.assertEqual(towers.configure_devices(2, "gpu", memory_limit_mb),
+                                 ["/device:GPU:0", "/device:GPU:1"])
+            else:
+                with self.assertRaisesRegex(towers.DeviceConfigError,
+                                            r"already started with 4 GPU.*memory_limit_mb=2000"):
+                    towers.configure_devices(2, "gpu", memory_limit_mb)
 
     def test_fresh_process_splits_cpu_before_start(self):
         script = textwrap.dedent("""

@@ -189,9 +189,11 @@ def _split_physical(physical, kind, num_towers, memory_limit_mb):
 def _reuse_existing(kind, num_towers, memory_limit_mb):
     """After the runtime started: the first num_towers existing devices, if they fit."""
     existing = tf.config.list_logical_devices(kind)
-    limits = {_layout(tf.config.get_logical_device_configuration(d))
-              for d in tf.config.list_physical_devices(kind)}
-    memory_ok = memory_limit_mb is None or limits == {(memory_limit_mb,) * len(existing)}
+    layouts = [_layout(tf.config.get_logical_device_configuration(d))
+               for d in tf.config.list_physical_devices(kind)]
+    # Every logical device, of every physical one, must have the memory asked for.
+    memory_ok = memory_limit_mb is None or all(
+        layout is not None and set(layout) == {memory_limit_mb} for layout in layouts)
     if len(existing) >= num_towers and memory_ok:
         return [f"/device:{kind}:{i}" for i in range(num_towers)]
     raise DeviceConfigError(
