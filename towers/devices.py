@@ -126,8 +126,11 @@ VARIABLE_PLACEMENTS = ("main", "replicated")
 class Replicas:
     """A copy of every model variable on every tower (variable_placement="replicated").
 
-    Towers then read their weights from local memory at the start of a step;
-    the price is writing the updated weights to every tower after it.
+    At the start of each step every tower's copy is written from the model's
+    (main) values, and the tower reads its weights from it. Writing before the
+    towers read, not after the update, moves the same bytes per step, and a
+    change made outside the step (set_weights, a restored checkpoint, a
+    callback) can never leave a tower training on stale weights.
     """
 
     def __init__(self, model, devices):
@@ -141,15 +144,13 @@ class Replicas:
                                      for v in self._variables])
 
     def read(self, tower_index):
-        """Step 2, replicated: (weights, state) of tower `tower_index`, read on it."""
-        values = [copy.read_value() for copy in self._copies[tower_index]]
+        """Step 2, replicated: (weights, state) of tower `tower_index`, its copies first
+        written from the model's values, then read on it."""
+        values = []
+        for copy, variable in zip(self._copies[tower_index], self._variables):
+            copy.assign(variable.value)  # ordered before the read: the same resource
+            values.append(copy.read_value())
         return values[:self._num_trainable], values[self._num_trainable:]
-
-    def refresh(self):
-        """Writes the model's (main) values to every tower's copy, after step 7."""
-        for copies in self._copies:
-            for copy, variable in zip(copies, self._variables):
-                copy.assign(variable.value)
 
 
 def _check_arguments(num_towers, device_type, memory_limit_mb):

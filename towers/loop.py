@@ -119,7 +119,6 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     epoch, skip = 0, 0
     if checkpointer is not None and checkpointer.restore():
         epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
-        trainer.sync_replicas()
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
     summaries = _Summaries(log_dir if chief else None)
@@ -177,7 +176,6 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                 summaries.evaluation(trainer, val_logs)
             progress.finish(batch_index, {**epoch_logs, "skipped_steps": logs["skipped_steps"]})
             callbacks.on_epoch_end(epoch, epoch_logs)
-            trainer.sync_replicas()  # a callback may have set the weights (EarlyStopping)
             epoch, skip = (_next_position(epoch, batch_index, steps_per_epoch) if broke_off
                            else (epoch + 1, 0))
             if trainer.model.stop_training:
@@ -185,7 +183,6 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         if saver is not None:
             saver.save(epoch, skip)
     callbacks.on_train_end(logs=epoch_logs)
-    trainer.sync_replicas()
     return history
 
 

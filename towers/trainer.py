@@ -273,8 +273,6 @@ class TowerTrainer:
             apply_update(self.optimizer, grads, self.model.trainable_variables,
                          self.main_device)
             assign_state(self.model, result.state, when=grads_finite)
-            if self._replicas is not None:
-                self._replicas.refresh()
             return grads_finite
 
         metric_logs = loop.update_metrics(self.metrics, batch, result.y_pred, self.main_device,
@@ -340,13 +338,9 @@ class TowerTrainer:
             return tf.add_n(loss_sums), tf.cast(split.batch_size(batch), tf.float32), regularization
 
     def sync_replicas(self):
-        """Copies the model's weights to every tower's replica (variable_placement="replicated").
-
-        The step does this itself after every update; call it after changing
-        the weights outside the step (set_weights, restoring a checkpoint).
-        """
-        if self._replicas is not None:
-            self._replicas.refresh()
+        """Does nothing: kept for code written when replicas (variable_placement=
+        "replicated") were refreshed after each step and needed this after
+        set_weights. Every step now refreshes them before the towers read."""
 
     def _loss_scale(self):
         """The LossScaleOptimizer's current scale (float32 scalar), or None."""
@@ -406,7 +400,6 @@ class TowerTrainer:
             self._first_tower, self._num_towers = cluster_lib.start_together(
                 self.cluster, self.model, self.optimizer, self.options, self.main_device,
                 len(self._grid))
-            self.sync_replicas()
 
     def _check_model(self):
         """Checks the built model, cuts it into stages and places each stage's variables."""
