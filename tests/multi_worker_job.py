@@ -76,6 +76,14 @@ def main(config):
     cluster = towers.Cluster(config["worker_hosts"], config["task_index"])
     towers.join_cluster(cluster)
     trainer = make_trainer(devices, config["model"], cluster, **config.get("options", {}))
+    if config.get("trace_on_chief_first") and cluster.is_chief:
+        # A function with collective ops across workers that only the chief traces
+        # (never runs): it must not shift the keys of the trainer's collectives.
+        spec = tuple(tf.TensorSpec([None, *np.shape(part)[1:]], tf.as_dtype(part.dtype))
+                     for part in global_batches(config["model"])[0])
+        tf.function(lambda batch: towers.tower_gradients(
+            trainer.model, trainer.loss, batch, devices, cluster=cluster)
+        ).get_concrete_function(spec)
     losses = []
     for batch in global_batches(config["model"]):
         part = towers.split_batch(batch, cluster.num_workers)[cluster.task_index]

@@ -84,7 +84,9 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         # A batch of 1 leaves worker 1 empty: its convolution must not run.
         ("main", "conv", "main", False, (2, 2)),
-        ("collective_packed", "dense", "collective", True, (2, 2)),
+        # Worker 0 alone traces a function with collectives across workers first.
+        ("collective_packed_chief_traces_more", "dense", "collective", True, (2, 2), None, 1,
+         True),
         # Adam updates only the rows a sparse gradient names: the workers' rows
         # must arrive as one device's would, not densified.
         ("sparse_embedding", "embedding", "main", False, (2, 2)),
@@ -94,14 +96,15 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         ("pipeline_stages", "dense", "main", False, (1, 1),
          {"pipeline_cuts": [0], "micro_batches": 2, "pipeline_schedule": "1f1b"}, 2))
     def test_two_workers_of_two_towers_match_one_process_of_four(
-            self, model, aggregation, pack, towers_per_worker, more_options=None, num_stages=1):
+            self, model, aggregation, pack, towers_per_worker, more_options=None, num_stages=1,
+            trace_on_chief_first=False):
         options = {"aggregation": aggregation, "pack_gradients": pack, **(more_options or {})}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
         workers = [subprocess.Popen(
             [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
                 "worker_hosts": hosts, "task_index": i, "num_towers": towers_per_worker[i],
                 "num_stages": num_stages, "model": model,
-                "options": options,
+                "options": options, "trace_on_chief_first": trace_on_chief_first,
                 "output": os.path.join(directory, f"worker{i}.npz")})],
             cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]
         for worker in workers:

@@ -189,7 +189,7 @@ def check_same(cluster, values, timeout_s=None):
     fingerprints = tf.constant([zlib.crc32(repr(v).encode()) for v in values.values()],
                                tf.int64)
     try:
-        with tf.device(HOST_DEVICE):
+        with tf.device(HOST_DEVICE), exchange.instance_keys(("check_same", tuple(values))):
             # max(f) and max(-f) = -min(f): equal on every worker only if all agree.
             highest = exchange.all_reduce_across_workers(
                 [tf.concat([fingerprints, -fingerprints], 0)], cluster, HOST_DEVICE,
@@ -225,8 +225,9 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers):
       (first_tower, total_towers): the global index of this worker's first
       tower, and the towers of all workers together.
     """
+    signature = model_signature(model)
     check_same(cluster, {
-        "the model's variables": [(v.path, v.shape, v.dtype) for v in model.variables],
+        "the model's variables": signature,
         "the optimizer": (type(optimizer).__name__, optimizer.get_config()),
         "the trainer's options": options,
         "the main device type": tf.DeviceSpec.from_string(main_device).device_type,
@@ -234,14 +235,21 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers):
             int(optimizer.iterations.numpy()),
     })
     variables = model.variables + optimizer.variables
-    chiefs, _ = exchange.mean_across_workers(
-        [v.value for v in variables], float(cluster.is_chief), cluster, HOST_DEVICE)
-    for variable, value in zip(variables, chiefs):
-        variable.assign(value)
-    towers_per_worker = exchange.all_reduce_across_workers(
-        [tf.one_hot(cluster.task_index, cluster.num_workers, dtype=tf.int64) * num_towers],
-        cluster, HOST_DEVICE)[0].numpy()
+    with exchange.instance_keys(("start_together", signature)):
+        chiefs, _ = exchange.mean_across_workers(
+            [v.value for v in variables], float(cluster.is_chief), cluster, HOST_DEVICE)
+        for variable, value in zip(variables, chiefs):
+            variable.assign(value)
+        towers_per_worker = exchange.all_reduce_across_workers(
+            [tf.one_hot(cluster.task_index, cluster.num_workers, dtype=tf.int64) * num_towers],
+            cluster, HOST_DEVICE)[0].numpy()
     return int(towers_per_worker[:cluster.task_index].sum()), int(towers_per_worker.sum())
+
+
+def model_signature(model):
+    """(path, shape, dtype) of every variable of `model`: alike on every worker that
+    trains the same model (start_together checks it), whatever else each built."""
+    return [(v.path, tuple(v.shape), v.dtype) for v in model.variables]
 
 
 class Watchdog:

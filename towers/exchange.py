@@ -23,6 +23,7 @@ are all-reduced packed, and sparse gradients are all-gathered.
 """
 
 import collections
+import contextlib
 import itertools
 import zlib
 
@@ -33,12 +34,18 @@ from towers import aggregate
 AGGREGATIONS = ("main", "tree", "collective", "nccl")
 
 # Collective ops find their peers by (group key, instance key): one group per
-# set of devices, one instance per all-reduce in a traced step. Across workers
-# both must come out the same on every worker, so they are derived from the
-# members and counted per group.
-_instance_keys = collections.defaultdict(lambda: itertools.count(1))
+# set of devices, one instance per collective op in a traced function. Across
+# workers both must come out the same on every worker. Group keys are derived
+# from the members. Instance keys inside `instance_keys(name)` are derived from
+# (name, group, the op's place among the group's ops traced there), so what one
+# worker traces elsewhere cannot shift them; outside any (eager calls, a user's
+# own tf.function) they are counted per group in this process, which stays alike
+# across workers only while every worker traces and runs the same in order.
+_counted_keys = collections.defaultdict(lambda: itertools.count(1))
+_key_scope = None  # (name, per group an itertools.count) inside instance_keys
 _ordering_tokens = {}  # device -> tf.Variable
 _SHAPE_KEYS = 64  # gathered tensors of up to 2**63 rows
+_SCOPED_KEYS = 1 << 30  # derived keys lie above every counted one
 
 
 def exchange_gradients(tower_grads, weights, devices, main_device, aggregation="main",
@@ -147,7 +154,7 @@ def _all_reduce_sum(tower_grads, devices, aggregation):
             summed.append(None)
             continue
         template = next(g for g in per_tower if g is not None)
-        instance_key = next(_instance_keys[group_key])
+        instance_key = _instance_key(group_key)
         results = []
         for device, grad in zip(devices, per_tower):
             with tf.device(device):
@@ -219,7 +226,7 @@ def all_reduce_across_workers(tensors, cluster, device, merge_op="Add", timeout_
     with tf.device(device):
         return [tf.raw_ops.CollectiveReduceV2(
             input=tensor, group_size=cluster.num_workers, group_key=group_key,
-            instance_key=next(_instance_keys[group_key]),
+            instance_key=_instance_key(group_key),
             ordering_token=[_ordering_token(device)], merge_op=merge_op, final_op="Id",
             timeout_seconds=float(timeout_s)) for tensor in tensors]
 
@@ -258,9 +265,7 @@ def _all_gather_across_workers(tensors, shape_key, cluster, device):
     gathered = []
     with tf.device(device):
         for tensor in tensors:
-            first_key = next(_instance_keys[group_key])
-            for _ in range(_SHAPE_KEYS - 1):  # reserve one instance key per shape
-                next(_instance_keys[group_key])
+            first_key = _instance_key(group_key, _SHAPE_KEYS)  # one per shape
             gathered.append(tf.raw_ops.CollectiveGatherV2(
                 input=tensor, group_size=cluster.num_workers, group_key=group_key,
                 instance_key=first_key + shape_key, ordering_token=[_ordering_token(device)]))
@@ -271,6 +276,36 @@ def _divide(value, total):
     if isinstance(value, tf.IndexedSlices):
         return tf.IndexedSlices(_divide(value.values, total), value.indices, value.dense_shape)
     return tf.math.divide_no_nan(value, tf.cast(total, value.dtype))
+
+
+@contextlib.contextmanager
+def instance_keys(name):
+    """The collective ops traced inside take instance keys derived from `name`.
+
+    `name` names one traced function alike on every worker (TowerTrainer's
+    step is "train_step"); its k-th op of a group gets the same key on every
+    worker, whatever else each worker traced before. Two traces under one name
+    must make the same ops (shapes and types) in the same order.
+    """
+    global _key_scope
+    outer, _key_scope = _key_scope, (name, collections.defaultdict(itertools.count))
+    try:
+        yield
+    finally:
+        _key_scope = outer
+
+
+def _instance_key(group_key, slots=1):
+    """The next instance key of `group_key`, with `slots` - 1 keys after it kept free."""
+    if _key_scope is None:
+        first = next(_counted_keys[group_key])
+        for _ in range(slots - 1):
+            next(_counted_keys[group_key])
+        return first
+    name, places = _key_scope
+    place = next(places[group_key])
+    digest = zlib.crc32(repr((name, group_key, place)).encode()) & 0xFFFFFF
+    return _SCOPED_KEYS | digest * _SHAPE_KEYS  # _SHAPE_KEYS slots for each
 
 
 def _workers_group_key(device):

@@ -256,6 +256,12 @@ class TowerTrainer:
         return self._call(key, batch)
 
     def _compiled_train_step(self, batch):
+        # The step's collective ops take keys derived from the step and the model, the
+        # same on every worker whatever else each traced (exchange.instance_keys).
+        with exchange.instance_keys(("train_step", cluster_lib.model_signature(self.model))):
+            return self._train_step_graph(batch)
+
+    def _train_step_graph(self, batch):
         scale = self._loss_scale()
         result = run_towers(self._stages, self.loss, batch, self._grid, self._stage_devices,
                             self.options, loss_scale=scale, densify=self._densify,
