@@ -41,12 +41,19 @@ def _hosts(count):
     return [f"127.0.0.1:{port}" for port in launch.free_ports(count)]
 
 
-def _start_worker(hosts, index, *args):
-    """One `towers-train` worker process; its stderr is captured."""
-    return subprocess.Popen(
+def _start_worker(test, hosts, index, *args):
+    """One `towers-train` worker process, its stderr captured, killed when `test` ends."""
+    return _started(test, subprocess.Popen(
         [sys.executable, "-m", "towers.train", *args, f"--worker_hosts={','.join(hosts)}",
          f"--task_index={index}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True))
+
+
+def _started(test, process):
+    """`process`, killed when `test` ends if it still runs (a failed or hung test leaves
+    no worker behind to load the machine for the tests after it)."""
+    test.addCleanup(lambda: process.poll() is None and process.kill())
+    return process
 
 
 LAUNCHER = [sys.executable, os.path.join(ROOT, "towers", "launch.py")]
@@ -100,13 +107,13 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             trace_on_chief_first=False):
         options = {"aggregation": aggregation, "pack_gradients": pack, **(more_options or {})}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
-        workers = [subprocess.Popen(
+        workers = [_started(self, subprocess.Popen(
             [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
                 "worker_hosts": hosts, "task_index": i, "num_towers": towers_per_worker[i],
                 "num_stages": num_stages, "model": model,
                 "options": options, "trace_on_chief_first": trace_on_chief_first,
                 "output": os.path.join(directory, f"worker{i}.npz")})],
-            cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]
+            cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)) for i in range(2)]
         for worker in workers:
             _, stderr = worker.communicate(timeout=300)
             self.assertEqual(worker.returncode, 0, stderr[-3000:])
@@ -198,7 +205,7 @@ class FaultTest(tf.test.TestCase):
     def test_hung_worker_is_noticed_within_the_peer_timeout(self):
         hosts, directory = _hosts(2), self.create_tempdir().full_path
         args = [*CLI_ARGS, f"--checkpoint_dir={directory}", "--peer_timeout_s=3"]
-        workers = [_start_worker(hosts, i, *args) for i in range(2)]
+        workers = [_start_worker(self, hosts, i, *args) for i in range(2)]
         try:
             _wait_for_checkpoint(directory, workers)
             os.kill(workers[1].pid, signal.SIGSTOP)  # alive, holding its port, silent
@@ -224,8 +231,8 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
     )
     def test_workers_with_different_clusters_both_refuse(self, other_cluster, message):
         hosts = _hosts(2)
-        workers = [_start_worker(hosts, 0, *CLI_ARGS),
-                   _start_worker(other_cluster(hosts), 1, *CLI_ARGS)]
+        workers = [_start_worker(self, hosts, 0, *CLI_ARGS),
+                   _start_worker(self, other_cluster(hosts), 1, *CLI_ARGS)]
         for worker in workers:
             _, stderr = worker.communicate(timeout=120)
             self.assertEqual(worker.returncode, 1)
@@ -237,7 +244,7 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
     )
     def test_workers_with_different_flags_both_refuse(self, flag_per_worker, what):
         hosts = _hosts(2)
-        workers = [_start_worker(hosts, i, *CLI_ARGS, flag)
+        workers = [_start_worker(self, hosts, i, *CLI_ARGS, flag)
                    for i, flag in enumerate(flag_per_worker)]
         for worker in workers:
             _, stderr = worker.communicate(timeout=120)
@@ -245,7 +252,7 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
             self.assertIn(f"the workers disagree on: {what}", _error_line(stderr))
 
     def test_missing_worker_times_out_at_startup(self):
-        worker = _start_worker(_hosts(2), 0, *CLI_ARGS, "--startup_timeout_s=2")
+        worker = _start_worker(self, _hosts(2), 0, *CLI_ARGS, "--startup_timeout_s=2")
         _, stderr = worker.communicate(timeout=120)
         self.assertEqual(worker.returncode, 1)
         self.assertIn("not every one of the 2 workers", _error_line(stderr))
