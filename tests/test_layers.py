@@ -166,6 +166,15 @@ class EmptyPartsOfEveryFeatureTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(trainer.step, 6)
         _assert_all_close(self, expected, [v.numpy() for v in trainer.model.weights])
 
+    def test_evaluate_counts_the_regularisation_when_the_last_tower_is_empty(self):
+        model = reference.make_model()  # L2 on its hidden layer
+        x, y, w = reference.make_batches(2, num_steps=1)[0]
+        want = (reference.make_loss()(y, model(x, training=False), sample_weight=w)
+                + tf.add_n(model.losses))
+        trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                      reference.OPTIMIZERS["sgd"](), devices=DEVICES)
+        self.assertAllClose(want, trainer.evaluate((x, y, w))["loss"], atol=1e-6)
+
     @parameterized.named_parameters(("in_a_tf_function", True), ("eagerly", False))
     def test_tower_gradients_with_a_fixed_batch_shape(self, compiled):
         # A batch of 2 with a static shape: towers 2 and 3 are known empty when traced.

@@ -270,8 +270,8 @@ class PipelineDropoutTest(tf.test.TestCase):
 
         def outputs(tower_index):  # two micro-batches of one identical row each
             result = tower.run_tower(
-                stages, keras.losses.MeanSquaredError(reduction=None), shard,
-                [v.value for v in model.trainable_variables],
+                stages, keras.losses.MeanSquaredError(reduction=None), shard, 2,
+                tf.constant(2.0), [v.value for v in model.trainable_variables],
                 [v.value for v in model.non_trainable_variables], CPU[:2], tower_index,
                 micro_batches=2)
             return result.y_pred.numpy()

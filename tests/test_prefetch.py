@@ -99,19 +99,20 @@ class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
     def test_fit_reads_each_shard_on_its_tower(self, steps_per_execution):
         traced = []
 
-        def run_tower(stages, loss, shard, *args):
+        def run_tower(stages, loss, shard, *args, **kwargs):
             traced.append({t.device for t in tf.nest.flatten(shard)})  # '' for an argument
-            return run_tower.original(stages, loss, shard, *args)
+            return run_tower.original(stages, loss, shard, *args, **kwargs)
 
         run_tower.original = tower.run_tower
         trainer = _trainer(steps_per_execution=steps_per_execution)
         with mock.patch.object(tower, "run_tower", run_tower):
             trainer.fit(_dataset(), epochs=2, verbose=False)
         # The first step sets the trainer up (a graph of its own, shards as arguments);
-        # then fit's compiled loop reads the shards, even at one step per call.
-        self.assertLen(traced, 8)
+        # then fit's compiled loop reads the shards, even at one step per call. The loop
+        # holds the step twice: for batches that give every tower a row, and for less.
+        self.assertLen(traced, 12)
         in_loop = [{devices_lib.canonical_name(d) for d in devices} for devices in traced[4:]]
-        self.assertEqual(in_loop, [{d} for d in DEVICES])
+        self.assertEqual(in_loop, [{d} for d in DEVICES] * 2)
         self._assert_expected(trainer, epochs=2)
 
     def test_auto_stages_only_where_a_tower_is_not_a_cpu(self):

@@ -20,7 +20,10 @@ def gather_gradients(tower_grads, device):
 
 
 def average_gradients(tower_grads, weights=None, device=None):
-    """Step 6: the weighted mean over towers of each variable's gradient.
+    """Step 6 for gradients of each tower's own mean loss: the weighted mean over towers.
+
+    (The tower step itself weights each tower's loss by its shard's size
+    before the gradient, so there step 6 is a plain sum: sum_gradients.)
 
     `tower_grads` holds one list per tower, one entry per variable:
 
@@ -52,7 +55,27 @@ def average_gradients(tower_grads, weights=None, device=None):
     _check_tower_grads(tower_grads)
     with tf.device(device):
         fractions = _weight_fractions(weights, len(tower_grads))
-        return [_weighted_mean(per_variable, fractions) for per_variable in zip(*tower_grads)]
+        return sum_gradients([[None if grad is None else _scale_gradient(grad, fraction)
+                               for grad in grads]
+                              for grads, fraction in zip(tower_grads, fractions)], device)
+
+
+def sum_gradients(tower_grads, device=None):
+    """Step 6 of the tower step: per variable, the sum over towers of its gradient
+    (each tower's is of its part of the batch's loss, so the sum is the mean).
+
+    Args:
+      tower_grads: as average_gradients'.
+      device: where the sums are computed and placed; None = the current device.
+
+    Returns:
+      list of per-variable sums (None where no tower has a gradient). Where
+      every tower gives tf.IndexedSlices the sum stays tf.IndexedSlices (rows
+      concatenated, repeated rows adding up when applied).
+    """
+    _check_tower_grads(tower_grads)
+    with tf.device(device):
+        return [_sum(per_variable) for per_variable in zip(*tower_grads)]
 
 
 def average_state(tower_states, weights=None, device=None):
@@ -107,17 +130,28 @@ def _weight_fractions(weights, num_towers):
     return tf.unstack(tf.math.divide_no_nan(weights, tf.reduce_sum(weights)))
 
 
-def _weighted_mean(grads, fractions):
-    """sum_t fraction_t * grad_t for one variable, skipping towers with None."""
-    present = [(grad, fraction) for grad, fraction in zip(grads, fractions) if grad is not None]
+def _weighted_mean(values, fractions):
+    """sum_t fraction_t * value_t for one variable's state, skipping towers with None."""
+    return _sum([None if value is None else _scale(value, fraction)
+                 for value, fraction in zip(values, fractions)])
+
+
+def _sum(grads):
+    """One variable's gradients summed over towers, skipping None; IndexedSlices stay so."""
+    present = [grad for grad in grads if grad is not None]
     if not present:
         return None
-    if all(isinstance(grad, tf.IndexedSlices) for grad, _ in present):
-        return tf.IndexedSlices(
-            values=tf.concat([_scale(grad.values, fraction) for grad, fraction in present], 0),
-            indices=tf.concat([grad.indices for grad, _ in present], 0),
-            dense_shape=present[0][0].dense_shape)
-    return tf.add_n([_scale(tf.convert_to_tensor(grad), fraction) for grad, fraction in present])
+    if all(isinstance(grad, tf.IndexedSlices) for grad in present):
+        return tf.IndexedSlices(values=tf.concat([grad.values for grad in present], 0),
+                                indices=tf.concat([grad.indices for grad in present], 0),
+                                dense_shape=present[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(grad) for grad in present])
+
+
+def _scale_gradient(grad, fraction):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_scale(grad.values, fraction), grad.indices, grad.dense_shape)
+    return _scale(grad, fraction)
 
 
 def _scale(tensor, fraction):

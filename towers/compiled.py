@@ -88,6 +88,12 @@ class CompiledFunctions:
         return packed
 
 
+def is_checkable(batch):
+    """Whether `batch` comes as a batch checked before does (a flat tuple of Tensors with
+    rows, or split.Shards of them), so that CompiledFunctions.known may recognise it."""
+    return _signature(batch) is not None
+
+
 def spec_text(spec):
     """A nest of tf.TensorSpec as a hashable string of dtypes and shapes."""
     return str(tf.nest.map_structure(lambda s: f"{s.dtype.name}{s.shape.as_list()}", spec))

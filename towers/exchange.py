@@ -1,10 +1,12 @@
-"""Steps 5 and 6 by other routes: how the towers' gradients meet.
+"""Steps 5 and 6: the routes by which the towers' gradients meet.
 
-All routes give the same weighted mean on the main device; they differ in
-which device adds what, and so in how many bytes cross between devices:
+Each tower's gradients are of its part of the batch's loss (tower.run_tower),
+so steps 5-6 add them up. All routes give the same sum on the main device;
+they differ in which device adds what, and so in how many bytes cross
+between devices:
 
 - "main": every tower sends its gradients to the main device, which adds them
-  (aggregate.gather_gradients + aggregate.average_gradients).
+  (aggregate.gather_gradients + aggregate.sum_gradients).
 - "tree": towers add pairwise, log2(N) rounds, each sum on the first device
   of its pair; the total ends on tower 0 and is copied to the main device.
 - "collective": TensorFlow's collective all-reduce (CollectiveReduceV2, the op
@@ -48,16 +50,14 @@ _SHAPE_KEYS = 64  # gathered tensors of up to 2**63 rows
 _SCOPED_KEYS = 1 << 30  # derived keys lie above every counted one
 
 
-def exchange_gradients(tower_grads, weights, devices, main_device, aggregation="main",
-                       pack=False):
-    """Steps 5-6 by `aggregation`: the weighted mean of the towers' gradients, on main_device.
+def sum_gradients(tower_grads, devices, main_device, aggregation="main", pack=False):
+    """Steps 5-6 by `aggregation`: the sum of the towers' gradients, on main_device.
 
-    (Plain "main" without packing is aggregate.gather_gradients followed by
-    aggregate.average_gradients, which step.run_towers calls directly.)
+    Each tower's gradients are of its part of the batch's loss, so the sum is
+    the batch's mean gradient.
 
     Args:
       tower_grads: one list of gradients per tower, on that tower.
-      weights: one number or scalar Tensor per tower (shard sizes).
       devices: the tower devices, in the order of tower_grads.
       main_device: where the result goes.
       aggregation: one of AGGREGATIONS.
@@ -66,28 +66,32 @@ def exchange_gradients(tower_grads, weights, devices, main_device, aggregation="
     Returns:
       one gradient per variable on main_device (None where no tower has one).
     """
-    sparse = [any(isinstance(g[v], tf.IndexedSlices) for g in tower_grads)
-              for v in range(len(tower_grads[0]))]
-    dense_grads = [[None if s else g for g, s in zip(grads, sparse)] for grads in tower_grads]
-    sparse_grads = [[g if s else None for g, s in zip(grads, sparse)] for grads in tower_grads]
-    if pack:
-        dense_grads, unpack = _pack(dense_grads, devices)
-    fractions = _fractions(weights)
-    scaled = [[None if g is None else _scale(g, f) for g in grads]
-              for grads, f in zip(dense_grads, fractions)]
-    if aggregation == "main":
-        summed = _sum_on(main_device, aggregate.gather_gradients(scaled, main_device))  # 5, 6
-    elif aggregation == "tree":
-        summed = _tree_sum(scaled, devices)                                          # 5, 6
-    else:
-        summed = _all_reduce_sum(scaled, devices, aggregation)                       # 5, 6
-    with tf.device(main_device):
-        dense_mean = [None if g is None else tf.identity(g) for g in summed]
+    if aggregation == "main" and not pack:
+        with tf.name_scope("gather"):
+            tower_grads = aggregate.gather_gradients(tower_grads, main_device)         # 5
+        with tf.name_scope("reduce"):
+            return aggregate.sum_gradients(tower_grads, main_device)                   # 6
+    with tf.name_scope("reduce"):
+        sparse = [any(isinstance(g[v], tf.IndexedSlices) for g in tower_grads)
+                  for v in range(len(tower_grads[0]))]
+        dense_grads = [[None if s else g for g, s in zip(grads, sparse)] for grads in tower_grads]
+        sparse_grads = [[g if s else None for g, s in zip(grads, sparse)] for grads in tower_grads]
         if pack:
-            dense_mean = unpack(dense_mean)
-        sparse_mean = aggregate.average_gradients(
-            aggregate.gather_gradients(sparse_grads, main_device), weights, main_device)
-    return [s if d is None else d for d, s in zip(dense_mean, sparse_mean)]
+            dense_grads, unpack = _pack(dense_grads, devices)
+        if aggregation == "main":
+            summed = aggregate.sum_gradients(
+                aggregate.gather_gradients(dense_grads, main_device), main_device)     # 5, 6
+        elif aggregation == "tree":
+            summed = _tree_sum(dense_grads, devices)                                   # 5, 6
+        else:
+            summed = _all_reduce_sum(dense_grads, devices, aggregation)                # 5, 6
+        with tf.device(main_device):
+            dense_sum = [None if g is None else tf.identity(g) for g in summed]
+            if pack:
+                dense_sum = unpack(dense_sum)
+            sparse_sum = aggregate.sum_gradients(
+                aggregate.gather_gradients(sparse_grads, main_device), main_device)
+        return [s if d is None else d for d, s in zip(dense_sum, sparse_sum)]
 
 
 def check_aggregation(aggregation, devices):
@@ -104,22 +108,9 @@ def check_aggregation(aggregation, devices):
             "all-reduce has one member per device. Use 'main' or 'tree'.")
 
 
-def _fractions(weights):
-    """Per tower, its weight / total as a float32 scalar (read where it is used)."""
-    weights = tf.cast(tf.stack(list(weights)), tf.float32)
-    return tf.unstack(tf.math.divide_no_nan(weights, tf.reduce_sum(weights)))
-
-
-def _scale(grad, fraction):
-    # multiply_no_nan: an empty tower (fraction 0) adds exactly 0, even over NaN.
-    return tf.math.multiply_no_nan(grad, tf.cast(fraction, grad.dtype))
-
-
-def _sum_on(device, tower_grads):
-    """Per variable, the sum over towers on `device` (None where no tower has one)."""
-    with tf.device(device):
-        return [None if all(g is None for g in grads) else
-                tf.add_n([g for g in grads if g is not None]) for grads in zip(*tower_grads)]
+def _scale(value, weight):
+    # multiply_no_nan: a worker of weight 0 (no examples) adds exactly 0, even over NaN.
+    return tf.math.multiply_no_nan(value, tf.cast(weight, value.dtype))
 
 
 def _tree_sum(tower_grads, devices):

@@ -10,7 +10,7 @@ import itertools
 
 import tensorflow as tf
 
-from towers import prefetch, split
+from towers import prefetch
 
 
 def compiled_loop(trainer, iterator, num_steps):
@@ -29,8 +29,8 @@ def compiled_loop(trainer, iterator, num_steps):
         if not has_batch:
             break
         batch = get_batch()
-        logs = trainer._compiled_train_step(batch)
-        size = logs.get("examples", tf.cast(split.batch_size(batch), tf.float32))
+        logs = trainer._compiled_train_step_any_rows(batch)
+        size = logs["examples"]
         steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
         skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
         if trainer.options.on_nonfinite == "raise" and not logs["finite"]:
@@ -93,9 +93,7 @@ class EpochSteps:
         before_step()
         logs = self._trainer.train_step(batch)
         # With a cluster the batch is this worker's part; the step counts them all.
-        size = (int(logs.pop("examples")) if "examples" in logs
-                else int(split.batch_size(batch)))
-        return logs, 1, size
+        return logs, 1, int(logs.pop("examples"))
 
 
 def limit(trainer, batch_index, steps_per_epoch, max_steps):

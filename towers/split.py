@@ -42,11 +42,22 @@ def split_batch(batch, num_shards):
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be an integer >= 1, got {num_shards!r}.")
+    return split_rows(batch, shard_sizes(batch_size(batch), num_shards))
+
+
+def split_rows(batch, sizes):
+    """`batch` cut along dim 0 into consecutive pieces of `sizes` rows, in order.
+
+    sizes: a list of ints or int32 scalar Tensors, or an int32 Tensor of shape
+    (pieces,), adding up to the batch size (not checked again here).
+    """
     leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(batch)]
-    sizes = shard_sizes(batch_size(leaves), num_shards)
-    split_leaves = [tf.split(leaf, sizes, num=num_shards) for leaf in leaves]
+    if isinstance(sizes, list) and not all(isinstance(s, int) for s in sizes):
+        sizes = tf.stack(sizes)
+    count = len(sizes) if isinstance(sizes, list) else int(sizes.shape[0])
+    split_leaves = [tf.split(leaf, sizes, num=count) for leaf in leaves]
     return [tf.nest.pack_sequence_as(batch, [pieces[i] for pieces in split_leaves])
-            for i in range(num_shards)]
+            for i in range(count)]
 
 
 class Shards(list):
@@ -58,13 +69,38 @@ class Shards(list):
 
 
 def shards_of(batch, num_shards):
-    """Step 1: `batch` split into `num_shards` shards, or its shards if it is Shards."""
+    """Step 1: (shards, rows of each, rows in all): `batch` split into `num_shards`
+    shards, or its shards if it is Shards. Rows are ints where known statically,
+    else int32 scalars; the batch's parts are checked to agree on their rows once."""
     if not isinstance(batch, Shards):
-        return split_batch(batch, num_shards)
+        rows = batch_size(batch)
+        sizes = shard_sizes(rows, num_shards)
+        return split_rows(batch, sizes), row_counts(sizes), rows
     if len(batch) != num_shards:
         raise ValueError(f"the batch comes in {len(batch)} shards but the step has "
                          f"{num_shards} towers; split it for {num_shards}.")
-    return list(batch)
+    sizes = [batch_size(shard) for shard in batch]
+    return list(batch), sizes, sum(sizes)
+
+
+def smallest_shard_rows(batch, num_shards):
+    """The rows of the smallest of `batch`'s shards (Shards, or as shards_of splits it):
+    an int where dim 0 is known statically, else an int32 scalar. Read from each
+    part's first tensor, unchecked (the step checks that a batch's parts agree)."""
+    if isinstance(batch, Shards):
+        rows = [_first_rows(shard) for shard in batch]
+        return min(rows) if all(isinstance(r, int) for r in rows) else tf.reduce_min(rows)
+    return _first_rows(batch) // num_shards
+
+
+def _first_rows(batch):
+    first = tf.convert_to_tensor(tf.nest.flatten(batch)[0])
+    return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
+
+
+def row_counts(sizes):
+    """shard_sizes' result as a list: of ints, or of int32 scalar Tensors."""
+    return sizes if isinstance(sizes, list) else tf.unstack(sizes)
 
 
 def targets(batch):

@@ -156,7 +156,8 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
 
 
 def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=None,
-               densify=None, replicas=None, cluster=None, first_tower=0, compiled_tower=None):
+               densify=None, replicas=None, cluster=None, first_tower=0, compiled_tower=None,
+               may_be_empty=True):
     """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
 
     `batch`: (x, y[, sample_weight]), or its split.Shards, one per tower (the
@@ -172,11 +173,13 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
     global batch's, the same on every worker.
     `compiled_tower`: None, or tower.compiled_tower's function, which then
     runs steps 3-4 of each tower with XLA.
+    `may_be_empty`: False where the batch is known to give every micro-batch of
+    every tower a row (fills_every_micro_batch): no tf.cond skips empty ones.
     """
     main_device, model = stage_devices[0], stages.model
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
-        shards = split.shards_of(batch, len(grid))                                # 1
-        shard_sizes = [split.batch_size(shard) for shard in shards]
+        shards, shard_sizes, rows = split.shards_of(batch, len(grid))             # 1
+        batch_rows = tf.cast(rows, tf.float32)
     weights = [v.value for v in model.trainable_variables]
     state = [v.value for v in model.non_trainable_variables]
     outputs = []
@@ -189,27 +192,27 @@ def run_towers(stages, loss, batch, grid, stage_devices, options, loss_scale=Non
                 tower_weights, tower_state = replicas.read(i)
             if compiled_tower is None:
                 outputs.append(tower.run_tower(                                   # 3, 4
-                    stages, loss, shard, tower_weights, tower_state, row, first_tower + i,
-                    *options.tower_schedule, loss_scale, densify))
+                    stages, loss, shard, shard_sizes[i], batch_rows, tower_weights,
+                    tower_state, row, first_tower + i, *options.tower_schedule, loss_scale,
+                    densify, may_be_empty=may_be_empty))
             else:
                 outputs.append(compiled_tower(                                    # 3, 4
-                    shard, tower_weights, tower_state, row, tf.constant(first_tower + i),
-                    loss_scale))
+                    shard, shard_sizes[i], batch_rows, tower_weights, tower_state, row,
+                    tf.constant(first_tower + i), loss_scale, may_be_empty))
     grads, state = [], []
     for k, stage_device in enumerate(stage_devices):
         column = [row[k] for row in grid]
         grads.append(reduce_gradients(                                            # 5, 6
-            [stages.select(o.grads, k) for o in outputs], shard_sizes, column,
-            stage_device, options))
+            [stages.select(o.grads, k) for o in outputs], column, stage_device, options))
         state.append(merge_state([stages.select(o.state, k, trainable=False) for o in outputs],
                                  shard_sizes, stage_device, options.state_policy))
     with tf.device(main_device):
         result = TowerResult(
             grads=stages.merge(grads),
-            loss=aggregate.average_gradients([[o.loss] for o in outputs], shard_sizes)[0],
+            loss=tf.add_n([o.loss for o in outputs]),  # the towers' parts of the batch's loss
             state=stages.merge(state, trainable=False),
             y_pred=tower.concat_rows([o.y_pred for o in outputs]),
-            examples=tf.cast(split.batch_size(batch), tf.float32))
+            examples=batch_rows)
     if cluster is None:
         return result
     return across_workers(result, cluster, main_device, options.state_policy)    # 6
@@ -221,18 +224,15 @@ def broadcast_stages(stages, values, row, trainable=True):
                          for k, device in enumerate(row)], trainable)
 
 
-def reduce_gradients(tower_grads, shard_sizes, devices, device, options):
-    """Steps 5-6: the towers' gradients (one list per tower, on `devices`) averaged on `device`."""
+def reduce_gradients(tower_grads, devices, device, options):
+    """Steps 5-6: the towers' gradients (one list per tower, on `devices`) summed on
+    `device` by options.aggregation's route. Each tower's are of its part of the
+    batch's loss (rows / the batch's rows), so their sum is the batch's mean gradient:
+    the mean weighted by shard size."""
     if not tower_grads[0]:
         return []  # a stage without trainable variables
-    if options.aggregation == "main" and not options.pack_gradients:
-        with tf.name_scope("gather"):
-            tower_grads = aggregate.gather_gradients(tower_grads, device)          # 5
-        with tf.name_scope("reduce"):
-            return aggregate.average_gradients(tower_grads, shard_sizes, device)   # 6
-    with tf.name_scope("reduce"):
-        return exchange.exchange_gradients(tower_grads, shard_sizes, devices, device,  # 5, 6
-                                           options.aggregation, options.pack_gradients)
+    return exchange.sum_gradients(tower_grads, devices, device, options.aggregation,  # 5, 6
+                                  options.pack_gradients)
 
 
 def merge_state(tower_states, shard_sizes, device, state_policy):

@@ -16,8 +16,10 @@ from towers import aggregate, losses, schedule, split
 TowerOutput = collections.namedtuple("TowerOutput", ["grads", "loss", "state", "y_pred"])
 TowerOutput.__doc__ = """What one tower computed, on that tower.
 
-grads: per trainable variable, d(loss * loss_scale)/d(weight), None where unused.
-loss: float32 scalar, the shard's mean loss plus regularisation (unscaled).
+grads: per trainable variable, d(part * loss_scale)/d(weight), None where unused.
+loss: float32 scalar, `part`: the shard's part of the batch's loss, its mean loss
+    plus regularisation times rows / the batch's rows (unscaled). Summed over
+    the towers, the grads are the batch's mean gradient and the losses its loss.
 state: per non-trainable variable, its new value, None where unchanged.
 y_pred: model outputs for the shard's rows.
 """
@@ -26,22 +28,28 @@ y_pred: model outputs for the shard's rows.
 _SEED_STATE_SUFFIX = "seed_generator_state"
 
 
-def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batches=1,
-              schedule_name="1f1b", loss_scale=None, densify=None, forwards=None):
+def run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_index,
+              micro_batches=1, schedule_name="1f1b", loss_scale=None, densify=None,
+              forwards=None, may_be_empty=True):
     """Steps 3-4 on one tower: its shard's micro-batches forward and back through the stages.
 
     The shard is split into `micro_batches` micro-batches. Each stage runs on
     its own device of `row`, in the order the schedule gives it (a control
     dependency orders each stage's actions); activations flow forward from
-    stage to stage, and their gradients flow back. Gradients of the
-    micro-batches are averaged weighted by micro-batch size, which equals the
-    gradient of the whole shard. Non-trainable state flows from one
-    micro-batch to the next (an empty micro-batch leaves it as it was). With
-    one stage this is gradient accumulation (accum_steps).
+    stage to stage, and their gradients flow back. Each micro-batch's backward
+    starts from its part of the batch's loss (its loss times its rows over the
+    batch's: Keras's mean, as MirroredStrategy's loss over the global batch),
+    so the micro-batches' and the towers' gradients only need adding up.
+    Non-trainable state flows from one micro-batch to the next (an empty
+    micro-batch leaves it as it was). With one stage this is gradient
+    accumulation (accum_steps).
 
     Args:
       stages: a stages.Stages; one stage = the whole model.
-      shard: this tower's (x, y[, sample_weight]), n rows (may be 0).
+      shard: this tower's (x, y[, sample_weight]), `rows` rows (may be 0).
+      rows: the shard's rows, an int or int32 scalar.
+      batch_rows: the rows of the batch the gradients are the mean over (this
+        worker's), a float32 scalar.
       weights, state: model.trainable_variables / non_trainable_variables
         values in model order, each already on its stage's device of `row`.
       row: one device per stage.
@@ -53,6 +61,9 @@ def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batch
         tf.IndexedSlices gradient into a dense Tensor here, before the gather.
       forwards: None, or per stage fn(weights, state, x) -> forward's result in
         training mode (compiled_tower's XLA functions); None = forward itself.
+      may_be_empty: whether a micro-batch may have no rows; then each one runs
+        the model only where it has some (unless_empty). False where the batch
+        is known to give every micro-batch a row: no tf.cond is built.
 
     Returns:
       a TowerOutput; each gradient and state value on its stage's device, the
@@ -60,8 +71,9 @@ def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batch
     """
     forwards = forwards or [functools.partial(forward, model, training=True)
                             for model in stages.models]
-    flight = _Flight(stages, shard, weights, _offset_seeds(stages.model, state, tower_index),
-                     micro_batches, loss, loss_scale, forwards)
+    flight = _Flight(stages, shard, rows, batch_rows, weights,
+                     _offset_seeds(stages.model, state, tower_index), micro_batches, loss,
+                     loss_scale, forwards, may_be_empty)
     previous = [[] for _ in row]  # per stage: what its last action produced
     for action in schedule.build_order(
             schedule.make(schedule_name, stages.num_stages, micro_batches)):
@@ -86,21 +98,26 @@ def run_tower(stages, loss, shard, weights, state, row, tower_index, micro_batch
 class _Flight:
     """What is in flight on one tower during a step: every micro-batch's tensors per stage."""
 
-    def __init__(self, stages, shard, weights, state, micro_batches, loss, loss_scale, forwards):
+    def __init__(self, stages, shard, rows, batch_rows, weights, state, micro_batches, loss,
+                 loss_scale, forwards, may_be_empty):
         self.stages, self.loss, self.loss_scale, self.forwards = stages, loss, loss_scale, forwards
-        self.micro = split.split_batch(shard, micro_batches) if micro_batches > 1 else [shard]
-        self.sizes = [split.batch_size(micro) for micro in self.micro]
+        self.may_be_empty = may_be_empty
+        self.micro, self.sizes = [shard], [rows]
+        if micro_batches > 1:
+            sizes = split.shard_sizes(rows, micro_batches)
+            self.micro, self.sizes = split.split_rows(shard, sizes), split.row_counts(sizes)
+        self.batch_rows = batch_rows
         self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
         self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
         self.changed = [[None] * len(s) for s in self.state]
         shape = (stages.num_stages, len(self.micro))
         # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
         # where not differentiable), what it returned, what its backward starts
-        # from, its regularisation, its weight gradients, and the gradients of
-        # what it returned (sent back by the next stage).
+        # from, its part of the batch's loss (unscaled), its weight gradients,
+        # and the gradients of what it returned (sent back by the next stage).
         self.tapes, self.inputs, self.outputs, self.targets = (_table(shape) for _ in range(4))
-        self.regularization, self.grads, self.cotangents = (_table(shape) for _ in range(3))
-        self.losses, self.y_pred = [None] * len(self.micro), [None] * len(self.micro)
+        self.parts, self.grads, self.cotangents = (_table(shape) for _ in range(3))
+        self.y_pred = [None] * len(self.micro)
 
     def forward(self, k, m):
         """Stage k's forward on micro-batch m (step 3), recorded for its backward."""
@@ -113,17 +130,18 @@ class _Flight:
         with tf.GradientTape() as tape:
             tape.watch(self.weights[k] + [t for t in watched if t is not None])
             outputs, new_state, regularization = unless_empty(
-                self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs)
+                self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs,
+                self.may_be_empty)
             if last:
                 self.y_pred[m] = outputs
-                self.losses[m] = shard_loss(self.loss, self.micro[m], outputs, regularization)
-                target = self.losses[m]
+                part = shard_loss(self.loss, self.micro[m], outputs, regularization,
+                                  self.sizes[m], self.batch_rows)
             else:
-                outputs, target = tf.nest.flatten(outputs), regularization
-            if self.loss_scale is not None:
-                target *= self.loss_scale
+                outputs = tf.nest.flatten(outputs)
+                part = regularization * batch_share(self.sizes[m], self.batch_rows)
+            target = part if self.loss_scale is None else part * self.loss_scale
         self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, target
-        self.outputs[k][m], self.regularization[k][m] = outputs, regularization
+        self.outputs[k][m], self.parts[k][m] = outputs, part
         for i, new in enumerate(new_state):
             if new is not None:
                 self.state[k][i] = self.changed[k][i] = new
@@ -152,20 +170,19 @@ class _Flight:
         return [aggregate.dense_part(g) for g in self.grads[k][m] if g is not None] + sent
 
     def stage_gradients(self, k):
-        """Stage k's gradients of the whole shard: the micro-batches' mean by size."""
+        """Stage k's gradients of the shard's part of the loss: its micro-batches' sum."""
         if len(self.micro) == 1:
             return self.grads[k][0]
-        return aggregate.average_gradients(self.grads[k], self.sizes)
+        return aggregate.sum_gradients(self.grads[k])
 
     def loss_and_outputs(self):
-        """The shard's mean loss plus every stage's regularisation, and its outputs."""
-        totals = [loss + tf.add_n([tf.identity(r[m]) for r in self.regularization[:-1]])
-                  if self.stages.num_stages > 1 else loss
-                  for m, loss in enumerate(self.losses)]
-        if len(self.micro) == 1:
-            return totals[0], self.y_pred[0]
-        return (aggregate.average_gradients([[t] for t in totals], self.sizes)[0],
-                concat_rows(self.y_pred))
+        """The shard's part of the batch's loss (every stage's, every micro-batch's), and
+        its outputs."""
+        parts = [part for stage_parts in self.parts for part in stage_parts]
+        if len(parts) == 1:
+            return parts[0], self.y_pred[0]
+        loss = tf.add_n([tf.identity(part) for part in parts])  # here, on the last stage
+        return loss, self.y_pred[0] if len(self.micro) == 1 else concat_rows(self.y_pred)
 
 
 def _dense_or_none(grad):
@@ -178,7 +195,8 @@ def _table(shape):
 
 
 def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
-    """run_tower with XLA: fn(shard, weights, state, row, tower_index, loss_scale) -> TowerOutput.
+    """run_tower with XLA: fn(shard, rows, batch_rows, weights, state, row, tower_index,
+    loss_scale, may_be_empty) -> TowerOutput.
 
     One stage: the tower's forward and backward, all its micro-batches, are one
     XLA computation on row[0]. With pipeline stages a tower spans several
@@ -197,41 +215,57 @@ def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
     if stages.num_stages > 1:
         forwards = [tf.function(functools.partial(forward, model, training=True),
                                 jit_compile=True) for model in stages.models]
-        return lambda shard, weights, state, row, tower_index, loss_scale: run_tower(
-            stages, loss, shard, weights, state, row, tower_index, micro_batches,
-            schedule_name, loss_scale, densify, forwards)
+        return functools.partial(_run_stages_compiled, stages, loss, micro_batches,
+                                 schedule_name, densify, forwards)
 
     @tf.function(jit_compile=True)
-    def run_compiled_tower(shard, weights, state, tower_index, loss_scale):
-        return run_tower(stages, loss, shard, weights, state, [None], tower_index,
-                         micro_batches, schedule_name, loss_scale, densify)
+    def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale):
+        # The rows from the shard's shape, which XLA knows: it needs split sizes it can
+        # fold to constants, and it folds away unless_empty's tf.cond too.
+        return run_tower(stages, loss, shard, split.batch_size(shard), batch_rows, weights,
+                         state, [None], tower_index, micro_batches, schedule_name, loss_scale,
+                         densify)
 
-    def run_on_its_device(shard, weights, state, row, tower_index, loss_scale):
+    def run_on_its_device(shard, rows, batch_rows, weights, state, row, tower_index,
+                          loss_scale, may_be_empty):
+        del rows, may_be_empty  # XLA knows them from the shapes
         with tf.device(row[0]):
-            return run_compiled_tower(shard, weights, state, tower_index, loss_scale)
+            return run_compiled_tower(shard, batch_rows, weights, state, tower_index,
+                                      loss_scale)
 
     return run_on_its_device
 
 
-def predict(stages, weights, state, x, row):
+def _run_stages_compiled(stages, loss, micro_batches, schedule_name, densify, forwards, shard,
+                         rows, batch_rows, weights, state, row, tower_index, loss_scale,
+                         may_be_empty):
+    """compiled_tower's function for pipeline stages: run_tower with XLA forwards."""
+    return run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_index,
+                     micro_batches, schedule_name, loss_scale, densify, forwards, may_be_empty)
+
+
+def predict(stages, weights, state, x, rows, row, may_be_empty=True):
     """Step 3 without gradients, stage by stage along `row`: (y_pred, regularization).
 
-    weights, state: in model order, each on its stage's device. y_pred and the
-    regularisation (the sum over stages, a float32 scalar) are on row[-1].
+    weights, state: in model order, each on its stage's device. x: `rows`
+    examples (an int or int32 scalar); may_be_empty as run_tower's. y_pred and
+    the regularisation (the sum over stages, a float32 scalar; 0 for no rows)
+    are on row[-1].
     """
-    values, regularization, rows = x, [], split.batch_size(x)
+    values, regularization = x, []
     for k, device in enumerate(row):
         with tf.device(device):
             values = values if k == 0 else [tf.identity(t) for t in tf.nest.flatten(values)]
             values, _, stage_regularization = unless_empty(
                 rows, functools.partial(forward, stages.models[k], training=False),
-                stages.select(weights, k), stages.select(state, k, trainable=False), values)
+                stages.select(weights, k), stages.select(state, k, trainable=False), values,
+                may_be_empty)
             regularization.append(stage_regularization)
     with tf.device(row[-1]):
         return values, tf.add_n([tf.identity(r) for r in regularization])
 
 
-def unless_empty(rows, forward_fn, weights, state, x):
+def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
     """forward_fn(weights, state, x), run only when the micro-batch x has rows.
 
     An empty micro-batch (a batch smaller than towers x micro-batches) has
@@ -244,12 +278,14 @@ def unless_empty(rows, forward_fn, weights, state, x):
       rows: examples in x, an int or an int32 scalar Tensor.
       forward_fn: fn(weights, state, x) -> (y_pred, new_state, regularization),
         as `forward`.
+      may_be_empty: False where x is known to have rows: forward_fn runs, no
+        tf.cond (it costs a few percent of a small model's step).
 
     Returns:
       forward_fn's result; for no rows, y_pred with 0 rows shaped like a real
       one (unknown dims 0), the state as it was and a regularisation of 0.
     """
-    if isinstance(rows, int) and rows > 0:
+    if not may_be_empty or isinstance(rows, int) and rows > 0:
         return forward_fn(weights, state, x)
     if tf.executing_eagerly():
         if int(rows) > 0:
@@ -293,17 +329,24 @@ def forward(model, weights, state, x, training):
     return y_pred, new_state, regularization
 
 
-def shard_loss(loss, shard, y_pred, regularization):
-    """Mean per-example loss of one shard plus the regularisation, a float32 scalar.
+def shard_loss(loss, shard, y_pred, regularization, rows, batch_rows):
+    """A shard's part of the batch's loss, a float32 scalar: its per-example losses
+    (sample-weighted) summed, over the batch's rows, plus the regularisation times
+    rows / batch_rows.
 
-    An empty shard gives just the regularisation; its weight in the average is 0.
-    Averaging these over towers by shard size gives the global-batch mean plus
-    the regularisation counted once.
+    Adding up the parts of a batch's shards gives the batch's mean loss plus
+    the regularisation counted once, which is what one device computes (Keras's
+    sum_over_batch_size). An empty shard's part is 0.
     """
     _, y, sample_weight = split.unpack_batch(shard)
     per_example = losses.per_example_loss(loss, y, y_pred, sample_weight)
-    count = tf.maximum(tf.cast(tf.shape(per_example)[0], tf.float32), 1.0)
-    return tf.reduce_sum(per_example) / count + regularization
+    return (tf.math.divide_no_nan(tf.reduce_sum(per_example), batch_rows)
+            + regularization * batch_share(rows, batch_rows))
+
+
+def batch_share(rows, batch_rows):
+    """rows / batch_rows as a float32 scalar (0 for a batch of no rows)."""
+    return tf.math.divide_no_nan(tf.cast(rows, tf.float32), batch_rows)
 
 
 def choose_dense_gradients(model, loss, shard, sparse_policy):
@@ -321,7 +364,8 @@ def choose_dense_gradients(model, loss, shard, sparse_policy):
         tape.watch(weights)
         y_pred, _, regularization = forward(
             model, weights, [v.value for v in model.non_trainable_variables], shard[0], True)
-        value = shard_loss(loss, shard, y_pred, regularization)
+        rows = split.batch_size(shard)
+        value = shard_loss(loss, shard, y_pred, regularization, rows, tf.cast(rows, tf.float32))
     return [isinstance(g, tf.IndexedSlices)
             and int(tf.shape(g.values)[0]) > sparse_policy * int(g.dense_shape[0])
             for g in tape.gradient(value, weights)]

@@ -152,9 +152,10 @@ class TowerTrainer:
             per tower, from shard_iterator.
 
         Returns:
-          {"loss": mean loss over the batch (+ regularisation), metric results...,
-           "skipped_steps": steps skipped so far (non-finite, or a float16
-           overflow that lowered the loss scale), "loss_scale" with loss scaling}.
+          {"loss": mean loss over the batch (+ regularisation), "examples": the
+           batch's rows, metric results..., "skipped_steps": steps skipped so far
+           (non-finite, or a float16 overflow that lowered the loss scale),
+           "loss_scale" with loss scaling}.
 
         With a cluster, `batch` is this worker's part of the global batch (it
         may be empty), "loss", "examples" are the global batch's, and
@@ -209,8 +210,7 @@ class TowerTrainer:
             batch = next(iterator, None)
             if batch is None:
                 return {"steps": 0}
-            logs = self.train_step(batch)
-            return {**logs, "steps": 1, "examples": float(split.batch_size(batch))}
+            return {**self.train_step(batch), "steps": 1}
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
@@ -255,19 +255,36 @@ class TowerTrainer:
         batch, key = self._prepare(batch, "eval")
         return self._call(key, batch)
 
-    def _compiled_train_step(self, batch):
+    def _compiled_train_step(self, batch, may_be_empty):
         # The step's collective ops take keys derived from the step and the model, the
         # same on every worker whatever else each traced (exchange.instance_keys).
         with exchange.instance_keys(("train_step", cluster_lib.model_signature(self.model))):
-            return self._train_step_graph(batch)
+            return self._train_step_graph(batch, may_be_empty)
 
-    def _train_step_graph(self, batch):
+    def _compiled_train_step_any_rows(self, batch):
+        """The compiled step for a batch whose rows are known only when it runs (an
+        in-graph loop's): one tf.cond picks the step that skips empty micro-batches
+        only for a batch too small to give each a row."""
+        fills = self._fills_every_micro_batch(batch)
+        if isinstance(fills, bool):
+            return self._compiled_train_step(batch, may_be_empty=not fills)
+        return tf.cond(fills, lambda: self._compiled_train_step(batch, may_be_empty=False),
+                       lambda: self._compiled_train_step(batch, may_be_empty=True))
+
+    def _fills_every_micro_batch(self, batch):
+        """Whether `batch` gives every micro-batch of every tower a row: a bool, or a bool
+        scalar Tensor where the rows are known only at run time."""
+        micro_batches = self.options.tower_schedule[0]
+        return split.smallest_shard_rows(batch, len(self._grid)) >= micro_batches
+
+    def _train_step_graph(self, batch, may_be_empty):
         scale = self._loss_scale()
         result = run_towers(self._stages, self.loss, batch, self._grid, self._stage_devices,
                             self.options, loss_scale=scale, densify=self._densify,
                             replicas=self._replicas, cluster=self.cluster,
                             first_tower=self._first_tower,
-                            compiled_tower=self._compiled_tower)                   # 1-6
+                            compiled_tower=self._compiled_tower,
+                            may_be_empty=may_be_empty)                             # 1-6
         with tf.device(self.main_device):
             grads = clip_gradients(result.grads, self.options.clip_global_norm, scale)
             grads_finite = aggregate.all_finite(grads)
@@ -294,9 +311,9 @@ class TowerTrainer:
         # before the update, so a worker lost during the step leaves the weights alone.
         with tf.control_dependencies(exchanged):
             applied = tf.cond(finite, apply, lambda: tf.constant(False))
-        logs = {"loss": result.loss, "finite": finite, "applied": applied, **metric_logs}
+        logs = {"loss": result.loss, "finite": finite, "applied": applied,
+                "examples": result.examples, **metric_logs}
         if self.cluster is not None:
-            logs["examples"] = result.examples
             logs["stop_requested"] = stop_requested
         if scale is not None:
             logs["loss_scale"] = self.optimizer.dynamic_scale.value
@@ -324,24 +341,27 @@ class TowerTrainer:
             "Inf, so nothing was applied. Lower the learning rate, check the data, "
             "or pass on_nonfinite='skip' to skip such steps.")
 
-    def _compiled_eval_step(self, batch):
-        shards = split.shards_of(batch, len(self._grid))
+    def _compiled_eval_step(self, batch, may_be_empty):
+        shards, shard_sizes, rows = split.shards_of(batch, len(self._grid))
         weights = [v.value for v in self.model.trainable_variables]
         state = [v.value for v in self.model.non_trainable_variables]
-        loss_sums, outputs = [], []
+        loss_sums, outputs, regularizations = [], [], []
         for i, (row, shard) in enumerate(zip(self._grid, shards)):
             with tf.name_scope(f"tower_{i}"):
                 y_pred, regularization = tower.predict(
                     self._stages, broadcast_stages(self._stages, weights, row),
-                    broadcast_stages(self._stages, state, row, trainable=False), shard[0], row)
+                    broadcast_stages(self._stages, state, row, trainable=False), shard[0],
+                    shard_sizes[i], row, may_be_empty)
                 with tf.device(row[-1]):
                     _, y, sample_weight = split.unpack_batch(shard)
                     loss_sums.append(tf.reduce_sum(
                         losses.per_example_loss(self.loss, y, y_pred, sample_weight)))
                 outputs.append(y_pred)
+                regularizations.append(regularization)
         with tf.device(self.main_device):
             loop.update_metrics(self.metrics, batch, tower.concat_rows(outputs), self.main_device)
-            return tf.add_n(loss_sums), tf.cast(split.batch_size(batch), tf.float32), regularization
+            # Tower 0 holds the batch's first rows; an empty tower skips its regularisation.
+            return tf.add_n(loss_sums), tf.cast(rows, tf.float32), regularizations[0]
 
     def sync_replicas(self):
         """Does nothing: kept for code written when replicas (variable_placement=
@@ -356,10 +376,12 @@ class TowerTrainer:
 
     def _prepare(self, batch, kind):
         """Checks a batch; returns it as Tensors and the key of the compiled `kind` step
-        for it, traced once per batch structure (self._compiled)."""
-        key = self._compiled.known(kind, batch)
-        if key is not None:  # Tensors shaped as a batch checked before
-            return batch, key
+        for it, traced once per batch structure (self._compiled), in two variants: one
+        for batches that give every micro-batch a row, one that skips empty ones."""
+        if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
+            key = self._compiled.known(self._variant(kind, batch), batch)
+            if key is not None:
+                return batch, key
         is_shards = isinstance(batch, split.Shards)
         parts = []
         for part in (batch if is_shards else [batch]):
@@ -370,12 +392,22 @@ class TowerTrainer:
             raise ValueError("the batch is empty (batch size 0); give at least one example.")
         if self._compiled.empty:
             self._first_batch_setup(batch)
+        variant = self._variant(kind, batch)
         step = self._compiled_train_step if kind == "train" else self._compiled_eval_step
-        return batch, self._compiled.for_batch(kind, batch, step, packed=kind == "train")
+        may_be_empty = variant != kind
+        return batch, self._compiled.for_batch(variant, batch,
+                                               lambda batch: step(batch, may_be_empty),
+                                               packed=kind == "train")
+
+    def _variant(self, kind, batch):
+        """`kind`, or `kind`_with_empty_parts for a batch (Tensors) that leaves a micro-batch
+        of a tower without a row."""
+        return kind if self._fills_every_micro_batch(batch) is True else f"{kind}_with_empty_parts"
 
     def _first_batch_setup(self, batch):
         """Builds model and optimizer on the main device and checks the loss, eagerly."""
-        first_shard = split.shards_of(batch, len(self._grid))[0]  # holds the batch's first example
+        shards, _, _ = split.shards_of(batch, len(self._grid))
+        first_shard = shards[0]  # holds the batch's first example
         if split.batch_size(first_shard) == 0:  # a worker whose part of the batch is empty
             # One example of zeros builds the model and checks the loss; nothing trains on it.
             first_shard = tf.nest.map_structure(
