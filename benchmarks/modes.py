@@ -4,12 +4,17 @@ Every mode trains a model built from the same seed (so all start from identical
 weights) with the same loss and optimizer on the same fixed global batch, which
 is made once and placed on the devices before timing (tf_cnn_benchmarks' synthetic
 data). Every step ends with the loss fetched as a Python float: one host sync per
-step in every mode (the *_spe10 modes aside, below), so no mode gains from
-queueing steps ahead of the host.
+step in every mode (the *_spe10 and bare_loop modes aside, below), so no mode
+gains from queueing steps ahead of the host.
 
     plain...         one device, whole batch, a GradientTape step in a tf.function
                      (plain_xla: the same tf.function with jit_compile=True)
     keras_fit...     one device, model.compile + model.fit, one entry per FIT_CONFIGS row
+    bare...          the floor: N devices, the seven steps and nothing else, written
+                     without the library (benchmarks/bare.py), one entry per
+                     BARE_CONFIGS row: bare reads the batch from the main device;
+                     bare_loop runs 10 steps per call over tf.data, as towers_spe10;
+                     bare_xla compiles each tower's forward and backward with XLA
     towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row
     independent      N devices, no gradient exchange: each tower trains its own copy
     mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
@@ -26,9 +31,9 @@ the step (TowerTrainer.shard_iterator) and TowerTrainer.train_steps reads them
 in its compiled loop, one step per call in towers_staged: what fit does with
 prefetch_to_devices (on by default on GPUs only). Only the modes named
 *_xla compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's
-compiled function, and towers_spe10* 10 steps per call of
-TowerTrainer.train_steps (towers' defaults otherwise, no XLA), and so fetch
-their logs once per 10 steps: that saving is what they measure.
+compiled function, towers_spe10* 10 steps per call of TowerTrainer.train_steps
+(towers' defaults otherwise, no XLA) and bare_loop 10 bare steps per call, and
+so fetch their logs once per 10 steps: that saving is what they measure.
 """
 
 import dataclasses
@@ -41,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 import towers
+from benchmarks import bare
 
 LEARNING_RATE = 0.01
 MOMENTUM = 0.9
@@ -80,8 +86,13 @@ PLAIN_CONFIGS = {"plain": {"jit_compile": False}, "plain_xla": {"jit_compile": T
 FIT_CONFIGS = {"keras_fit": {"jit_compile": False},
                "keras_fit_xla": {"jit_compile": True},
                "keras_fit_xla_spe10": {"jit_compile": True, "steps_per_execution": 10}}
+# The floor (benchmarks/bare.py), by mode: bare reads constants on the main device, bare_loop
+# runs 10 steps per call over tf.data as towers_spe10 does.
+BARE_CONFIGS = {"bare": {}, "bare_loop": {"steps_per_execution": 10},
+                "bare_xla": {"jit_compile": True}}
 SINGLE_DEVICE_MODES = (*PLAIN_CONFIGS, *FIT_CONFIGS)
-MULTI_DEVICE_MODES = (*TOWER_CONFIGS, "independent", "mirrored_custom", "mirrored_fit")
+MULTI_DEVICE_MODES = (*BARE_CONFIGS, *TOWER_CONFIGS, "independent", "mirrored_custom",
+                      "mirrored_fit")
 MODES = SINGLE_DEVICE_MODES + MULTI_DEVICE_MODES
 
 
@@ -217,7 +228,7 @@ class _StepTimer(keras.callbacks.Callback):
 def build(name, setup, devices):
     """Builds mode `name` on `devices`; returns a Mode. Raises Unsupported."""
     for configs, builder in ((TOWER_CONFIGS, _towers), (PLAIN_CONFIGS, _plain),
-                             (FIT_CONFIGS, _keras_fit)):
+                             (FIT_CONFIGS, _keras_fit), (BARE_CONFIGS, _bare)):
         if name in configs:
             return builder(name, configs[name], setup, devices)
     return _BUILDERS[name](setup, devices)
@@ -283,6 +294,38 @@ def _towers(name, options, setup, devices):
     def execute(max_steps):
         logs = trainer.train_steps(iterator, min(max_steps, trainer.steps_per_execution))
         return logs["steps"]  # the data repeats forever: never 0
+
+    return ExecutionMode(name, len(devices), execute, model, info)
+
+
+def _bare(name, options, setup, devices):
+    """The floor: benchmarks/bare.py's step, one per call or 10 per call over tf.data."""
+    with tf.device(devices[0]):  # the main device holds the variables and the batch
+        model, optimizer = setup.make_model(), make_optimizer()
+        optimizer.build(model.trainable_variables)
+        x, y = tf.constant(setup.x), tf.constant(setup.y)
+    train_step = bare.train_step_fn(model, make_loss(), optimizer, devices,
+                                    setup.global_batch_size, options.get("jit_compile", False))
+    info, steps_per_execution = {"options": options}, options.get("steps_per_execution", 1)
+    if steps_per_execution == 1:
+        step = tf.function(lambda: train_step(x, y))
+        return Mode(name, len(devices), lambda: float(step()), model, info)
+    iterator = iter(setup.dataset())  # on the host, as towers_spe10's
+
+    @tf.function
+    def steps(num_steps):
+        """Up to num_steps steps over `iterator` in one call; returns how many ran."""
+        ran = tf.constant(0)
+        for _ in tf.range(num_steps):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            train_step(*batch.get_value())
+            ran += 1
+        return ran
+
+    def execute(max_steps):  # reading the count is the call's one host sync
+        return int(steps(tf.constant(min(max_steps, steps_per_execution))))
 
     return ExecutionMode(name, len(devices), execute, model, info)
 

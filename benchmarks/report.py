@@ -9,9 +9,15 @@ NOTES = """\
 - Every mode trains the same model (same seed, same initial weights) with SGD on the
   same synthetic global batch, made once and reused every step; each step fetches its
   loss as a Python float, so every mode pays one host sync per step, except
-  keras_fit_xla_spe10 and towers_spe10... (fit / TowerTrainer.train_steps with
-  steps_per_execution=10: one per 10 steps; each of their samples is one call's time /
-  its steps, so their n counts calls).
+  keras_fit_xla_spe10, towers_spe10... (fit / TowerTrainer.train_steps with
+  steps_per_execution=10) and bare_loop: one per 10 steps; each of their samples is one
+  call's time / its steps, so their n counts calls.
+- bare... is the floor: the seven steps written plainly without the library
+  (benchmarks/bare.py: split, copy the weights, forward and backward per tower, average
+  on the main device, a finite check, apply), so a towers row's time over bare's at the
+  same N is what the library adds. bare_loop runs 10 of those steps per call over
+  tf.data (compare towers_spe10), bare_xla each tower's forward and backward with XLA
+  (compare towers_xla). Its new BatchNorm statistics are tower 0's, not the average.
 - plain... and keras_fit... run on one device; speedup = plain's time / this time at
   the same global batch; efficiency = speedup / N; x mirrored and x independent = their
   time / this time at the same N (> 1: this mode is faster).

@@ -18,9 +18,10 @@ from towers import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
-RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "towers",
-             "towers_packed", "towers_xla", "towers_spe10", "towers_staged", "towers_spe10_staged",
-             "independent", "mirrored_custom", "mirrored_fit"]
+RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "bare",
+             "bare_loop", "bare_xla", "towers", "towers_packed", "towers_xla", "towers_spe10",
+             "towers_staged", "towers_spe10_staged", "independent", "mirrored_custom",
+             "mirrored_fit"]
 
 
 class RunBenchmarkTest(tf.test.TestCase):
@@ -74,7 +75,9 @@ class RunBenchmarkTest(tf.test.TestCase):
                     ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2),
                     ("plain_xla", 1), ("keras_fit_xla", 1), ("keras_fit_xla_spe10", 1),
                     ("towers_xla", 1), ("towers_xla", 2), ("towers_spe10", 1),
-                    ("towers_spe10", 2), ("towers_staged", 2), ("towers_spe10_staged", 2)]:
+                    ("towers_spe10", 2), ("towers_staged", 2), ("towers_spe10_staged", 2),
+                    ("bare", 1), ("bare", 2), ("bare_loop", 1), ("bare_loop", 2),
+                    ("bare_xla", 2)]:
             self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
         # Tower 0 of independent trained on half the batch only.
         self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
@@ -86,6 +89,8 @@ class RunBenchmarkTest(tf.test.TestCase):
                          {"jit_compile": True, "steps_per_execution": 10})
         self.assertEqual(self.rows["towers_spe10", 2]["options"],
                          {"steps_per_execution": 10, "input": "tf.data"})
+        self.assertEqual(self.rows["bare_loop", 2]["options"], {"steps_per_execution": 10})
+        self.assertEqual(self.rows["bare_xla", 2]["options"], {"jit_compile": True})
         with open(os.path.join(self.output_dir, "results.md")) as f:
             self.assertIn("| towers_xla | 2 |", f.read())
 
@@ -107,15 +112,19 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
             with self.assertRaisesRegex(modes.Unsupported, "no_such_option"):
                 modes.build("towers_new", setup, DEVICES)
 
-    def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self):
-        # 12 steps: the trainer's first call runs one, then one call of 10, then the last one.
+    @parameterized.named_parameters(
+        # The trainer's first call runs one step, then one call of 10, then the last one.
+        ("towers_spe10", "towers_spe10", 3),
+        ("bare_loop", "bare_loop", 2),  # 10, then 2
+    )
+    def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self, mode, calls):
         setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
                             x=np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 2, 2, 1),
                             y=np.array([0, 1, 1, 0], np.int32))
-        # One tower: the loop is the same on more (the run above has towers_spe10 on two).
-        plain, spe = (modes.build(name, setup, DEVICES[:1]) for name in ("plain", "towers_spe10"))
+        # One tower: the loop is the same on more (the run above has these modes on two).
+        plain, spe = (modes.build(name, setup, DEVICES[:1]) for name in ("plain", mode))
         plain.run(12)
-        self.assertLen(spe.run(12), 3)
+        self.assertLen(spe.run(12), calls)  # one sample per call
         for a, b in zip(spe.weights(), plain.weights()):
             self.assertAllClose(a, b, atol=1e-5)
 
