@@ -15,16 +15,18 @@ gains from queueing steps ahead of the host.
                      BARE_CONFIGS row: bare reads the batch from the main device;
                      bare_loop runs 10 steps per call over tf.data, as towers_spe10;
                      bare_xla compiles each tower's forward and backward with XLA
-    towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row
+    towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row;
+                     towers_fit and towers_fit_spe10 train with TowerTrainer.fit,
+                     timed per call by a callback as the Keras fit modes are
     independent      N devices, no gradient exchange: each tower trains its own copy
     mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
     mirrored_fit     MirroredStrategy with model.compile + model.fit
 
 The Keras fit modes and the towers modes with an "input" (towers_tfdata,
-towers_staged, towers_spe10...) are fed through tf.data (the same batch,
-repeated), because that is how fit takes data and how it splits a batch over
-replicas, and how an in-graph loop reads its batches; every other mode reads
-tensors that already sit on its devices. "tf.data": the host batch goes into
+towers_staged, towers_spe10..., towers_fit...) are fed through tf.data (the
+same batch, repeated), because that is how fit takes data and how it splits a
+batch over replicas, and how an in-graph loop reads its batches; every other
+mode reads tensors that already sit on its devices. "tf.data": the host batch goes into
 the step, which splits it and copies each shard to its tower; "staged": the
 input pipeline splits it and stages each shard on its tower's device ahead of
 the step (TowerTrainer.shard_iterator) and TowerTrainer.train_steps reads them
@@ -32,11 +34,15 @@ in its compiled loop, one step per call in towers_staged: what fit does with
 prefetch_to_devices (on by default on GPUs only). Only the modes named
 *_xla compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's
 compiled function, towers_spe10* 10 steps per call of TowerTrainer.train_steps
-(towers' defaults otherwise, no XLA) and bare_loop 10 bare steps per call, and
-so fetch their logs once per 10 steps: that saving is what they measure.
+(towers' defaults otherwise, no XLA), towers_fit_spe10 10 per call of
+TowerTrainer.fit's and bare_loop 10 bare steps per call, and so fetch their
+logs once per 10 steps: that saving is what they measure. towers_fit against
+towers_tfdata (train_step on the same tf.data input, one step per call) and
+towers_fit_spe10 against towers_spe10 show what fit's outer loop costs.
 """
 
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Callable
@@ -61,7 +67,7 @@ def _tower_configs():
     "towers" is the library's defaults; then every aggregation x
     variable_placement, and gradient packing. "input" is not the trainer's:
     "tf.data" or "staged" (see above); without it, constants on the main
-    device. An option the library does not know yet raises TypeError/ValueError
+    device; "fit": TowerTrainer.fit over tf.data. An option the library does not know yet raises TypeError/ValueError
     when the trainer is built and the mode is reported as unsupported, so its
     rows light up once the library has it.
     """
@@ -76,6 +82,8 @@ def _tower_configs():
     configs["towers_staged"] = {"input": "staged"}
     configs["towers_spe10"] = {"steps_per_execution": 10, "input": "tf.data"}  # ExecutionMode
     configs["towers_spe10_staged"] = {"steps_per_execution": 10, "input": "staged"}
+    configs["towers_fit"] = {"input": "fit"}  # FitMode: TowerTrainer.fit over setup.dataset()
+    configs["towers_fit_spe10"] = {"steps_per_execution": 10, "input": "fit"}
     return configs
 
 
@@ -179,22 +187,24 @@ class ExecutionMode(Mode):
 
 
 class FitMode(Mode):
-    """A compiled Keras model trained with model.fit; steps are timed by a callback.
+    """A mode trained by a fit method, keras.Model.fit (the default) or TowerTrainer.fit;
+    steps are timed by a callback.
 
     With steps_per_execution=K fit calls back once per K steps, so each sample
     is one call's time divided by its steps: such a mode has fewer samples.
     """
 
-    def __init__(self, name, num_towers, model, dataset, info=None):
+    def __init__(self, name, num_towers, model, dataset, info=None, fit=None):
         super().__init__(name, num_towers, None, model, info)
+        # shuffle=False: Keras's default True warns on every call that a Dataset ignores it.
         self._dataset = dataset
+        self._fit = fit or functools.partial(model.fit, shuffle=False)
 
     def run(self, num_steps):
         timer = _StepTimer(num_steps)
         # Exactly num_steps batches: fit's in-graph loop stops at their end, so a last call
         # of fewer than K steps runs only those (as steps_per_epoch would not).
-        self.model.fit(self._dataset.take(num_steps), epochs=1, verbose=0, shuffle=False,
-                       callbacks=[timer])
+        self._fit(self._dataset.take(num_steps), epochs=1, verbose=False, callbacks=[timer])
         return timer.times
 
 
@@ -202,10 +212,10 @@ class _StepTimer(keras.callbacks.Callback):
     """Wall time per step of each call of fit's step function, from one call's end to the
     next (the first from its begin), divided by the steps the call ran.
 
-    Defining on_train_batch_end makes Keras convert the logs to Python floats
-    before calling it, every call: one host sync per call, as in the other
-    modes (which make one call per step). Fit's set-up before the first call
-    is not counted.
+    Both fits hand on_train_batch_end the logs as Python floats, every call
+    (Keras converts them because the method is defined; TowerTrainer.fit always
+    does): one host sync per call, as in the other modes (which make one call
+    per step). Fit's set-up before the first call is not counted.
     """
 
     def __init__(self, num_steps):
@@ -280,6 +290,8 @@ def _towers(name, options, setup, devices):
     except (TypeError, ValueError) as error:
         raise Unsupported(f"{type(error).__name__}: {error}") from None
     info = {"options": options}
+    if options.get("input") == "fit":
+        return FitMode(name, len(devices), model, setup.dataset(), info, fit=trainer.fit)
     iterator = {None: None, "tf.data": iter, "staged": trainer.shard_iterator}[
         options.get("input")]
     iterator = iterator and iterator(setup.dataset())

@@ -9,9 +9,9 @@ NOTES = """\
 - Every mode trains the same model (same seed, same initial weights) with SGD on the
   same synthetic global batch, made once and reused every step; each step fetches its
   loss as a Python float, so every mode pays one host sync per step, except
-  keras_fit_xla_spe10, towers_spe10... (fit / TowerTrainer.train_steps with
-  steps_per_execution=10) and bare_loop: one per 10 steps; each of their samples is one
-  call's time / its steps, so their n counts calls.
+  keras_fit_xla_spe10, towers_spe10..., towers_fit_spe10 (fit / TowerTrainer.train_steps
+  / TowerTrainer.fit with steps_per_execution=10) and bare_loop: one per 10 steps; each
+  of their samples is one call's time / its steps, so their n counts calls.
 - bare... is the floor: the seven steps written plainly without the library
   (benchmarks/bare.py: split, copy the weights, forward and backward per tower, average
   on the main device, a finite check, apply), so a towers row's time over bare's at the
@@ -26,7 +26,10 @@ NOTES = """\
   to be far from 0. Keras fit may differ from plain by float32 round-off. With
   BatchNorm (resnet) each tower, like each MirroredStrategy replica, normalises with
   its own shard's statistics, so there Δw > 0 for N > 1 is expected too.
-- Keras fit modes and towers_tfdata/_staged/_spe10... read the batch through tf.data
+- towers_fit and towers_fit_spe10 train with TowerTrainer.fit, timed per call by a
+  callback; against towers_tfdata and towers_spe10 (the same steps through train_step /
+  train_steps) they show what fit's outer loop costs per step.
+- Keras fit modes and towers_tfdata/_staged/_spe10.../_fit... read the batch through tf.data
   (_staged: split in the input pipeline, each shard staged on its tower's device ahead
   of the step, as TowerTrainer.fit does); the others from tensors already on their
   devices. Only modes named *_xla use XLA: plain_xla and

@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
 RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "bare",
              "bare_loop", "bare_xla", "towers", "towers_packed", "towers_xla", "towers_spe10",
-             "towers_staged", "towers_spe10_staged", "independent", "mirrored_custom",
-             "mirrored_fit"]
+             "towers_staged", "towers_spe10_staged", "towers_fit", "towers_fit_spe10",
+             "independent", "mirrored_custom", "mirrored_fit"]
 
 
 class RunBenchmarkTest(tf.test.TestCase):
@@ -77,7 +77,8 @@ class RunBenchmarkTest(tf.test.TestCase):
                     ("towers_xla", 1), ("towers_xla", 2), ("towers_spe10", 1),
                     ("towers_spe10", 2), ("towers_staged", 2), ("towers_spe10_staged", 2),
                     ("bare", 1), ("bare", 2), ("bare_loop", 1), ("bare_loop", 2),
-                    ("bare_xla", 2)]:
+                    ("bare_xla", 2), ("towers_fit", 1), ("towers_fit", 2),
+                    ("towers_fit_spe10", 1), ("towers_fit_spe10", 2)]:
             self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
         # Tower 0 of independent trained on half the batch only.
         self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
@@ -91,6 +92,8 @@ class RunBenchmarkTest(tf.test.TestCase):
                          {"steps_per_execution": 10, "input": "tf.data"})
         self.assertEqual(self.rows["bare_loop", 2]["options"], {"steps_per_execution": 10})
         self.assertEqual(self.rows["bare_xla", 2]["options"], {"jit_compile": True})
+        self.assertEqual(self.rows["towers_fit_spe10", 2]["options"],
+                         {"steps_per_execution": 10, "input": "fit"})
         with open(os.path.join(self.output_dir, "results.md")) as f:
             self.assertIn("| towers_xla | 2 |", f.read())
 
@@ -116,6 +119,7 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
         # The trainer's first call runs one step, then one call of 10, then the last one.
         ("towers_spe10", "towers_spe10", 3),
         ("bare_loop", "bare_loop", 2),  # 10, then 2
+        ("towers_fit_spe10", "towers_fit_spe10", 3),  # as towers_spe10, through fit's loop
     )
     def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self, mode, calls):
         setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
