@@ -65,7 +65,7 @@ def markdown(results):
              f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
              f"{machine['cpu_count']} CPUs, GPUs: {', '.join(machine['physical_gpus']) or 'none'}; "
              f"towers on {', '.join(machine['tower_devices'])}.",
-             f"Global batch {config['global_batch_size']}, input {config['input_shape']}, "
+             f"Global batch {config['global_batch_size']}, "
              f"{config['warmup_steps']} warm-up + {config['steps']} timed steps per mode in "
              f"{config['rounds']} interleaved rounds. Matmul peak of one device: "
              f"{results['matmul_flops_per_sec'] / 1e9:.1f} GFLOP/s.", "", NOTES]
@@ -76,7 +76,7 @@ def markdown(results):
 
 def model_markdown(name, model):
     """One model's table, then the modes not run and the towers phase tables."""
-    lines = [f"## {name}", "",
+    lines = [f"## {name}", "", input_line(model["input"]),
              f"{model['flops_per_step'] / 1e9:.3g} GFLOP per training step (analytic, 3 x forward).",
              "", "| mode | N | median ms ± unc | jitter ms | ex/s | speedup | efficiency "
              "| × mirrored | × independent | % peak | max abs Δw |",
@@ -92,6 +92,18 @@ def model_markdown(name, model):
     for num_towers, table in model["phases"].items():
         lines += phase_markdown(name, num_towers, table)
     return lines + [""]
+
+
+def input_line(description):
+    """What a model's synthetic batch is, in one line (see model_setup.setup_for)."""
+    return (f"Synthetic input (B, {', '.join(map(str, description['input_shape']))}) "
+            f"{description['input_dtype']}, {description['x_values']}; labels: class ids in "
+            f"[0, {description['num_classes']}).")
+
+
+def short_name(model):
+    """A model as the plot names it: a .keras path by its file name, anything else as given."""
+    return os.path.basename(model)
 
 
 def phase_markdown(name, num_towers, table):
@@ -137,8 +149,9 @@ def write_plot(results, path):
             time_axis.plot(n, ms, marker="o", label=mode, color=colors[mode])
             efficiency_axis.plot(n, efficiency, marker="o", label=mode, color=colors[mode])
         efficiency_axis.axhline(1.0, linestyle=":", linewidth=1, color="black")
-        time_axis.set(title=f"{name}: step time", xlabel="towers (N)", ylabel="median ms / step")
-        efficiency_axis.set(title=f"{name}: scaling efficiency (dotted: ideal)",
+        title = short_name(name)
+        time_axis.set(title=f"{title}: step time", xlabel="towers (N)", ylabel="median ms / step")
+        efficiency_axis.set(title=f"{title}: scaling efficiency (dotted: ideal)",
                             xlabel="towers (N)", ylabel="speedup over plain / N")
         for axis in (time_axis, efficiency_axis):
             axis.set_xticks(sorted({r["num_towers"] for r in rows}))

@@ -9,11 +9,12 @@ import sys
 import tempfile
 from unittest import mock
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from benchmarks import harness, modes, phases
+from benchmarks import harness, model_setup, modes, phases
 from towers import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,17 +147,88 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
     def test_ops_are_sorted_into_phases(self, op_name, phase):
         self.assertEqual(phases.classify(op_name), phase)
 
-    def test_bad_flag_exits_with_one_line_naming_it(self):
-        # One case only: each costs a fresh process that imports TensorFlow.
+    def test_bad_models_value_exits_with_one_line_naming_the_flag(self):
+        # One case only: each costs a fresh process that imports TensorFlow. A function the
+        # module lacks is found only once TensorFlow runs, the later of the two checks.
         result = subprocess.run(
             [sys.executable, os.path.join(ROOT, "benchmarks", "compare_strategies.py"),
-             "--models=mlp,vgg"], capture_output=True, text=True, cwd=ROOT, timeout=120,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+             "--models=mlp,examples.my_model:no_such_function"], capture_output=True, text=True,
+            cwd=ROOT, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
         self.assertNotEqual(result.returncode, 0)
         message = [line for line in result.stderr.splitlines() if "--models" in line]
         self.assertLen(message, 1, result.stderr[-2000:])
-        self.assertIn("mlp,cnn,resnet,text", message[0])
+        self.assertIn("no function 'no_such_function'; it defines small_cnn", message[0])
         self.assertNotIn("Traceback", result.stderr)
+
+    def test_a_model_of_none_of_the_forms_stops_the_run_before_anything_is_timed(self):
+        with self.assertRaisesRegex(model_setup.ModelError, "'vgg' is none of the three forms"):
+            harness.run_benchmark(["mlp", "vgg"], [1], global_batch_size=4, steps=1, rounds=1,
+                                  devices=DEVICES, modes=["plain"], trace_steps=0)
+
+
+def save_token_model(path):
+    """A saved model of int32 token ids (6 per example, a vocabulary of 20) -> 3 logits."""
+    tokens = keras.Input((6,), dtype="int32")
+    features = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4)(tokens))
+    keras.Model(tokens, keras.layers.Dense(3)(features), name="tokens").save(path)
+
+
+class UserModelBenchmarkTest(tf.test.TestCase):
+    """--models with a user's FUNCTION and a user's .keras file: one tiny run of both."""
+
+    FUNCTION = "examples.my_model:small_cnn"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.output_dir = tempfile.mkdtemp(prefix="test_user_models_")
+        cls.saved = os.path.join(cls.output_dir, "tokens.keras")
+        save_token_model(cls.saved)
+        cls.results = harness.run_benchmark(
+            [cls.FUNCTION, cls.saved], [2], global_batch_size=8, steps=1, warmup_steps=1,
+            rounds=1, devices=DEVICES, modes=["plain", "bare", "towers"], input_shape=(8, 8, 1),
+            num_classes=5, output_dir=cls.output_dir, trace_steps=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.output_dir, ignore_errors=True)
+        super().tearDownClass()
+
+    def test_results_name_each_model_as_written(self):
+        self.assertEqual(list(self.results["models"]), [self.FUNCTION, self.saved])
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            markdown = f.read()
+        for name in (self.FUNCTION, self.saved):
+            section = markdown.split(f"## {name}\n")[1]
+            self.assertIn("| towers | 2 |", section.split("\n## ")[0])
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(self.output_dir, "results.png")),
+                         has_matplotlib)  # titled "tokens.keras": the path's file name
+
+    def test_every_mode_starts_from_the_same_weights_and_matches_plain(self):
+        for name, model in self.results["models"].items():
+            self.assertEqual(model["not_run"], [], name)
+            rows = {r["mode"]: r for r in model["rows"]}
+            self.assertCountEqual(rows, ["plain", "bare", "towers"])
+            for mode in ("bare", "towers"):
+                self.assertGreater(rows[mode]["median_ms"], 0.0)
+                self.assertLess(rows[mode]["max_abs_weight_diff"], 1e-4, (name, mode))
+
+    def test_a_function_gets_the_flags_shapes_a_file_its_own(self):
+        models_run = self.results["models"]
+        self.assertEqual(models_run[self.FUNCTION]["input"],
+                         {"input_shape": [8, 8, 1], "input_dtype": "float32", "num_classes": 5,
+                          "x_range": [0, 1], "x_values": "uniform in [0, 1)"})
+        self.assertGreater(models_run[self.FUNCTION]["flops_per_step"], 0)
+        described = models_run[self.saved]["input"]
+        self.assertEqual((described["input_shape"], described["input_dtype"],
+                          described["num_classes"], described["x_range"]), ([6], "int32", 3, [0, 20]))
+
+    def test_token_ids_lie_in_the_embeddings_range_and_labels_in_the_classes(self):
+        setup, _ = model_setup.setup_for(self.saved, 256, (8, 8, 1), 5, seed=0)
+        self.assertEqual((setup.x.shape, setup.x.dtype), ((256, 6), np.int32))
+        self.assertEqual((setup.x.min(), setup.x.max()), (0, 19))  # 256 x 6 draws hit both ends
+        self.assertEqual((setup.y.min(), setup.y.max()), (0, 2))
 
 
 class PipelineBenchmarkTest(tf.test.TestCase):
