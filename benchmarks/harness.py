@@ -1,8 +1,8 @@
 """run_benchmark: every mode on the same batch, timed interleaved, compared with `plain`.
 
-For each model: build every mode for every tower count, warm each one up, then
-for each round time a block of steps of every mode in turn (the order shuffled
-per round), so that drift of the machine (clocks, heat, other jobs) hits all
+For each model: build every mode for every tower count, warm each one up, run
+one more untimed step of each once all are built, then for each round time a
+block of steps of every mode in turn (the order shuffled per round), so that drift of the machine (clocks, heat, other jobs) hits all
 modes alike. Then compare the final weights with plain's, and trace a few
 steps of the default towers mode to split its step into phases.
 """
@@ -126,6 +126,11 @@ def _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps):
                             "message": f"{type(error).__name__}: {_first_line(error)}"})
             continue
         built.append(mode)
+    # A mode's first call after the others were built is slow once (tens of ms on CPU, in
+    # every mode): this untimed one keeps it out of the first round, where a mode of 10
+    # steps per call, with a sample per call, would take it into its median.
+    for mode in built:
+        mode.run(1)
     return built, not_run
 
 

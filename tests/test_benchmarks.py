@@ -71,7 +71,7 @@ class RunBenchmarkTest(tf.test.TestCase):
 
     def test_weights_match_plain_except_independent(self):
         # The XLA modes too, and fit and towers with steps_per_execution=10 ran exactly the
-        # steps asked (3 here: 10 more would move the weights far more than this).
+        # steps asked (4 here: 10 more would move the weights far more than this).
         for key in [("towers", 1), ("towers", 2), ("mirrored_custom", 1),
                     ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2),
                     ("plain_xla", 1), ("keras_fit_xla", 1), ("keras_fit_xla_spe10", 1),
