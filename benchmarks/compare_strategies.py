@@ -1,13 +1,21 @@
-"""Compares towers with a plain loop, Keras fit, MirroredStrategy and no-communication towers,
-with and without XLA.
+"""Compares towers with a plain loop, Keras fit, MirroredStrategy, no-communication towers
+and the floor (the seven steps and nothing else), with and without XLA.
 
     python benchmarks/compare_strategies.py --models=mlp,cnn --num_towers=1,2,4 \\
         --global_batch_size=256 --steps=50 --output_dir=DIR
 
 writes DIR/results.json, DIR/results.md and DIR/results.png, prints the tables,
 and leaves a tf.profiler trace of one towers step per tower count under
-DIR/trace (with a Chrome trace, trace.json, beside each). The work is in
-benchmarks/harness.py (run_benchmark); this file only reads the flags.
+DIR/trace (with a Chrome trace, trace.json, beside each). The rows include the
+floor: bare (benchmarks/bare.py), bare_loop (10 steps per call) and bare_xla.
+
+Your own model goes in --models in the forms towers-train --model takes:
+
+    --models=cnn,examples.my_model:small_cnn --input_shape=8,8,1 --num_classes=10
+    --models=/path/to/model.keras          # its own input shape, dtype and classes
+
+with synthetic data of the model's input shape and dtype (benchmarks/model_setup.py).
+The work is in benchmarks/harness.py (run_benchmark); this file only reads the flags.
 """
 
 import os
@@ -21,11 +29,12 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import towers  # noqa: E402
-from benchmarks import harness, modes, report  # noqa: E402
-from towers import models  # noqa: E402
+from benchmarks import harness, model_setup, modes, report  # noqa: E402
+from towers import model_spec, models  # noqa: E402
 
 MODELS = flags.DEFINE_list("models", ["mlp", "cnn"],
-                           f"Comma-separated models to benchmark, from {','.join(models.MODELS)}.")
+                           f"Comma-separated models to benchmark, each {model_spec.FORMS}. "
+                           "Results name each as written here.")
 NUM_TOWERS = flags.DEFINE_list("num_towers", ["1", "2", "4"],
                                "Comma-separated tower counts N; each mode runs on the first N "
                                "devices.")
@@ -45,7 +54,13 @@ MODES = flags.DEFINE_list("modes", list(modes.MODES),
                           f"Comma-separated modes to run, from {','.join(modes.MODES)}. plain "
                           "always runs: it is the baseline.")
 INPUT_SHAPE = flags.DEFINE_list("input_shape", ["32", "32", "3"],
-                                "Height,width,channels of the synthetic images.")
+                                "Shape of one synthetic example: height,width,channels for the "
+                                "built-in models; any shape a FUNCTION of --models takes. A "
+                                ".keras file's own shape is used instead.")
+NUM_CLASSES = flags.DEFINE_integer("num_classes", harness.NUM_CLASSES,
+                                   "Classes of the synthetic labels (the logits' width) for the "
+                                   "built-in models and FUNCTIONs; a .keras file's own output "
+                                   "width is used instead.", lower_bound=2)
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights (identical in every mode) and data.")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results",
                                  "Where results.json, results.md and results.png go.")
@@ -63,14 +78,29 @@ def _positive_ints(values, count=None):
     return bool(numbers) and min(numbers) >= 1 and (count is None or len(numbers) == count)
 
 
-flags.register_validator("models", lambda v: bool(v) and set(v) <= set(models.MODELS),
-                         f"must be a comma-separated subset of {','.join(models.MODELS)}")
+def _model_forms(specs):
+    """True when every entry has one of the forms; else model_spec's line says which does not."""
+    for spec in specs:
+        try:
+            model_spec.form_of(spec)
+        except ValueError as error:
+            raise flags.ValidationError(str(error)) from None
+    return bool(specs)
+
+
+flags.register_validator("models", _model_forms, "must name at least one model")
 flags.register_validator("num_towers", _positive_ints,
                          "must be comma-separated positive integers, e.g. 1,2,4")
 flags.register_validator("modes", lambda v: bool(v) and set(v) <= set(modes.MODES),
                          f"must be a comma-separated subset of {','.join(modes.MODES)}")
-flags.register_validator("input_shape", lambda v: _positive_ints(v, count=3),
-                         "must be three positive integers: height,width,channels, e.g. 32,32,3")
+flags.register_validator("input_shape", _positive_ints,
+                         "must be positive integers, e.g. 32,32,3 (height,width,channels)")
+flags.register_multi_flags_validator(
+    ["models", "input_shape"],
+    lambda f: not set(f["models"] or []) & set(models.MODELS)
+    or _positive_ints(f["input_shape"] or [], count=3),
+    f"--input_shape must be three positive integers, height,width,channels, for the built-in "
+    f"models ({','.join(models.MODELS)})")
 flags.register_multi_flags_validator(
     ["steps", "rounds"], lambda f: f["rounds"] <= f["steps"],
     "--rounds must be at most --steps (each round times at least one step)")
@@ -91,11 +121,16 @@ def main(argv):
     except (ValueError, towers.DeviceConfigError) as error:
         print(f"compare_strategies: error: {error}", file=sys.stderr)
         return 1
-    results = harness.run_benchmark(
-        MODELS.value, num_towers, GLOBAL_BATCH_SIZE.value, STEPS.value,
-        warmup_steps=WARMUP_STEPS.value, rounds=ROUNDS.value, devices=devices,
-        modes=MODES.value, input_shape=[int(d) for d in INPUT_SHAPE.value], seed=SEED.value,
-        output_dir=OUTPUT_DIR.value, trace_steps=TRACE_STEPS.value, trace_dir=TRACE_DIR.value)
+    try:
+        results = harness.run_benchmark(
+            MODELS.value, num_towers, GLOBAL_BATCH_SIZE.value, STEPS.value,
+            warmup_steps=WARMUP_STEPS.value, rounds=ROUNDS.value, devices=devices,
+            modes=MODES.value, input_shape=[int(d) for d in INPUT_SHAPE.value],
+            num_classes=NUM_CLASSES.value, seed=SEED.value, output_dir=OUTPUT_DIR.value,
+            trace_steps=TRACE_STEPS.value, trace_dir=TRACE_DIR.value)
+    except model_setup.ModelError as error:  # checked before anything is timed
+        print(f"compare_strategies: error: --models: {error}", file=sys.stderr)
+        return 1
     print(report.markdown(results))
     print(f"Wrote results.json, results.md and results.png to {OUTPUT_DIR.value}")
     return 0

@@ -1,35 +1,37 @@
 """run_benchmark: every mode on the same batch, timed interleaved, compared with `plain`.
 
-For each model: build every mode for every tower count, warm each one up, then
-for each round time a block of steps of every mode in turn (the order shuffled
-per round), so that drift of the machine (clocks, heat, other jobs) hits all
+For each model: build every mode for every tower count, warm each one up, run
+one more untimed step of each once all are built, then for each round time a
+block of steps of every mode in turn (the order shuffled per round), so that drift of the machine (clocks, heat, other jobs) hits all
 modes alike. Then compare the final weights with plain's, and trace a few
 steps of the default towers mode to split its step into phases.
 """
 
-import functools
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
 import towers
-from benchmarks import measure, modes as modes_lib, phases, report
-from towers import models as models_lib
+from benchmarks import measure, model_setup, modes as modes_lib, phases, report
 
-NUM_CLASSES = 10
+NUM_CLASSES = 10  # of the built-in models and FUNCTIONs unless told
 BASELINE = "plain"
 TRACED_MODE = "towers"
 
 
 def run_benchmark(models, num_towers, global_batch_size, steps, *, warmup_steps=5, rounds=5,
-                  devices=None, modes=None, input_shape=(32, 32, 3), seed=0, output_dir=None,
-                  trace_steps=3, trace_dir=None):
+                  devices=None, modes=None, input_shape=(32, 32, 3), num_classes=NUM_CLASSES,
+                  seed=0, output_dir=None, trace_steps=3, trace_dir=None):
     """Benchmarks every mode on every model and tower count; returns the results dict.
 
     Args:
-      models: model names from towers.models.MODELS, e.g. ["mlp", "cnn"].
+      models: models in the forms towers-train --model takes (benchmarks/model_setup.py):
+        built-in names from towers.models.MODELS, "PACKAGE.MODULE:FUNCTION" or
+        "PATH.keras", e.g. ["mlp", "examples.my_model:small_cnn"]. Every one is
+        loaded and checked before any is timed.
       num_towers: tower counts, e.g. [1, 2, 4]; each uses the first N of `devices`.
       global_batch_size: examples per step, the same for every mode and N.
       steps: timed steps per mode, split over `rounds` interleaved blocks.
@@ -37,49 +39,51 @@ def run_benchmark(models, num_towers, global_batch_size, steps, *, warmup_steps=
       rounds: interleaved timing rounds (<= steps).
       devices: tower device names; None = the configured / visible ones.
       modes: names from benchmarks.modes.MODES; None = all. plain always runs.
-      input_shape: (H, W, C) of the synthetic images.
+      input_shape: one example's shape, (H, W, C) for the built-in models, and
+        num_classes the classes, for built-ins and FUNCTIONs (a .keras file has its own).
       seed: seeds the weights (identical in every mode) and the synthetic batch.
       output_dir: if given, results.json, results.md and results.png go there.
       trace_steps: steps of the towers mode traced with tf.profiler per N; 0 = none.
       trace_dir: where traces go; None = output_dir/trace (no trace without either).
 
     Returns:
-      dict with "config", "machine", "matmul_flops_per_sec" and per model
-      {"flops_per_step", "rows": one per mode and N, "not_run", "phases"}.
+      dict with "config", "machine", "matmul_flops_per_sec" and per model, under
+      its name as given, {"input": what its synthetic batch is (model_setup.setup_for),
+      "flops_per_step", "rows": one per mode and N, "not_run", "phases"}.
+
+    Raises:
+      model_setup.ModelError: a model that does not load or does not fit (one line).
     """
     devices = list(devices or towers.devices.default_devices())
     modes = _check_arguments(models, num_towers, global_batch_size, steps, rounds, devices, modes)
     if trace_dir is None and output_dir:
         trace_dir = os.path.join(output_dir, "trace")
+    setups = {name: model_setup.setup_for(name, global_batch_size, input_shape, num_classes, seed)
+              for name in models}
     peak = measure.matmul_flops_per_sec(devices[0])
     results = {
         "config": {"models": list(models), "num_towers": list(num_towers),
                    "global_batch_size": global_batch_size, "steps": steps,
                    "warmup_steps": warmup_steps, "rounds": rounds, "modes": list(modes),
-                   "input_shape": list(input_shape), "num_classes": NUM_CLASSES, "seed": seed,
+                   "input_shape": list(input_shape), "num_classes": num_classes, "seed": seed,
                    "learning_rate": modes_lib.LEARNING_RATE, "momentum": modes_lib.MOMENTUM},
         "machine": measure.machine_info(devices),
         "matmul_flops_per_sec": peak,
         "models": {},
     }
-    for name in models:
+    for name, (setup, description) in setups.items():
         logging.info("benchmarking %s", name)
-        results["models"][name] = _benchmark_model(
-            name, num_towers, global_batch_size, steps, warmup_steps, rounds, devices, modes,
-            tuple(input_shape), seed, peak, trace_steps if trace_dir else 0, trace_dir)
+        results["models"][name] = {"input": description, **_benchmark_model(
+            name, setup, num_towers, steps, warmup_steps, rounds, devices, modes, seed, peak,
+            trace_steps if trace_dir else 0, trace_dir)}
     if output_dir:
         report.write_all(results, output_dir)
     return results
 
 
-def _benchmark_model(name, num_towers, global_batch_size, steps, warmup_steps, rounds, devices,
-                     modes, input_shape, seed, peak, trace_steps, trace_dir):
-    rng = np.random.default_rng(seed)
-    setup = modes_lib.Setup(
-        make_model=functools.partial(models_lib.build_model, name, input_shape, NUM_CLASSES,
-                                     seed=seed),
-        x=rng.uniform(size=(global_batch_size, *input_shape)).astype(np.float32),
-        y=rng.integers(0, NUM_CLASSES, size=global_batch_size).astype(np.int32))
+def _benchmark_model(name, setup, num_towers, steps, warmup_steps, rounds, devices, modes, seed,
+                     peak, trace_steps, trace_dir):
+    global_batch_size = setup.global_batch_size
     built, not_run = _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps)
     logging.info("%s: %d modes built and warmed up, timing %d steps each in %d rounds",
                  name, len(built), steps, rounds)
@@ -122,6 +126,11 @@ def _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps):
                             "message": f"{type(error).__name__}: {_first_line(error)}"})
             continue
         built.append(mode)
+    # A mode's first call after the others were built is slow once (tens of ms on CPU, in
+    # every mode): this untimed one keeps it out of the first round, where a mode of 10
+    # steps per call, with a sample per call, would take it into its median.
+    for mode in built:
+        mode.run(1)
     return built, not_run
 
 
@@ -164,7 +173,9 @@ def _add_ratios(rows):
 
 def _trace(mode, num_steps, trace_dir, model_name):
     """Traces `num_steps` steps of `mode`; returns its phase table and trace paths."""
-    log_dir = os.path.join(trace_dir, f"{model_name}_{mode.num_towers}towers")
+    # A model named by a path or PACKAGE.MODULE:FUNCTION: one folder, no ":".
+    folder = re.sub(r"[^\w.-]+", "_", report.short_name(model_name))
+    log_dir = os.path.join(trace_dir, f"{folder}_{mode.num_towers}towers")
     try:
         space = phases.load_xspace(phases.trace_steps(lambda: mode.run(1), num_steps, log_dir))
     except (ImportError, OSError, tf.errors.OpError) as error:
@@ -179,9 +190,8 @@ def _trace(mode, num_steps, trace_dir, model_name):
 
 def _check_arguments(models, num_towers, global_batch_size, steps, rounds, devices, modes):
     """Fails early with the values; returns the modes to run."""
-    unknown = [m for m in models if m not in models_lib.MODELS]
-    if not models or unknown:
-        raise ValueError(f"models must be a non-empty subset of {models_lib.MODELS}, got {models}.")
+    if not models:
+        raise ValueError("models must name at least one model.")
     if not num_towers or min(num_towers) < 1:
         raise ValueError(f"num_towers must be positive tower counts, got {num_towers}.")
     if max(num_towers) > len(devices):

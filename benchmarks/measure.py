@@ -38,12 +38,18 @@ def training_flops_per_example(model):
     normalisation, embedding look-ups and the loss are left out. The backward
     pass costs about twice the forward (gradients for inputs and for weights),
     hence 3 x; it slightly overcounts the first layer, which needs no input gradient.
+    Only layers with a symbolic output count: a subclassed model's have none, so
+    its estimate is 0 (and its % peak with it).
     """
     forward = 0
     for layer in model.layers:
         if isinstance(layer, (keras.layers.Dense, keras.layers.Conv2D)):
+            try:
+                output_shape = layer.output.shape
+            except (AttributeError, ValueError):  # never called on a keras.Input
+                continue
             kernel = layer.kernel.shape             # Dense (in, out); Conv2D (kh, kw, in, out)
-            positions = math.prod(layer.output.shape[1:-1])  # output pixels (1 for Dense on a vector)
+            positions = math.prod(output_shape[1:-1])  # output pixels (1 for Dense on a vector)
             forward += 2 * math.prod(kernel) * positions
     return 3 * forward
 

@@ -4,34 +4,45 @@ Every mode trains a model built from the same seed (so all start from identical
 weights) with the same loss and optimizer on the same fixed global batch, which
 is made once and placed on the devices before timing (tf_cnn_benchmarks' synthetic
 data). Every step ends with the loss fetched as a Python float: one host sync per
-step in every mode (the *_spe10 modes aside, below), so no mode gains from
-queueing steps ahead of the host.
+step in every mode (the *_spe10 and bare_loop modes aside, below), so no mode
+gains from queueing steps ahead of the host.
 
     plain...         one device, whole batch, a GradientTape step in a tf.function
                      (plain_xla: the same tf.function with jit_compile=True)
     keras_fit...     one device, model.compile + model.fit, one entry per FIT_CONFIGS row
-    towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row
+    bare...          the floor: N devices, the seven steps and nothing else, written
+                     without the library (benchmarks/bare.py), one entry per
+                     BARE_CONFIGS row: bare reads the batch from the main device;
+                     bare_loop runs 10 steps per call over tf.data, as towers_spe10;
+                     bare_xla compiles each tower's forward and backward with XLA
+    towers...        towers.TowerTrainer on N devices, one entry per TOWER_CONFIGS row;
+                     towers_fit and towers_fit_spe10 train with TowerTrainer.fit,
+                     timed per call by a callback as the Keras fit modes are
     independent      N devices, no gradient exchange: each tower trains its own copy
     mirrored_custom  tf.distribute.MirroredStrategy, strategy.run of a GradientTape step
     mirrored_fit     MirroredStrategy with model.compile + model.fit
 
 The Keras fit modes and the towers modes with an "input" (towers_tfdata,
-towers_staged, towers_spe10...) are fed through tf.data (the same batch,
-repeated), because that is how fit takes data and how it splits a batch over
-replicas, and how an in-graph loop reads its batches; every other mode reads
-tensors that already sit on its devices. "tf.data": the host batch goes into
+towers_staged, towers_spe10..., towers_fit...) are fed through tf.data (the
+same batch, repeated), because that is how fit takes data and how it splits a
+batch over replicas, and how an in-graph loop reads its batches; every other
+mode reads tensors that already sit on its devices. "tf.data": the host batch goes into
 the step, which splits it and copies each shard to its tower; "staged": the
 input pipeline splits it and stages each shard on its tower's device ahead of
 the step (TowerTrainer.shard_iterator) and TowerTrainer.train_steps reads them
 in its compiled loop, one step per call in towers_staged: what fit does with
 prefetch_to_devices (on by default on GPUs only). Only the modes named
 *_xla compile with XLA. keras_fit_xla_spe10 runs 10 steps per call of fit's
-compiled function, and towers_spe10* 10 steps per call of
-TowerTrainer.train_steps (towers' defaults otherwise, no XLA), and so fetch
-their logs once per 10 steps: that saving is what they measure.
+compiled function, towers_spe10* 10 steps per call of TowerTrainer.train_steps
+(towers' defaults otherwise, no XLA), towers_fit_spe10 10 per call of
+TowerTrainer.fit's and bare_loop 10 bare steps per call, and so fetch their
+logs once per 10 steps: that saving is what they measure. towers_fit against
+towers_tfdata (train_step on the same tf.data input, one step per call) and
+towers_fit_spe10 against towers_spe10 show what fit's outer loop costs.
 """
 
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Callable
@@ -41,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 import towers
+from benchmarks import bare
 
 LEARNING_RATE = 0.01
 MOMENTUM = 0.9
@@ -55,7 +67,7 @@ def _tower_configs():
     "towers" is the library's defaults; then every aggregation x
     variable_placement, and gradient packing. "input" is not the trainer's:
     "tf.data" or "staged" (see above); without it, constants on the main
-    device. An option the library does not know yet raises TypeError/ValueError
+    device; "fit": TowerTrainer.fit over tf.data. An option the library does not know yet raises TypeError/ValueError
     when the trainer is built and the mode is reported as unsupported, so its
     rows light up once the library has it.
     """
@@ -70,6 +82,8 @@ def _tower_configs():
     configs["towers_staged"] = {"input": "staged"}
     configs["towers_spe10"] = {"steps_per_execution": 10, "input": "tf.data"}  # ExecutionMode
     configs["towers_spe10_staged"] = {"steps_per_execution": 10, "input": "staged"}
+    configs["towers_fit"] = {"input": "fit"}  # FitMode: TowerTrainer.fit over setup.dataset()
+    configs["towers_fit_spe10"] = {"steps_per_execution": 10, "input": "fit"}
     return configs
 
 
@@ -80,8 +94,13 @@ PLAIN_CONFIGS = {"plain": {"jit_compile": False}, "plain_xla": {"jit_compile": T
 FIT_CONFIGS = {"keras_fit": {"jit_compile": False},
                "keras_fit_xla": {"jit_compile": True},
                "keras_fit_xla_spe10": {"jit_compile": True, "steps_per_execution": 10}}
+# The floor (benchmarks/bare.py), by mode: bare reads constants on the main device, bare_loop
+# runs 10 steps per call over tf.data as towers_spe10 does.
+BARE_CONFIGS = {"bare": {}, "bare_loop": {"steps_per_execution": 10},
+                "bare_xla": {"jit_compile": True}}
 SINGLE_DEVICE_MODES = (*PLAIN_CONFIGS, *FIT_CONFIGS)
-MULTI_DEVICE_MODES = (*TOWER_CONFIGS, "independent", "mirrored_custom", "mirrored_fit")
+MULTI_DEVICE_MODES = (*BARE_CONFIGS, *TOWER_CONFIGS, "independent", "mirrored_custom",
+                      "mirrored_fit")
 MODES = SINGLE_DEVICE_MODES + MULTI_DEVICE_MODES
 
 
@@ -168,22 +187,24 @@ class ExecutionMode(Mode):
 
 
 class FitMode(Mode):
-    """A compiled Keras model trained with model.fit; steps are timed by a callback.
+    """A mode trained by a fit method, keras.Model.fit (the default) or TowerTrainer.fit;
+    steps are timed by a callback.
 
     With steps_per_execution=K fit calls back once per K steps, so each sample
     is one call's time divided by its steps: such a mode has fewer samples.
     """
 
-    def __init__(self, name, num_towers, model, dataset, info=None):
+    def __init__(self, name, num_towers, model, dataset, info=None, fit=None):
         super().__init__(name, num_towers, None, model, info)
+        # shuffle=False: Keras's default True warns on every call that a Dataset ignores it.
         self._dataset = dataset
+        self._fit = fit or functools.partial(model.fit, shuffle=False)
 
     def run(self, num_steps):
         timer = _StepTimer(num_steps)
         # Exactly num_steps batches: fit's in-graph loop stops at their end, so a last call
         # of fewer than K steps runs only those (as steps_per_epoch would not).
-        self.model.fit(self._dataset.take(num_steps), epochs=1, verbose=0, shuffle=False,
-                       callbacks=[timer])
+        self._fit(self._dataset.take(num_steps), epochs=1, verbose=False, callbacks=[timer])
         return timer.times
 
 
@@ -191,10 +212,10 @@ class _StepTimer(keras.callbacks.Callback):
     """Wall time per step of each call of fit's step function, from one call's end to the
     next (the first from its begin), divided by the steps the call ran.
 
-    Defining on_train_batch_end makes Keras convert the logs to Python floats
-    before calling it, every call: one host sync per call, as in the other
-    modes (which make one call per step). Fit's set-up before the first call
-    is not counted.
+    Both fits hand on_train_batch_end the logs as Python floats, every call
+    (Keras converts them because the method is defined; TowerTrainer.fit always
+    does): one host sync per call, as in the other modes (which make one call
+    per step). Fit's set-up before the first call is not counted.
     """
 
     def __init__(self, num_steps):
@@ -217,7 +238,7 @@ class _StepTimer(keras.callbacks.Callback):
 def build(name, setup, devices):
     """Builds mode `name` on `devices`; returns a Mode. Raises Unsupported."""
     for configs, builder in ((TOWER_CONFIGS, _towers), (PLAIN_CONFIGS, _plain),
-                             (FIT_CONFIGS, _keras_fit)):
+                             (FIT_CONFIGS, _keras_fit), (BARE_CONFIGS, _bare)):
         if name in configs:
             return builder(name, configs[name], setup, devices)
     return _BUILDERS[name](setup, devices)
@@ -269,6 +290,8 @@ def _towers(name, options, setup, devices):
     except (TypeError, ValueError) as error:
         raise Unsupported(f"{type(error).__name__}: {error}") from None
     info = {"options": options}
+    if options.get("input") == "fit":
+        return FitMode(name, len(devices), model, setup.dataset(), info, fit=trainer.fit)
     iterator = {None: None, "tf.data": iter, "staged": trainer.shard_iterator}[
         options.get("input")]
     iterator = iterator and iterator(setup.dataset())
@@ -283,6 +306,38 @@ def _towers(name, options, setup, devices):
     def execute(max_steps):
         logs = trainer.train_steps(iterator, min(max_steps, trainer.steps_per_execution))
         return logs["steps"]  # the data repeats forever: never 0
+
+    return ExecutionMode(name, len(devices), execute, model, info)
+
+
+def _bare(name, options, setup, devices):
+    """The floor: benchmarks/bare.py's step, one per call or 10 per call over tf.data."""
+    with tf.device(devices[0]):  # the main device holds the variables and the batch
+        model, optimizer = setup.make_model(), make_optimizer()
+        optimizer.build(model.trainable_variables)
+        x, y = tf.constant(setup.x), tf.constant(setup.y)
+    train_step = bare.train_step_fn(model, make_loss(), optimizer, devices,
+                                    setup.global_batch_size, options.get("jit_compile", False))
+    info, steps_per_execution = {"options": options}, options.get("steps_per_execution", 1)
+    if steps_per_execution == 1:
+        step = tf.function(lambda: train_step(x, y))
+        return Mode(name, len(devices), lambda: float(step()), model, info)
+    iterator = iter(setup.dataset())  # on the host, as towers_spe10's
+
+    @tf.function
+    def steps(num_steps):
+        """Up to num_steps steps over `iterator` in one call; returns how many ran."""
+        ran = tf.constant(0)
+        for _ in tf.range(num_steps):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            train_step(*batch.get_value())
+            ran += 1
+        return ran
+
+    def execute(max_steps):  # reading the count is the call's one host sync
+        return int(steps(tf.constant(min(max_steps, steps_per_execution))))
 
     return ExecutionMode(name, len(devices), execute, model, info)
 

@@ -9,9 +9,15 @@ NOTES = """\
 - Every mode trains the same model (same seed, same initial weights) with SGD on the
   same synthetic global batch, made once and reused every step; each step fetches its
   loss as a Python float, so every mode pays one host sync per step, except
-  keras_fit_xla_spe10 and towers_spe10... (fit / TowerTrainer.train_steps with
-  steps_per_execution=10: one per 10 steps; each of their samples is one call's time /
-  its steps, so their n counts calls).
+  keras_fit_xla_spe10, towers_spe10..., towers_fit_spe10 (fit / TowerTrainer.train_steps
+  / TowerTrainer.fit with steps_per_execution=10) and bare_loop: one per 10 steps; each
+  of their samples is one call's time / its steps, so their n counts calls.
+- bare... is the floor: the seven steps written plainly without the library
+  (benchmarks/bare.py: split, copy the weights, forward and backward per tower, average
+  on the main device, a finite check, apply), so a towers row's time over bare's at the
+  same N is what the library adds. bare_loop runs 10 of those steps per call over
+  tf.data (compare towers_spe10), bare_xla each tower's forward and backward with XLA
+  (compare towers_xla). Its new BatchNorm statistics are tower 0's, not the average.
 - plain... and keras_fit... run on one device; speedup = plain's time / this time at
   the same global batch; efficiency = speedup / N; x mirrored and x independent = their
   time / this time at the same N (> 1: this mode is faster).
@@ -20,7 +26,10 @@ NOTES = """\
   to be far from 0. Keras fit may differ from plain by float32 round-off. With
   BatchNorm (resnet) each tower, like each MirroredStrategy replica, normalises with
   its own shard's statistics, so there Δw > 0 for N > 1 is expected too.
-- Keras fit modes and towers_tfdata/_staged/_spe10... read the batch through tf.data
+- towers_fit and towers_fit_spe10 train with TowerTrainer.fit, timed per call by a
+  callback; against towers_tfdata and towers_spe10 (the same steps through train_step /
+  train_steps) they show what fit's outer loop costs per step.
+- Keras fit modes and towers_tfdata/_staged/_spe10.../_fit... read the batch through tf.data
   (_staged: split in the input pipeline, each shard staged on its tower's device ahead
   of the step, as TowerTrainer.fit does); the others from tensors already on their
   devices. Only modes named *_xla use XLA: plain_xla and
@@ -56,7 +65,7 @@ def markdown(results):
              f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}, "
              f"{machine['cpu_count']} CPUs, GPUs: {', '.join(machine['physical_gpus']) or 'none'}; "
              f"towers on {', '.join(machine['tower_devices'])}.",
-             f"Global batch {config['global_batch_size']}, input {config['input_shape']}, "
+             f"Global batch {config['global_batch_size']}, "
              f"{config['warmup_steps']} warm-up + {config['steps']} timed steps per mode in "
              f"{config['rounds']} interleaved rounds. Matmul peak of one device: "
              f"{results['matmul_flops_per_sec'] / 1e9:.1f} GFLOP/s.", "", NOTES]
@@ -67,7 +76,7 @@ def markdown(results):
 
 def model_markdown(name, model):
     """One model's table, then the modes not run and the towers phase tables."""
-    lines = [f"## {name}", "",
+    lines = [f"## {name}", "", input_line(model["input"]),
              f"{model['flops_per_step'] / 1e9:.3g} GFLOP per training step (analytic, 3 x forward).",
              "", "| mode | N | median ms ± unc | jitter ms | ex/s | speedup | efficiency "
              "| × mirrored | × independent | % peak | max abs Δw |",
@@ -83,6 +92,18 @@ def model_markdown(name, model):
     for num_towers, table in model["phases"].items():
         lines += phase_markdown(name, num_towers, table)
     return lines + [""]
+
+
+def input_line(description):
+    """What a model's synthetic batch is, in one line (see model_setup.setup_for)."""
+    return (f"Synthetic input (B, {', '.join(map(str, description['input_shape']))}) "
+            f"{description['input_dtype']}, {description['x_values']}; labels: class ids in "
+            f"[0, {description['num_classes']}).")
+
+
+def short_name(model):
+    """A model as the plot names it: a .keras path by its file name, anything else as given."""
+    return os.path.basename(model)
 
 
 def phase_markdown(name, num_towers, table):
@@ -128,8 +149,9 @@ def write_plot(results, path):
             time_axis.plot(n, ms, marker="o", label=mode, color=colors[mode])
             efficiency_axis.plot(n, efficiency, marker="o", label=mode, color=colors[mode])
         efficiency_axis.axhline(1.0, linestyle=":", linewidth=1, color="black")
-        time_axis.set(title=f"{name}: step time", xlabel="towers (N)", ylabel="median ms / step")
-        efficiency_axis.set(title=f"{name}: scaling efficiency (dotted: ideal)",
+        title = short_name(name)
+        time_axis.set(title=f"{title}: step time", xlabel="towers (N)", ylabel="median ms / step")
+        efficiency_axis.set(title=f"{title}: scaling efficiency (dotted: ideal)",
                             xlabel="towers (N)", ylabel="speedup over plain / N")
         for axis in (time_axis, efficiency_axis):
             axis.set_xticks(sorted({r["num_towers"] for r in rows}))

@@ -9,17 +9,19 @@ import sys
 import tempfile
 from unittest import mock
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from benchmarks import harness, modes, phases
+from benchmarks import harness, model_setup, modes, phases
 from towers import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
-RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "towers",
-             "towers_packed", "towers_xla", "towers_spe10", "towers_staged", "towers_spe10_staged",
+RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "bare",
+             "bare_loop", "bare_xla", "towers", "towers_packed", "towers_xla", "towers_spe10",
+             "towers_staged", "towers_spe10_staged", "towers_fit", "towers_fit_spe10",
              "independent", "mirrored_custom", "mirrored_fit"]
 
 
@@ -69,12 +71,15 @@ class RunBenchmarkTest(tf.test.TestCase):
 
     def test_weights_match_plain_except_independent(self):
         # The XLA modes too, and fit and towers with steps_per_execution=10 ran exactly the
-        # steps asked (3 here: 10 more would move the weights far more than this).
+        # steps asked (4 here: 10 more would move the weights far more than this).
         for key in [("towers", 1), ("towers", 2), ("mirrored_custom", 1),
                     ("mirrored_custom", 2), ("keras_fit", 1), ("mirrored_fit", 2),
                     ("plain_xla", 1), ("keras_fit_xla", 1), ("keras_fit_xla_spe10", 1),
                     ("towers_xla", 1), ("towers_xla", 2), ("towers_spe10", 1),
-                    ("towers_spe10", 2), ("towers_staged", 2), ("towers_spe10_staged", 2)]:
+                    ("towers_spe10", 2), ("towers_staged", 2), ("towers_spe10_staged", 2),
+                    ("bare", 1), ("bare", 2), ("bare_loop", 1), ("bare_loop", 2),
+                    ("bare_xla", 2), ("towers_fit", 1), ("towers_fit", 2),
+                    ("towers_fit_spe10", 1), ("towers_fit_spe10", 2)]:
             self.assertLess(self.rows[key]["max_abs_weight_diff"], 1e-4, key)
         # Tower 0 of independent trained on half the batch only.
         self.assertGreater(self.rows["independent", 2]["max_abs_weight_diff"], 0.0)
@@ -86,6 +91,10 @@ class RunBenchmarkTest(tf.test.TestCase):
                          {"jit_compile": True, "steps_per_execution": 10})
         self.assertEqual(self.rows["towers_spe10", 2]["options"],
                          {"steps_per_execution": 10, "input": "tf.data"})
+        self.assertEqual(self.rows["bare_loop", 2]["options"], {"steps_per_execution": 10})
+        self.assertEqual(self.rows["bare_xla", 2]["options"], {"jit_compile": True})
+        self.assertEqual(self.rows["towers_fit_spe10", 2]["options"],
+                         {"steps_per_execution": 10, "input": "fit"})
         with open(os.path.join(self.output_dir, "results.md")) as f:
             self.assertIn("| towers_xla | 2 |", f.read())
 
@@ -107,15 +116,20 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
             with self.assertRaisesRegex(modes.Unsupported, "no_such_option"):
                 modes.build("towers_new", setup, DEVICES)
 
-    def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self):
-        # 12 steps: the trainer's first call runs one, then one call of 10, then the last one.
+    @parameterized.named_parameters(
+        # The trainer's first call runs one step, then one call of 10, then the last one.
+        ("towers_spe10", "towers_spe10", 3),
+        ("bare_loop", "bare_loop", 2),  # 10, then 2
+        ("towers_fit_spe10", "towers_fit_spe10", 3),  # as towers_spe10, through fit's loop
+    )
+    def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self, mode, calls):
         setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
                             x=np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 2, 2, 1),
                             y=np.array([0, 1, 1, 0], np.int32))
-        # One tower: the loop is the same on more (the run above has towers_spe10 on two).
-        plain, spe = (modes.build(name, setup, DEVICES[:1]) for name in ("plain", "towers_spe10"))
+        # One tower: the loop is the same on more (the run above has these modes on two).
+        plain, spe = (modes.build(name, setup, DEVICES[:1]) for name in ("plain", mode))
         plain.run(12)
-        self.assertLen(spe.run(12), 3)
+        self.assertLen(spe.run(12), calls)  # one sample per call
         for a, b in zip(spe.weights(), plain.weights()):
             self.assertAllClose(a, b, atol=1e-5)
 
@@ -133,17 +147,88 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
     def test_ops_are_sorted_into_phases(self, op_name, phase):
         self.assertEqual(phases.classify(op_name), phase)
 
-    def test_bad_flag_exits_with_one_line_naming_it(self):
-        # One case only: each costs a fresh process that imports TensorFlow.
+    def test_bad_models_value_exits_with_one_line_naming_the_flag(self):
+        # One case only: each costs a fresh process that imports TensorFlow. A function the
+        # module lacks is found only once TensorFlow runs, the later of the two checks.
         result = subprocess.run(
             [sys.executable, os.path.join(ROOT, "benchmarks", "compare_strategies.py"),
-             "--models=mlp,vgg"], capture_output=True, text=True, cwd=ROOT, timeout=120,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+             "--models=mlp,examples.my_model:no_such_function"], capture_output=True, text=True,
+            cwd=ROOT, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
         self.assertNotEqual(result.returncode, 0)
         message = [line for line in result.stderr.splitlines() if "--models" in line]
         self.assertLen(message, 1, result.stderr[-2000:])
-        self.assertIn("mlp,cnn,resnet,text", message[0])
+        self.assertIn("no function 'no_such_function'; it defines small_cnn", message[0])
         self.assertNotIn("Traceback", result.stderr)
+
+    def test_a_model_of_none_of_the_forms_stops_the_run_before_anything_is_timed(self):
+        with self.assertRaisesRegex(model_setup.ModelError, "'vgg' is none of the three forms"):
+            harness.run_benchmark(["mlp", "vgg"], [1], global_batch_size=4, steps=1, rounds=1,
+                                  devices=DEVICES, modes=["plain"], trace_steps=0)
+
+
+def save_token_model(path):
+    """A saved model of int32 token ids (6 per example, a vocabulary of 20) -> 3 logits."""
+    tokens = keras.Input((6,), dtype="int32")
+    features = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4)(tokens))
+    keras.Model(tokens, keras.layers.Dense(3)(features), name="tokens").save(path)
+
+
+class UserModelBenchmarkTest(tf.test.TestCase):
+    """--models with a user's FUNCTION and a user's .keras file: one tiny run of both."""
+
+    FUNCTION = "examples.my_model:small_cnn"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.output_dir = tempfile.mkdtemp(prefix="test_user_models_")
+        cls.saved = os.path.join(cls.output_dir, "tokens.keras")
+        save_token_model(cls.saved)
+        cls.results = harness.run_benchmark(
+            [cls.FUNCTION, cls.saved], [2], global_batch_size=8, steps=1, warmup_steps=1,
+            rounds=1, devices=DEVICES, modes=["plain", "bare", "towers"], input_shape=(8, 8, 1),
+            num_classes=5, output_dir=cls.output_dir, trace_steps=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.output_dir, ignore_errors=True)
+        super().tearDownClass()
+
+    def test_results_name_each_model_as_written(self):
+        self.assertEqual(list(self.results["models"]), [self.FUNCTION, self.saved])
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            markdown = f.read()
+        for name in (self.FUNCTION, self.saved):
+            section = markdown.split(f"## {name}\n")[1]
+            self.assertIn("| towers | 2 |", section.split("\n## ")[0])
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(self.output_dir, "results.png")),
+                         has_matplotlib)  # titled "tokens.keras": the path's file name
+
+    def test_every_mode_starts_from_the_same_weights_and_matches_plain(self):
+        for name, model in self.results["models"].items():
+            self.assertEqual(model["not_run"], [], name)
+            rows = {r["mode"]: r for r in model["rows"]}
+            self.assertCountEqual(rows, ["plain", "bare", "towers"])
+            for mode in ("bare", "towers"):
+                self.assertGreater(rows[mode]["median_ms"], 0.0)
+                self.assertLess(rows[mode]["max_abs_weight_diff"], 1e-4, (name, mode))
+
+    def test_a_function_gets_the_flags_shapes_a_file_its_own(self):
+        models_run = self.results["models"]
+        self.assertEqual(models_run[self.FUNCTION]["input"],
+                         {"input_shape": [8, 8, 1], "input_dtype": "float32", "num_classes": 5,
+                          "x_range": [0, 1], "x_values": "uniform in [0, 1)"})
+        self.assertGreater(models_run[self.FUNCTION]["flops_per_step"], 0)
+        described = models_run[self.saved]["input"]
+        self.assertEqual((described["input_shape"], described["input_dtype"],
+                          described["num_classes"], described["x_range"]), ([6], "int32", 3, [0, 20]))
+
+    def test_token_ids_lie_in_the_embeddings_range_and_labels_in_the_classes(self):
+        setup, _ = model_setup.setup_for(self.saved, 256, (8, 8, 1), 5, seed=0)
+        self.assertEqual((setup.x.shape, setup.x.dtype), ((256, 6), np.int32))
+        self.assertEqual((setup.x.min(), setup.x.max()), (0, 19))  # 256 x 6 draws hit both ends
+        self.assertEqual((setup.y.min(), setup.y.max()), (0, 2))
 
 
 class PipelineBenchmarkTest(tf.test.TestCase):
