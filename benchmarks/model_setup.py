@@ -57,7 +57,7 @@ def setup_for(spec, global_batch_size, input_shape, num_classes, seed):
     try:
         form = model_spec.form_of(spec)
         if form == "file":
-            input_shape, num_classes = _declared_shapes(spec, _load_saved(spec))
+            input_shape, num_classes = _declared_shapes(spec, model_spec.load_file(spec))
             logging.info("%s: input %s, %d classes, from the file (--input_shape and "
                          "--num_classes do not apply)", spec, input_shape, num_classes)
         make_model = functools.partial(_build, spec, form, tuple(input_shape), num_classes, seed)
@@ -77,15 +77,6 @@ def _build(spec, form, input_shape, num_classes, seed):
     if form == "function":  # its layers draw from Keras's global seed
         keras.utils.set_random_seed(seed)
     return model_spec.load_model(spec, input_shape, num_classes, seed=seed)
-
-
-def _load_saved(path):
-    """The model saved at `path`, loaded as towers-train loads it.
-
-    model_spec has no public loader that does not need the shapes first, which
-    only the file knows; switch to one (e.g. model_spec.load_file) when it has it.
-    """
-    return model_spec._load_file(path)  # pylint: disable=protected-access
 
 
 def _declared_shapes(path, model):

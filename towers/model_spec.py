@@ -78,7 +78,7 @@ def load_model(spec, input_shape, num_classes, seed=None):
         return models.build_model(spec, input_shape, num_classes, seed=seed)
     input_shape = tuple(int(d) for d in input_shape)
     model = _call_function(spec, input_shape, num_classes) if form == "function" \
-        else _load_file(spec)
+        else load_file(spec)
     _check_fits(model, input_shape, num_classes)
     logging.info("model %r from %s: %s parameters, (B, %s) -> logits (B, %d).", model.name,
                  spec, f"{model.count_params():,}", ", ".join(map(str, input_shape)),
@@ -119,7 +119,12 @@ def _call_function(spec, input_shape, num_classes):
     return model
 
 
-def _load_file(path):
+def load_file(path):
+    """The model saved at `path` (PATH.keras), as it is: unchecked, its own shapes.
+
+    Raises:
+      ValueError: the file is missing, not a Keras archive, or does not load.
+    """
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise ValueError(f"model file {path!r} does not exist; save one with "
