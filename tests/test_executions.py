@@ -111,6 +111,22 @@ class ExecutionTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "steps_per_execution must be an integer >= 1"):
             _trainer(steps_per_execution=0)
 
+    def test_an_empty_batch_in_the_loop_is_refused_as_train_step_refuses_it(self):
+        # One tower, one micro-batch: the loop runs the step without the skip, behind a
+        # check. Batches of 6, 6, then one cut down to 0 rows.
+        x, y, w = reference.make_batches(18, num_steps=1, seed=4)[0]
+        dataset = tf.data.Dataset.zip(
+            tf.data.Dataset.from_tensor_slices((x, y, w)).batch(6),
+            tf.data.Dataset.from_tensor_slices([6, 6, 0]),
+        ).map(lambda batch, rows: tf.nest.map_structure(lambda t: t[:rows], batch))
+        trainer = towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                      keras.optimizers.Adam(0.05), devices=DEVICES[:1])
+        iterator = iter(dataset)
+        self.assertEqual(trainer.train_steps(iterator, 1)["steps"], 1)  # sets the trainer up
+        with self.assertRaisesRegex(ValueError, r"the step failed: .*the batch is empty"):
+            trainer.train_steps(iterator, 3)
+        self.assertEqual(trainer.step, 2)  # the second batch applied, the empty one not
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -207,10 +207,11 @@ def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
 
     One tf.function(jit_compile=True) (per stage) serves every tower: the tower
     index is an argument and no device is named inside, so a call runs on the
-    device it is called on. XLA compiles once per shape: split_batch gives at
-    most two shard (and micro-batch) sizes per global batch size, so uneven
-    and last batches add a few compilations, not one per step. Nothing is
-    padded, since padding rows would change BatchNorm's statistics.
+    device it is called on. XLA compiles once per shape and may_be_empty:
+    split_batch gives at most two shard (and micro-batch) sizes per global
+    batch size, so uneven and last batches add a few compilations, not one
+    per step. Nothing is padded, since padding rows would change BatchNorm's
+    statistics.
     """
     if stages.num_stages > 1:
         forwards = [tf.function(functools.partial(forward, model, training=True),
@@ -219,19 +220,21 @@ def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
                                  schedule_name, densify, forwards)
 
     @tf.function(jit_compile=True)
-    def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale):
+    def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
+                           may_be_empty):
         # The rows from the shard's shape, which XLA knows: it needs split sizes it can
-        # fold to constants, and it folds away unless_empty's tf.cond too.
+        # fold to constants. (It does not fold unless_empty's cond away: a cnn ran 20x
+        # slower with it, so full batches get the variant without, as outside XLA.)
         return run_tower(stages, loss, shard, split.batch_size(shard), batch_rows, weights,
                          state, [None], tower_index, micro_batches, schedule_name, loss_scale,
-                         densify)
+                         densify, may_be_empty=may_be_empty)
 
     def run_on_its_device(shard, rows, batch_rows, weights, state, row, tower_index,
                           loss_scale, may_be_empty):
-        del rows, may_be_empty  # XLA knows them from the shapes
+        del rows  # counted inside, from the shape
         with tf.device(row[0]):
             return run_compiled_tower(shard, batch_rows, weights, state, tower_index,
-                                      loss_scale)
+                                      loss_scale, may_be_empty)
 
     return run_on_its_device
 
