@@ -34,7 +34,7 @@ def measure(config):
     import towers
     devices = towers.configure_devices(config["num_towers"])
     import keras
-    from towers import models
+    from towers.cli import models
 
     model = models.build_model(config["model"], (32, 32, 3), 10, seed=0)
     trainer = towers.TowerTrainer(

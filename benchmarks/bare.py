@@ -19,7 +19,7 @@ layer's seed).
 
 import tensorflow as tf
 
-from towers import split
+from towers.data_parallel import split
 
 
 def train_step_fn(model, loss_fn, optimizer, devices, global_batch_size, jit_compile=False):

@@ -30,7 +30,7 @@ from absl import app, flags  # noqa: E402
 
 import towers  # noqa: E402
 from benchmarks import harness, model_setup, modes, report  # noqa: E402
-from towers import model_spec, models  # noqa: E402
+from towers.cli import model_spec, models  # noqa: E402
 
 MODELS = flags.DEFINE_list("models", ["mlp", "cnn"],
                            f"Comma-separated models to benchmark, each {model_spec.FORMS}. "

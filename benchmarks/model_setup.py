@@ -25,7 +25,7 @@ import tensorflow as tf
 from absl import logging
 
 from benchmarks import modes
-from towers import model_spec
+from towers.cli import model_spec
 
 # Ids drawn for an integer input whose vocabulary the model does not show: 0 and 1.
 DEFAULT_ID_RANGE = 2

@@ -45,7 +45,8 @@ def measure(config):
         towers.join_cluster(cluster)
     import keras
     import tensorflow as tf
-    from towers import exchange, models
+    from towers.data_parallel import exchange
+    from towers.cli import models
 
     with tf.device(devices[0]):
         model = models.build_model(config["model"], (32, 32, 3), 10, seed=0)
@@ -73,7 +74,7 @@ def measure(config):
 
 def run_workers(script, config, num_workers):
     """Runs num_workers worker children together; returns their results."""
-    from towers import launch
+    from towers.multi_worker import launch
     hosts = [f"127.0.0.1:{port}" for port in launch.free_ports(num_workers)]
     children = [child_process.start_child(script, {**config, "worker_hosts": hosts,
                                                    "task_index": i})

@@ -25,7 +25,8 @@ from absl import app, flags  # noqa: E402
 
 import towers  # noqa: E402
 from benchmarks import pipeline_harness  # noqa: E402
-from towers import models, schedule  # noqa: E402
+from towers.cli import models  # noqa: E402
+from towers.model_parallel import schedule  # noqa: E402
 
 MODEL = flags.DEFINE_enum("model", "cnn", models.MODELS, "Model to cut into pipeline stages.")
 STAGES = flags.DEFINE_list("stages", ["1", "2", "4"],

@@ -19,7 +19,8 @@ from absl import logging
 
 import towers
 from benchmarks import harness, measure, modes, phases, pipeline_profile, report
-from towers import models as models_lib, schedule
+from towers.cli import models as models_lib
+from towers.model_parallel import schedule
 
 NUM_CLASSES = harness.NUM_CLASSES
 

@@ -33,7 +33,8 @@ import time
 import tensorflow as tf
 
 from benchmarks import phases
-from towers import devices as devices_lib, schedule
+from towers import devices as devices_lib
+from towers.model_parallel import schedule
 
 OpRun = collections.namedtuple("OpRun", ["name", "type", "device", "start_ps", "end_ps"])
 OpRun.__doc__ = "One op run in a trace: node name, op type, device (None: unknown), times in ps."

@@ -64,10 +64,10 @@ class AverageGradientsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertTrue(mean[0].device.endswith("CPU:2"))
 
     def test_gather_copies_to_main_device(self):
-        from towers import aggregate
+        from towers.data_parallel import aggregate
         with tf.device("/device:CPU:3"):
             grads = [[tf.constant(g[0])] for g in self.grads]
-        gathered = aggregate.gather_gradients(grads, "/device:CPU:1")
+        gathered = aggregate.gather(grads, "/device:CPU:1")
         self.assertTrue(all(g[0].device.endswith("CPU:1") for g in gathered))
         self.assertAllClose(self.grads[2][0], gathered[2][0])
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from benchmarks import harness, model_setup, modes, phases
-from towers import models
+from towers.cli import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]

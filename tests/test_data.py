@@ -10,8 +10,7 @@ import pytest
 from keras.src.backend import config as keras_config
 from keras.src.utils import file_utils
 
-from towers import data as data_lib
-from towers import data_files
+from towers.cli import data as data_lib, data_files
 
 NUM_TRAIN, NUM_TEST = 10, 7
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
-from towers import model_spec, models
+from towers.cli import model_spec, models
 
 DIGITS, CIFAR = (8, 8, 1), (32, 32, 3)
 NUM_CLASSES = 10

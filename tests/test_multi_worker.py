@@ -7,12 +7,14 @@ check the cluster description and the errors a user can make.
 import functools
 import json
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from unittest import mock
 
@@ -24,7 +26,8 @@ from absl.testing import flagsaver, parameterized
 import towers
 from tests import multi_worker_job, reference
 from tests.checkpoint_files import checkpoint_values, position
-from towers import launch, train
+from towers.cli import train
+from towers.multi_worker import launch
 
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
@@ -56,7 +59,7 @@ def _started(test, process):
     return process
 
 
-LAUNCHER = [sys.executable, os.path.join(ROOT, "towers", "launch.py")]
+LAUNCHER = [sys.executable, os.path.join(ROOT, "towers", "multi_worker", "launch.py")]
 
 
 def _launch(*args, timeout=300):
@@ -67,6 +70,26 @@ def _launch(*args, timeout=300):
 def _error_line(stderr):
     lines = [line for line in stderr.splitlines() if line.startswith("towers-train: error:")]
     return lines[-1] if lines else stderr[-2000:]
+
+
+def _read_until(stream, pattern, timeout_s):
+    """Reads `stream` line by line up to the first line that matches `pattern`.
+
+    Returns the text read, that line included. A watchdog test times its run to
+    this line, the error being reported, not to the process's exit, whose
+    TensorFlow teardown a loaded machine stretches by tens of seconds.
+    """
+    found, lines = queue.Queue(), []
+
+    def read():
+        for line in stream:
+            lines.append(line)
+            if re.search(pattern, line):
+                break
+        found.put("".join(lines))
+
+    threading.Thread(target=read, daemon=True).start()
+    return found.get(timeout=timeout_s)
 
 
 def _wait_for_checkpoint(directory, processes, timeout_s=120):
@@ -150,8 +173,9 @@ class FaultTest(tf.test.TestCase):
         _wait_for_checkpoint(directory, [launcher])
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
-        output, _ = launcher.communicate(timeout=120)
+        output = _read_until(launcher.stdout, r"\[worker 0\] towers-train: error:", 120)
         self.assertLess(time.monotonic() - killed, 5 + 30)  # peer timeout + slack
+        output += launcher.communicate(timeout=120)[0]
         self.assertEqual(launcher.returncode, 1, output[-3000:])
         self.assertRegex(output, r"\[worker 0\] towers-train: error: step \d+: worker 1 "
                                  r"\(127.0.0.1:\d+\) stopped answering .*Restart every worker")
@@ -210,8 +234,9 @@ class FaultTest(tf.test.TestCase):
             _wait_for_checkpoint(directory, workers)
             os.kill(workers[1].pid, signal.SIGSTOP)  # alive, holding its port, silent
             stopped = time.monotonic()
-            _, stderr = workers[0].communicate(timeout=60)
+            stderr = _read_until(workers[0].stderr, "^towers-train: error:", 60)
             self.assertLess(time.monotonic() - stopped, 3 + 20)
+            stderr += workers[0].communicate(timeout=60)[1]
             self.assertEqual(workers[0].returncode, 1)
             self.assertRegex(_error_line(stderr),
                              r"towers-train: error: step \d+: worker 1 \(127.0.0.1:\d+\) "

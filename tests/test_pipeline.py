@@ -10,8 +10,9 @@ from absl.testing import parameterized
 
 import towers
 from tests import reference
-from towers import schedule, stages as stages_lib, tower
-from towers.checkpoint import Checkpointer
+from towers.data_parallel import tower
+from towers.model_parallel import schedule, stages as stages_lib
+from towers.training.checkpoint import Checkpointer
 
 CPU = [f"/device:CPU:{i}" for i in range(4)]
 TOLERANCE = 1e-5

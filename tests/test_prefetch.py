@@ -10,7 +10,9 @@ import tensorflow as tf
 
 import towers
 from tests import reference
-from towers import devices as devices_lib, prefetch, split, tower
+from towers import devices as devices_lib
+from towers.data_parallel import split, tower
+from towers.training import prefetch
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 SIZE, BATCH = 14, 4  # batches of 4, 4, 4, 2: the last one leaves towers 2 and 3 empty

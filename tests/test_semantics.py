@@ -113,8 +113,8 @@ class SparseGradientTest(tf.test.TestCase, parameterized.TestCase):
         batches = _text_batches(12, steps=1)
         low = _train(_text_model(), batches, sparse_policy=0.1)
         high = _train(_text_model(), batches, sparse_policy=0.5)
-        self.assertEqual(low._densify, [True, False, False])
-        self.assertEqual(high._densify, [False, False, False])
+        self.assertEqual(low.setup.densify, [True, False, False])
+        self.assertEqual(high.setup.densify, [False, False, False])
 
     def test_bad_policy(self):
         with self.assertRaisesRegex(ValueError, "sparse_policy must be one of"):

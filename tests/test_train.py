@@ -18,7 +18,7 @@ from absl import flags
 from absl.testing import flagsaver, parameterized
 
 from tests.checkpoint_files import checkpoint_values, position
-from towers import model_spec, train
+from towers.cli import model_spec, train
 
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()

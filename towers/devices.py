@@ -1,4 +1,4 @@
-"""Tower devices: choosing them (set-up) and giving each one the weights (step 2).
+"""Devices: choosing the towers' (set-up), naming them, laying them out in a grid.
 
 `configure_devices` must run before TensorFlow initialises its runtime, because
 logical devices (several towers carved out of one physical GPU or out of the
@@ -110,47 +110,24 @@ def check_devices_exist(devices):
             "TensorFlow runs to create more.")
 
 
-def broadcast_weights(values, tower):
-    """Step 2: copies `values` (tensors on the main device) to `tower`.
+def size_thread_pools(intra_op_threads, inter_op_threads):
+    """Sizes TensorFlow's two process-wide thread pools (0 or None keeps its choice).
 
-    Every tower then reads an identical local copy; the copy is also what the
-    tower's GradientTape differentiates with respect to.
+    Raises ValueError once TensorFlow's runtime has started, which fixes them.
     """
-    with tf.device(tower):
-        return [tf.identity(value) for value in values]
-
-
-VARIABLE_PLACEMENTS = ("main", "replicated")
-
-
-class Replicas:
-    """A copy of every model variable on every tower (variable_placement="replicated").
-
-    At the start of each step every tower's copy is written from the model's
-    (main) values, and the tower reads its weights from it. Writing before the
-    towers read, not after the update, moves the same bytes per step, and a
-    change made outside the step (set_weights, a restored checkpoint, a
-    callback) can never leave a tower training on stale weights.
-    """
-
-    def __init__(self, model, devices):
-        self._variables = model.trainable_variables + model.non_trainable_variables
-        self._num_trainable = len(model.trainable_variables)
-        self._copies = []
-        for i, device in enumerate(devices):
-            with tf.device(device):
-                self._copies.append([tf.Variable(v.value, trainable=False,
-                                                 name=f"tower_{i}_replica")
-                                     for v in self._variables])
-
-    def read(self, tower_index):
-        """Step 2, replicated: (weights, state) of tower `tower_index`, its copies first
-        written from the model's values, then read on it."""
-        values = []
-        for copy, variable in zip(self._copies[tower_index], self._variables):
-            copy.assign(variable.value)  # ordered before the read: the same resource
-            values.append(copy.read_value())
-        return values[:self._num_trainable], values[self._num_trainable:]
+    for name, threads, set_threads in (
+            ("intra_op_threads", intra_op_threads,
+             tf.config.threading.set_intra_op_parallelism_threads),
+            ("inter_op_threads", inter_op_threads,
+             tf.config.threading.set_inter_op_parallelism_threads)):
+        if threads:
+            try:
+                set_threads(threads)
+            except RuntimeError:
+                raise ValueError(
+                    f"{name}={threads} comes too late: TensorFlow's runtime already "
+                    "started in this process and fixed its thread pools; set it in a fresh "
+                    "process, before anything runs TensorFlow.") from None
 
 
 def _check_arguments(num_towers, device_type, memory_limit_mb):

@@ -13,7 +13,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from towers import data_files, split
+from towers.cli import arrays as arrays_lib, data_files
+from towers.data_parallel import split
 
 DATASETS = ("digits", "synthetic", "mnist", "fashion_mnist", "cifar10")
 HOLDOUT_FRACTION = 0.1  # of an .npz's training examples, when it has no test split
@@ -23,7 +24,6 @@ _DIGITS_SPLIT_SEED = 0
 _HOLDOUT_SEED = 0
 _SYNTHETIC_SHAPE, _SYNTHETIC_CLASSES = (32, 32, 3), 10
 _SYNTHETIC_TRAIN, _SYNTHETIC_TEST = 2048, 512
-
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -276,7 +276,8 @@ def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
                              f"{y.shape}; give one label per example (the same N).")
         if not len(y):
             raise ValueError(f"{name}: the {part} split is empty; give at least one example.")
-        splits.append((_images(name, f"x_{part}", x), _labels(name, f"y_{part}", y)))
+        splits.append((arrays_lib.images(name, f"x_{part}", x),
+                       arrays_lib.labels(name, f"y_{part}", y)))
     (x_train, y_train), (x_test, y_test) = splits
     if x_train.shape[1:] != x_test.shape[1:]:
         raise ValueError(f"{name}: x_train examples have shape {x_train.shape[1:]} but x_test "
@@ -284,43 +285,6 @@ def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
     if num_classes is None:
         num_classes = int(max(y_train.max(), y_test.max())) + 1
     return Data(x_train, y_train, x_test, y_test, num_classes, name)
-
-
-def _images(name, what, x):
-    """x as (N, H, W, C) float32; integers are 0..255 pixels, scaled to [0, 1]."""
-    if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_:
-        low, high = int(x.min()), int(x.max())
-        if low < 0 or high > 255:
-            raise ValueError(f"{name}: {what} holds integers from {low} to {high}; integer "
-                             "images must be 0..255 pixels, else save floats in [0, 1].")
-        x = x.astype(np.float32)
-        x /= 255.0  # in place: cifar10 is 600 MB as float32
-    elif np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float32, copy=False)
-        if not np.isfinite(x).all():
-            raise ValueError(f"{name}: {what} contains NaN or Inf; every input must be finite.")
-        if x.min() < 0.0 or x.max() > 1.0:
-            logging.warning("%s: %s ranges over [%g, %g], not [0, 1]; using it as given.",
-                            name, what, x.min(), x.max())
-    else:
-        raise ValueError(f"{name}: {what} has dtype {x.dtype}; give uint8 pixels (0..255) "
-                         "or floats in [0, 1].")
-    if x.ndim == 2:
-        return x.reshape(x.shape + (1, 1))  # (N, D) -> a column image (N, D, 1, 1)
-    return x[..., np.newaxis] if x.ndim == 3 else x
-
-
-def _labels(name, what, y):
-    """y as (N,) int32 class ids; integral floats are accepted."""
-    integral = np.issubdtype(y.dtype, np.integer) or (
-        np.issubdtype(y.dtype, np.floating) and np.isfinite(y).all() and (y == np.round(y)).all())
-    if not integral:
-        raise ValueError(f"{name}: {what} (dtype {y.dtype}) is not integer class ids; "
-                         "labels must be whole numbers 0..num_classes-1.")
-    if y.min() < 0:
-        raise ValueError(f"{name}: {what} has a negative label ({int(y.min())}); class ids "
-                         "start at 0.")
-    return y.astype(np.int32)
 
 
 def _check_int(what, value, minimum):

@@ -1,7 +1,7 @@
 """Where dataset arrays come from on disk: the Keras dataset cache (downloaded when
 online) and a user's .npz file, read without unpickling.
 
-Both return raw NumPy arrays; towers.data checks and converts them.
+Both return raw NumPy arrays; data.py and arrays.py check and convert them.
 """
 
 import os

@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import models
+from towers.cli import models
 
 KERAS_SUFFIX = ".keras"
 FORMS = (f"a built-in model ({'|'.join(models.MODELS)}), PACKAGE.MODULE:FUNCTION (your "

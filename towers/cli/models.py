@@ -17,9 +17,10 @@ import math
 
 import keras
 import numpy as np
+from absl import logging
 from keras import layers, ops
 
-from towers import stages
+from towers.model_parallel import stages
 
 MODELS = ("mlp", "cnn", "resnet", "text")
 
@@ -246,3 +247,23 @@ def layer_compute(layer):
     positions = math.prod(output_shape[:-1]) if len(output_shape) > 1 else 1
     weights = sum(math.prod(w.shape) for w in layer.weights)
     return weights * positions if weights else math.prod(output_shape)
+
+
+def cuts_for_stages(model, num_stages):
+    """The layers to cut `model` after for `num_stages` stages; logs the stages' compute."""
+    if num_stages == 1:
+        return []
+    try:
+        cuts = pipeline_cuts(model, num_stages)
+    except ValueError as error:
+        raise ValueError(f"--pipeline_stages={num_stages} cannot cut this model: {error}"
+                         ) from None
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    names = [layer.name for layer in layers]
+    ends = [names.index(cut) + 1 for cut in cuts] + [len(layers)]
+    compute = [sum(layer_compute(layer) for layer in layers[start:end])
+               for start, end in zip([0] + ends[:-1], ends)]
+    logging.info("Pipeline: model %r cut after %s into %d stages, balanced by estimated "
+                 "compute (multiply-adds per example, per stage: %s).", model.name, cuts,
+                 num_stages, ", ".join(f"{c:,}" for c in compute))
+    return cuts

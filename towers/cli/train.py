@@ -21,8 +21,11 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 import towers  # noqa: E402
-from towers import data as data_lib, model_spec, models, schedule  # noqa: E402
-from towers.checkpoint import Checkpointer  # noqa: E402
+from towers.cli import data as data_lib, model_spec, models  # noqa: E402
+from towers.data_parallel import exchange, replicas  # noqa: E402
+from towers.model_parallel import schedule  # noqa: E402
+from towers.multi_worker import cluster as cluster_lib  # noqa: E402
+from towers.training.checkpoint import Checkpointer  # noqa: E402
 
 DEFAULT_EPOCHS = 10
 # EX_TEMPFAIL (sysexits.h): stopped on request; the same command resumes.
@@ -55,15 +58,16 @@ STEPS = flags.DEFINE_integer("steps", None, "Optimizer steps to train; not with 
                              lower_bound=1)
 OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.")
 LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
-AGGREGATION = flags.DEFINE_enum("aggregation", "main", towers.exchange.AGGREGATIONS,
+AGGREGATION = flags.DEFINE_enum("aggregation", "main", exchange.AGGREGATIONS,
                                 "How tower gradients meet: gathered on the main device, "
                                 "pairwise tree, collective all-reduce, or NCCL (GPUs).")
 PACK_GRADIENTS = flags.DEFINE_bool("pack_gradients", False,
                                    "Exchange each tower's gradients as one flat buffer.")
 VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
-                                       towers.devices.VARIABLE_PLACEMENTS,
+                                       replicas.VARIABLE_PLACEMENTS,
                                        "One copy of the variables on the main device, or a "
-                                       "copy on every tower refreshed after each step.")
+                                       "copy on every tower, written from the main values "
+                                       "at the start of each step.")
 STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 1,
     "Training steps per call of one compiled function (an in-graph loop, no Python "
@@ -132,12 +136,12 @@ WORKER_HOSTS = flags.DEFINE_list("worker_hosts", None,
 TASK_INDEX = flags.DEFINE_integer("task_index", None,
                                   "This worker's position in --worker_hosts (0 = chief).",
                                   lower_bound=0)
-PEER_TIMEOUT_S = flags.DEFINE_float("peer_timeout_s", towers.cluster.DEFAULT_PEER_TIMEOUT_S,
+PEER_TIMEOUT_S = flags.DEFINE_float("peer_timeout_s", cluster_lib.DEFAULT_PEER_TIMEOUT_S,
                                     "A worker that does not answer for this many seconds "
                                     "during a step stops every worker with an error.",
                                     lower_bound=1.0)
 STARTUP_TIMEOUT_S = flags.DEFINE_float("startup_timeout_s",
-                                       towers.cluster.DEFAULT_STARTUP_TIMEOUT_S,
+                                       cluster_lib.DEFAULT_STARTUP_TIMEOUT_S,
                                        "How long each worker waits for all the others to start.",
                                        lower_bound=1.0)
 flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
@@ -166,7 +170,10 @@ def main(argv):
 
 def train():
     """Runs the whole job described by the flags; returns the final metrics."""
-    _size_thread_pools()  # before anything starts TensorFlow's runtime, which fixes them
+    try:  # before anything starts TensorFlow's runtime, which fixes them
+        towers.devices.size_thread_pools(INTRA_OP_THREADS.value, INTER_OP_THREADS.value)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None
     cluster = _cluster()
     _check_pipeline_flags()
     _check_model_flag()
@@ -180,7 +187,7 @@ def train():
         towers.join_cluster(cluster)
         # What decides which examples each step reads; the trainer checks the rest.
         data_flags = (DATASET, DATA_NPZ, GLOBAL_BATCH_SIZE, EPOCHS, STEPS, SEED)
-        towers.cluster.check_same(cluster, {f"--{f.name}": f.value for f in data_flags})
+        cluster_lib.check_same(cluster, {f"--{f.name}": f.value for f in data_flags})
     is_chief = cluster is None or cluster.is_chief
     worker_index, num_workers = (0, 1) if cluster is None else (cluster.task_index,
                                                                 cluster.num_workers)
@@ -205,7 +212,7 @@ def train():
                                           seed=SEED.value)
         except ValueError as error:
             raise ValueError(f"--model: {error}") from None
-    cuts = _pipeline_cuts(model, num_stages)
+    cuts = models.cuts_for_stages(model, num_stages)
     optimizer = (keras.optimizers.Adam(LEARNING_RATE.value) if OPTIMIZER.value == "adam"
                  else keras.optimizers.SGD(LEARNING_RATE.value, momentum=0.9))
     trainer = towers.TowerTrainer(
@@ -270,21 +277,6 @@ def train():
     return results
 
 
-def _size_thread_pools():
-    """Sizes TensorFlow's two process-wide thread pools from the flags; 0 keeps its choice."""
-    for flag, set_threads in (
-            (INTRA_OP_THREADS, tf.config.threading.set_intra_op_parallelism_threads),
-            (INTER_OP_THREADS, tf.config.threading.set_inter_op_parallelism_threads)):
-        if flag.value:
-            try:
-                set_threads(flag.value)
-            except RuntimeError:
-                raise ValueError(
-                    f"--{flag.name}={flag.value} comes too late: TensorFlow's runtime already "
-                    "started in this process and fixed its thread pools; pass the flag to a "
-                    "fresh towers-train process.") from None
-
-
 def _check_pipeline_flags():
     """Refuses, before any work, flag combinations the pipeline cannot run."""
     if ACCUM_STEPS.value > 1 and MICRO_BATCHES.value > 1:
@@ -307,26 +299,6 @@ def _check_model_flag():
         model_spec.form_of(MODEL.value)
     except ValueError as error:
         raise ValueError(f"--model: {error}") from None
-
-
-def _pipeline_cuts(model, num_stages):
-    """The layers to cut `model` after for `num_stages` stages; logs the stages' compute."""
-    if num_stages == 1:
-        return []
-    try:
-        cuts = models.pipeline_cuts(model, num_stages)
-    except ValueError as error:
-        raise ValueError(f"--pipeline_stages={num_stages} cannot cut this model: {error}"
-                         ) from None
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-    names = [layer.name for layer in layers]
-    ends = [names.index(cut) + 1 for cut in cuts] + [len(layers)]
-    compute = [sum(models.layer_compute(layer) for layer in layers[start:end])
-               for start, end in zip([0] + ends[:-1], ends)]
-    logging.info("Pipeline: model %r cut after %s into %d stages, balanced by estimated "
-                 "compute (multiply-adds per example, per stage: %s).", model.name, cuts,
-                 num_stages, ", ".join(f"{c:,}" for c in compute))
-    return cuts
 
 
 def _cluster():

@@ -5,18 +5,18 @@ import numbers
 import tensorflow as tf
 
 
-def gather_gradients(tower_grads, device):
-    """Step 5: copies every tower's gradients to `device` (the main device).
+def gather(tower_values, device):
+    """Step 5: copies every tower's values (gradients, or new state) to `device`.
 
     Args:
-      tower_grads: one list per tower of gradients (Tensor, tf.IndexedSlices or None).
-      device: where the copies go, e.g. "/device:GPU:0" or "/cpu:0".
+      tower_values: one list per tower of Tensor, tf.IndexedSlices or None.
+      device: where the copies go (the main device), e.g. "/device:GPU:0".
 
     Returns:
       the same nested lists, every tensor now on `device`.
     """
     with tf.device(device):
-        return [[_copy(grad) for grad in grads] for grads in tower_grads]
+        return [[_copy(value) for value in values] for values in tower_values]
 
 
 def average_gradients(tower_grads, weights=None, device=None):
@@ -55,7 +55,7 @@ def average_gradients(tower_grads, weights=None, device=None):
     _check_tower_grads(tower_grads)
     with tf.device(device):
         fractions = _weight_fractions(weights, len(tower_grads))
-        return sum_gradients([[None if grad is None else _scale_gradient(grad, fraction)
+        return sum_gradients([[None if grad is None else scale(grad, fraction)
                                for grad in grads]
                               for grads, fraction in zip(tower_grads, fractions)], device)
 
@@ -148,7 +148,9 @@ def _sum(grads):
     return tf.add_n([tf.convert_to_tensor(grad) for grad in present])
 
 
-def _scale_gradient(grad, fraction):
+def scale(grad, fraction):
+    """grad * fraction (a number or float scalar), a Tensor or tf.IndexedSlices; a zero
+    fraction gives exact zeros, even where grad holds NaN (an empty tower or worker)."""
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(_scale(grad.values, fraction), grad.indices, grad.dense_shape)
     return _scale(grad, fraction)

@@ -1,17 +1,20 @@
-"""Steps 3 and 4: what one tower does with its shard, on its own device.
+"""Steps 3 and 4: what one tower does with its shard, on its own device(s).
 
-Every function here runs under `tf.device(tower)` and writes no variable: the
-model runs through Keras 3 `stateless_call` on the tower's copies of the
-weights, so towers never race to update BatchNorm statistics or RNG state.
+`run_tower` takes the shard's micro-batches forward (forward.py) and back
+(GradientTape) through the tower's pipeline stages in the schedule's order;
+with one stage and one micro-batch that is one forward and one backward.
+Nothing here writes a variable.
 """
 
 import collections
 import functools
-import inspect
 
 import tensorflow as tf
 
-from towers import aggregate, losses, schedule, split
+from towers.data_parallel import aggregate, split
+from towers.data_parallel.forward import batch_share, concat_rows, forward, shard_loss
+from towers.data_parallel.forward import unless_empty
+from towers.model_parallel import schedule
 
 TowerOutput = collections.namedtuple("TowerOutput", ["grads", "loss", "state", "y_pred"])
 TowerOutput.__doc__ = """What one tower computed, on that tower.
@@ -247,111 +250,6 @@ def _run_stages_compiled(stages, loss, micro_batches, schedule_name, densify, fo
                      micro_batches, schedule_name, loss_scale, densify, forwards, may_be_empty)
 
 
-def predict(stages, weights, state, x, rows, row, may_be_empty=True):
-    """Step 3 without gradients, stage by stage along `row`: (y_pred, regularization).
-
-    weights, state: in model order, each on its stage's device. x: `rows`
-    examples (an int or int32 scalar); may_be_empty as run_tower's. y_pred and
-    the regularisation (the sum over stages, a float32 scalar; 0 for no rows)
-    are on row[-1].
-    """
-    values, regularization = x, []
-    for k, device in enumerate(row):
-        with tf.device(device):
-            values = values if k == 0 else [tf.identity(t) for t in tf.nest.flatten(values)]
-            values, _, stage_regularization = unless_empty(
-                rows, functools.partial(forward, stages.models[k], training=False),
-                stages.select(weights, k), stages.select(state, k, trainable=False), values,
-                may_be_empty)
-            regularization.append(stage_regularization)
-    with tf.device(row[-1]):
-        return values, tf.add_n([tf.identity(r) for r in regularization])
-
-
-def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
-    """forward_fn(weights, state, x), run only when the micro-batch x has rows.
-
-    An empty micro-batch (a batch smaller than towers x micro-batches) has
-    nothing to compute: its gradients are zero and its weight in every average
-    is 0, so skipping it is exact. And some kernels mishandle a 0-row input
-    (TensorFlow's oneDNN convolution returns a wrong shape), so the model must
-    not see one. Where `rows` is known only at run time, a tf.cond picks.
-
-    Args:
-      rows: examples in x, an int or an int32 scalar Tensor.
-      forward_fn: fn(weights, state, x) -> (y_pred, new_state, regularization),
-        as `forward`.
-      may_be_empty: False where x is known to have rows: forward_fn runs, no
-        tf.cond (it costs a few percent of a small model's step).
-
-    Returns:
-      forward_fn's result; for no rows, y_pred with 0 rows shaped like a real
-      one (unknown dims 0), the state as it was and a regularisation of 0.
-    """
-    if not may_be_empty or isinstance(rows, int) and rows > 0:
-        return forward_fn(weights, state, x)
-    if tf.executing_eagerly():
-        if int(rows) > 0:
-            return forward_fn(weights, state, x)
-        # The empty result takes its shapes from a traced forward: trace one.
-        return tf.function(unless_empty)(tf.constant(0), forward_fn, weights, state, x)
-    traced = []
-
-    def run():
-        traced.append(forward_fn(weights, state, x))
-        return traced[0]
-
-    def skip():  # traced after run, so it knows run's structure
-        y_pred, new_state, _ = traced[0]
-        return (tf.nest.map_structure(_no_rows, y_pred),
-                [None if new is None else old for new, old in zip(new_state, state)],
-                tf.constant(0.0))
-
-    return tf.cond(tf.greater(rows, 0), run, skip)
-
-
-def _no_rows(like):
-    """A Tensor of 0 rows shaped and typed like `like` (its unknown dims 0)."""
-    return tf.zeros([0] + [d or 0 for d in like.shape.as_list()[1:]], like.dtype)
-
-
-def forward(model, weights, state, x, training):
-    """Step 3: the model's forward pass on the current device, writing no variable.
-
-    Returns:
-      (y_pred, new_state, regularization): outputs; the new non-trainable
-      values (None where the layer did not change them); the sum of the model's
-      regularisation losses, a float32 scalar (0 when it has none).
-    """
-    kwargs = {"training": training} if _accepts_training(model) else {}
-    y_pred, new_state, extra_losses = model.stateless_call(
-        weights, state, x, return_losses=True, **kwargs)
-    new_state = [new if new is not old else None for new, old in zip(new_state, state)]
-    regularization = tf.add_n([tf.cast(l, tf.float32) for l in extra_losses]
-                              ) if extra_losses else tf.constant(0.0)
-    return y_pred, new_state, regularization
-
-
-def shard_loss(loss, shard, y_pred, regularization, rows, batch_rows):
-    """A shard's part of the batch's loss, a float32 scalar: its per-example losses
-    (sample-weighted) summed, over the batch's rows, plus the regularisation times
-    rows / batch_rows.
-
-    Adding up the parts of a batch's shards gives the batch's mean loss plus
-    the regularisation counted once, which is what one device computes (Keras's
-    sum_over_batch_size). An empty shard's part is 0.
-    """
-    _, y, sample_weight = split.unpack_batch(shard)
-    per_example = losses.per_example_loss(loss, y, y_pred, sample_weight)
-    return (tf.math.divide_no_nan(tf.reduce_sum(per_example), batch_rows)
-            + regularization * batch_share(rows, batch_rows))
-
-
-def batch_share(rows, batch_rows):
-    """rows / batch_rows as a float32 scalar (0 for a batch of no rows)."""
-    return tf.math.divide_no_nan(tf.cast(rows, tf.float32), batch_rows)
-
-
 def choose_dense_gradients(model, loss, shard, sparse_policy):
     """One bool per trainable variable: densify its sparse gradient on the tower?
 
@@ -374,22 +272,6 @@ def choose_dense_gradients(model, loss, shard, sparse_policy):
             for g in tape.gradient(value, weights)]
 
 
-def concat_rows(parts):
-    """Concatenates a list of (nested) outputs along dim 0.
-
-    The first part holds the most rows (split_batch's order). An empty part
-    (unless_empty's) has 0 for the dims it could not know, so where those are
-    unknown, every part takes the first part's.
-    """
-    def concat(*pieces):
-        if not pieces[0].shape[1:].is_fully_defined():
-            features = tf.shape(pieces[0])[1:]
-            pieces = [tf.reshape(p, tf.concat([tf.shape(p)[:1], features], 0)) for p in pieces]
-        return tf.concat(pieces, 0)
-
-    return tf.nest.map_structure(concat, *parts)
-
-
 def _offset_seeds(model, state, tower_index):
     """Tower i's RNG seed states: seed + i, so dropout masks differ between towers.
 
@@ -403,9 +285,3 @@ def _offset_seeds(model, state, tower_index):
     offset = tf.stack([tf.cast(tower_index, tf.int64), tf.constant(0, tf.int64)])
     return [value + tf.cast(offset, value.dtype) if variable.path.endswith(_SEED_STATE_SUFFIX)
             else value for variable, value in zip(model.non_trainable_variables, state)]
-
-
-def _accepts_training(model):
-    parameters = inspect.signature(model.call).parameters
-    return "training" in parameters or any(
-        p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())

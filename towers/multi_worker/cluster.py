@@ -5,16 +5,13 @@ chief. `join` starts this worker's TensorFlow gRPC server with collective
 ops enabled (what MultiWorkerMirroredStrategy does underneath), waits until
 every worker has joined, and starts a watchdog that ends a step whose peers
 stopped answering. The cross-worker all-reduce of the gradients is
-exchange.all_reduce_across_workers; the tower step is unchanged.
+collectives.all_reduce_across_workers; the tower step is unchanged.
 """
 
-import contextlib
 import dataclasses
 import json
 import os
 import socket
-import threading
-import time
 import zlib
 
 import tensorflow as tf
@@ -24,8 +21,10 @@ from absl import logging
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
 
-from towers import errors, exchange
+from towers import errors
+from towers.data_parallel import collectives, exchange
 from towers.errors import WorkerLostError
+from towers.multi_worker.watchdog import Watchdog
 
 JOB = "worker"
 DEFAULT_PEER_TIMEOUT_S = 30.0
@@ -189,9 +188,9 @@ def check_same(cluster, values, timeout_s=None):
     fingerprints = tf.constant([zlib.crc32(repr(v).encode()) for v in values.values()],
                                tf.int64)
     try:
-        with tf.device(HOST_DEVICE), exchange.instance_keys(("check_same", tuple(values))):
+        with tf.device(HOST_DEVICE), collectives.instance_keys(("check_same", tuple(values))):
             # max(f) and max(-f) = -min(f): equal on every worker only if all agree.
-            highest = exchange.all_reduce_across_workers(
+            highest = collectives.all_reduce_across_workers(
                 [tf.concat([fingerprints, -fingerprints], 0)], cluster, HOST_DEVICE,
                 merge_op="Max", timeout_s=timeout_s or 0)[0].numpy()
     except tf.errors.DeadlineExceededError:
@@ -235,12 +234,12 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers):
             int(optimizer.iterations.numpy()),
     })
     variables = model.variables + optimizer.variables
-    with exchange.instance_keys(("start_together", signature)):
+    with collectives.instance_keys(("start_together", signature)):
         chiefs, _ = exchange.mean_across_workers(
             [v.value for v in variables], float(cluster.is_chief), cluster, HOST_DEVICE)
         for variable, value in zip(variables, chiefs):
             variable.assign(value)
-        towers_per_worker = exchange.all_reduce_across_workers(
+        towers_per_worker = collectives.all_reduce_across_workers(
             [tf.one_hot(cluster.task_index, cluster.num_workers, dtype=tf.int64) * num_towers],
             cluster, HOST_DEVICE)[0].numpy()
     return int(towers_per_worker[:cluster.task_index].sum()), int(towers_per_worker.sum())
@@ -250,67 +249,6 @@ def model_signature(model):
     """(path, shape, dtype) of every variable of `model`: alike on every worker that
     trains the same model (start_together checks it), whatever else each built."""
     return [(v.path, tuple(v.shape), v.dtype) for v in model.variables]
-
-
-class Watchdog:
-    """Pings the other workers while a step runs; aborts the step when one is lost.
-
-    A worker that died refuses connections, and its peers' all-reduce fails at
-    once; one that hangs is noticed within peer_timeout_s plus one ping
-    interval. Either way every surviving worker raises WorkerLostError.
-    """
-
-    def __init__(self, cluster):
-        self.cluster = cluster
-        self._stepping = threading.Event()
-        self._lost = None  # (task index, reason) of the first worker found lost
-        self._interval_s = min(5.0, cluster.peer_timeout_s / 3)
-        if cluster.num_workers > 1:
-            threading.Thread(target=self._watch, daemon=True, name="towers-watchdog").start()
-
-    @contextlib.contextmanager
-    def step(self, step_number):
-        """Runs one step under watch; a lost worker turns its failure into WorkerLostError."""
-        self._stepping.set()
-        try:
-            yield
-        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-                tf.errors.AbortedError, tf.errors.CancelledError,
-                tf.errors.FailedPreconditionError) as error:
-            lost = self._lost or self._find_lost()
-            who = (f"worker {lost[0]} ({self.cluster.workers[lost[0]]}) stopped answering "
-                   f"({lost[1]})" if lost else
-                   f"the all-reduce across workers failed ({errors.root_cause(error)})")
-            raise WorkerLostError(
-                f"step {step_number}: {who}, so worker {self.cluster.task_index} stops too; "
-                "the failing step was not applied. Restart every worker with the same "
-                "checkpoint directory to resume from the last checkpoint.") from None
-        finally:
-            self._stepping.clear()
-
-    def _watch(self):
-        while self._lost is None:
-            self._stepping.wait()
-            lost = self._find_lost(self.cluster.peer_timeout_s)
-            if lost and self._stepping.is_set():
-                self._lost = lost
-                logging.error("worker %d is lost (%s); aborting this step", *lost)
-                context.context().abort_collective_ops(
-                    tf.errors.UNAVAILABLE, f"worker {lost[0]} stopped answering")
-                return
-            time.sleep(self._interval_s)
-
-    def _find_lost(self, timeout_s=1.0):
-        """(task index, reason) of the first peer that does not answer, or None."""
-        for index in range(self.cluster.num_workers):
-            if index == self.cluster.task_index:
-                continue
-            try:
-                context.context().check_collective_ops_peer_health(
-                    self.cluster.task_name(index), timeout_in_ms=int(timeout_s * 1000))
-            except tf.errors.OpError as error:
-                return index, errors.root_cause(error)
-        return None
 
 
 def _check_address(address):
@@ -337,4 +275,3 @@ def _check_port_free(cluster):
                 f"port {port} of worker {cluster.task_index} "
                 f"({cluster.workers[cluster.task_index]}) is in use ({error.strerror}); stop "
                 "what holds it or give this worker another port.") from None
-

@@ -1,8 +1,8 @@
 """Starts N towers-train workers on this machine, a cluster on 127.0.0.1 ports.
 
-    python towers/launch.py N [towers-train flags]    (scripts/launch_local_workers)
+    python towers/multi_worker/launch.py N [towers-train flags]    (scripts/launch_local_workers)
 
-Run as a file it needs no TensorFlow (python -m towers.launch works too, but
+Run as a file it needs no TensorFlow (python -m towers.multi_worker.launch works too, but
 importing the package loads it). Every worker runs `python -m towers.train`
 with the same flags plus its own --worker_hosts and --task_index; its output
 lines are prefixed "[worker i]". On a machine with GPUs each worker gets its

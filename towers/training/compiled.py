@@ -12,7 +12,7 @@ import functools
 
 import tensorflow as tf
 
-from towers import split
+from towers.data_parallel import split
 
 
 class CompiledFunctions:

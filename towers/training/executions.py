@@ -10,7 +10,7 @@ import itertools
 
 import tensorflow as tf
 
-from towers import prefetch
+from towers.training import compiled_steps, prefetch
 
 
 def compiled_loop(trainer, iterator, num_steps):
@@ -29,7 +29,7 @@ def compiled_loop(trainer, iterator, num_steps):
         if not has_batch:
             break
         batch = get_batch()
-        logs = trainer._compiled_train_step_any_rows(batch)
+        logs = compiled_steps.train_step_any_rows(trainer, batch)
         size = logs["examples"]
         steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
         skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
@@ -44,7 +44,7 @@ def compiled_loop(trainer, iterator, num_steps):
             **{metric.name: metric.result() for metric in trainer.metrics}}
     if trainer.cluster is not None:
         logs["stop_requested"] = stop_requested
-    if trainer._loss_scale() is not None:
+    if compiled_steps.loss_scale(trainer.optimizer) is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     return logs
 
@@ -104,3 +104,12 @@ def limit(trainer, batch_index, steps_per_epoch, max_steps):
     if max_steps is not None:
         limits.append(max_steps - trainer.step)
     return max(min(limits), 0)
+
+
+def check_steps_per_execution(steps_per_execution):
+    """steps_per_execution, checked: an integer >= 1."""
+    if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
+            or steps_per_execution < 1:
+        raise ValueError(f"steps_per_execution must be an integer >= 1, got "
+                         f"{steps_per_execution!r}.")
+    return steps_per_execution

@@ -1,4 +1,4 @@
-"""The outer loop around the tower step: epochs, evaluation and metrics.
+"""The outer loop around the tower step: epochs and evaluation.
 
 The trainer owns the step; this module only decides which batches to feed it
 and how to summarise what comes back.
@@ -11,55 +11,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import callbacks as callbacks_lib, exchange, executions, preemption, split
 from towers.errors import Preempted
-
-_ACCURACY_NAMES = ("accuracy", "acc")
-
-
-def resolve_metrics(metrics):
-    """Checks `metrics`: keras.metrics.Metric objects, or "accuracy" (resolved on first batch)."""
-    resolved = []
-    for metric in metrics:
-        if isinstance(metric, keras.metrics.Metric) or metric in _ACCURACY_NAMES:
-            resolved.append(metric)
-        elif isinstance(metric, str) and isinstance(_get_metric(metric), keras.metrics.Metric):
-            resolved.append(_get_metric(metric))
-        else:
-            raise ValueError(
-                f"metric {metric!r} is not a keras.metrics.Metric object or a known metric "
-                "name; pass e.g. 'accuracy' or keras.metrics.SparseCategoricalAccuracy().")
-    return resolved
-
-
-def build_metrics(metrics, y, y_pred):
-    """Replaces "accuracy" in `metrics` (in place) by the accuracy that fits y and y_pred."""
-    for i, metric in enumerate(metrics):
-        if isinstance(metric, str):
-            metrics[i] = _accuracy_for(y, y_pred)
-
-
-def update_metrics(metrics, batch, y_pred, device, cluster=None):
-    """Updates every metric with the whole batch on `device`; returns their results.
-
-    With a cluster (`batch` is this worker's part) the workers' updates are
-    added up, so every worker holds the global batch's metrics. That is
-    right for metrics whose state variables are sums (counts, totals,
-    confusion matrices), as Keras's built-in metrics are.
-    """
-    variables = [v for metric in metrics for v in metric.variables] if cluster else []
-    before = [tf.identity(v.value) for v in variables]  # .value is the variable itself
-    with tf.device(device):
-        y, sample_weight = split.targets(batch)
-        for metric in metrics:
-            metric.update_state(y, y_pred, sample_weight=sample_weight)
-        if variables:
-            added = exchange.sum_across_workers(
-                [v.value - old for v, old in zip(variables, before)], cluster, device)
-            for variable, old, update in zip(variables, before, added):
-                variable.assign(old + update)
-        return {metric.name: metric.result() for metric in metrics}
-
+from towers.training import callbacks as callbacks_lib, executions
+from towers.training import metrics as metrics_lib, preemption
 
 def evaluate(trainer, data, callbacks=None):
     """Mean loss over every example of `data` (+ regularisation) and the metrics.
@@ -70,7 +24,7 @@ def evaluate(trainer, data, callbacks=None):
     keras.Model.evaluate calls them.
     """
     callbacks = callbacks or keras.callbacks.CallbackList()
-    _reset(trainer.metrics)
+    metrics_lib.reset(trainer.metrics)
     callbacks.on_test_begin()
     batches = [data] if isinstance(data, tuple) else data
     loss_sum, examples, regularization, logs = 0.0, 0.0, 0.0, {}
@@ -100,7 +54,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         a plain (non-callable) dataset one iterator continues across epochs.
       validation_data: evaluated after each epoch (see `evaluate`), "val_" logs.
       max_steps: stop once trainer.step reaches this many optimizer steps.
-      checkpointer: a towers.checkpoint.Checkpointer; the run first resumes from
+      checkpointer: a towers.Checkpointer; the run first resumes from
         its newest checkpoint, saves as it goes and once at the end.
       log_dir: where TensorBoard summaries go (None = none).
       With a cluster only the chief saves checkpoints and writes summaries;
@@ -129,7 +83,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     epoch_logs = None
     with preemption.StopSignals() as signals:
         while epoch < epochs and not _reached(trainer, max_steps):
-            _reset(trainer.metrics)
+            metrics_lib.reset(trainer.metrics)
             callbacks.on_epoch_begin(epoch)
             steps = executions.EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip,
                                            shared_iterator)
@@ -280,26 +234,3 @@ def _format(logs):
     """'loss=0.1234, accuracy=0.9' for a log line; skipped_steps only once there are some."""
     return ", ".join(f"{k}={v:.4g}" for k, v in logs.items()
                      if k != "skipped_steps" or v)
-
-
-def _accuracy_for(y, y_pred):
-    """Binary, categorical (one-hot y) or sparse categorical accuracy, as Keras's compile picks."""
-    y_pred, y = tf.nest.flatten(y_pred)[0], tf.nest.flatten(y)[0]
-    if y_pred.shape.rank < 2 or y_pred.shape[-1] == 1:
-        return keras.metrics.BinaryAccuracy(name="accuracy")
-    if y.shape.rank == y_pred.shape.rank and y.shape[-1] == y_pred.shape[-1]:
-        return keras.metrics.CategoricalAccuracy(name="accuracy")
-    return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
-
-
-def _get_metric(name):
-    try:
-        return keras.metrics.get(name)
-    except ValueError:
-        return None
-
-
-def _reset(metrics):
-    for metric in metrics:
-        if isinstance(metric, keras.metrics.Metric):
-            metric.reset_state()

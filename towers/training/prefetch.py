@@ -16,7 +16,7 @@ import tensorflow as tf
 # tf.data exports its multi-device iterator.
 from tensorflow.python.data.ops import multi_device_iterator_ops
 
-from towers import split
+from towers.data_parallel import split
 
 
 class ShardIterator:
@@ -80,3 +80,15 @@ def get_next_as_optional(iterator, devices):
         return split.Shards(values)
 
     return optionals[0].has_value(), shards
+
+
+def resolve(prefetch_to_devices, input_devices):
+    """prefetch_to_devices as a bool: "auto" is True where an input device is not a CPU."""
+    if not (isinstance(prefetch_to_devices, bool) or prefetch_to_devices == "auto"):
+        raise ValueError(f"prefetch_to_devices must be True, False or 'auto', got "
+                         f"{prefetch_to_devices!r}.")
+    if prefetch_to_devices != "auto":
+        return prefetch_to_devices
+    # Logical CPU devices share the host's memory: staging copies nothing there and
+    # only adds host work (benchmarks/RESULTS.md, issue 12).
+    return any(tf.DeviceSpec.from_string(d).device_type != "CPU" for d in input_devices)

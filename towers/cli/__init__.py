@@ -1,0 +1,11 @@
+"""The command line: `towers-train` (`python -m towers.train`).
+
+train (the flags, and the run they describe), model_spec (--model: a built-in
+name, PACKAGE.MODULE:FUNCTION or PATH.keras), models (the built-in mlp, cnn,
+resnet and text models), data (--dataset: the data sets, their splits and
+tf.data pipelines), arrays (checking and converting their arrays), data_files
+(downloads and .npz files, never unpickled).
+
+May import anything in towers; nothing in towers imports it (towers/__init__
+only aliases its modules' old paths).
+"""

@@ -1,0 +1,95 @@
+"""TowerOptions: how the tower step treats gradients and state, checked once."""
+
+import dataclasses
+from typing import Optional, Union
+
+from towers.data_parallel import exchange, replicas as replicas_lib
+from towers.model_parallel import schedule
+
+ON_NONFINITE = ("raise", "skip")
+STATE_POLICIES = ("mean", "first_tower")
+SPARSE_POLICIES = ("keep", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerOptions:
+    """How the tower step treats gradients and state; checked on construction.
+
+    Attributes:
+      accum_steps: another name for micro_batches, with the "1f1b" schedule
+        (one micro-batch's activations alive at a time): gradient accumulation.
+        Set one of the two; micro_batches holds the value either way.
+      clip_global_norm: None, or clip the averaged gradient to this global norm.
+      sparse_policy: "keep" (tf.IndexedSlices stay sparse), "dense" (densified
+        on each tower), or a float in (0, 1]: densify a variable's gradient when
+        a tower's first shard looks up more than that fraction of its rows.
+      state_policy: "mean" (new non-trainable values averaged by shard size) or
+        "first_tower" (tower 0's values, as the classic tutorials do).
+      on_nonfinite: "raise" (NonFiniteError, nothing applied) or "skip"
+        (nothing applied, counted in logs["skipped_steps"]).
+      aggregation: how gradients meet, one of exchange.AGGREGATIONS: "main"
+        (gathered on the main device), "tree", "collective" or "nccl".
+      pack_gradients: exchange each tower's dense gradients as one flat buffer.
+      variable_placement: "main" (towers read the main device's variables) or
+        "replicated" (each tower reads its own copy, written from the main
+        values at the start of each step).
+      micro_batches: micro-batches each tower's shard is split into, run one
+        after another through its stages (one stage: gradient accumulation);
+        their gradients are added up before the towers'.
+      pipeline_schedule: the order of each stage's forwards and backwards, one
+        of schedule.SCHEDULES: "gpipe" or "1f1b".
+    """
+    accum_steps: int = 1
+    clip_global_norm: Optional[float] = None
+    sparse_policy: Union[str, float] = "keep"
+    state_policy: str = "mean"
+    on_nonfinite: str = "raise"
+    aggregation: str = "main"
+    pack_gradients: bool = False
+    variable_placement: str = "main"
+    micro_batches: int = 1
+    pipeline_schedule: str = "gpipe"
+
+    def __post_init__(self):
+        if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
+                or self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}.")
+        if self.clip_global_norm is not None and not (
+                isinstance(self.clip_global_norm, (int, float))
+                and not isinstance(self.clip_global_norm, bool) and self.clip_global_norm > 0):
+            raise ValueError(
+                f"clip_global_norm must be a positive number or None, got {self.clip_global_norm!r}.")
+        if self.sparse_policy not in SPARSE_POLICIES and not (
+                isinstance(self.sparse_policy, float) and 0 < self.sparse_policy <= 1):
+            raise ValueError(
+                f"sparse_policy must be one of {SPARSE_POLICIES} or a density threshold in "
+                f"(0, 1], got {self.sparse_policy!r}.")
+        if self.state_policy not in STATE_POLICIES:
+            raise ValueError(
+                f"state_policy must be one of {STATE_POLICIES}, got {self.state_policy!r}.")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}.")
+        if self.aggregation not in exchange.AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {exchange.AGGREGATIONS}, got "
+                             f"{self.aggregation!r}.")
+        if not isinstance(self.pack_gradients, bool):
+            raise ValueError(f"pack_gradients must be True or False, got {self.pack_gradients!r}.")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                or self.micro_batches < 1:
+            raise ValueError(
+                f"micro_batches must be an integer >= 1, got {self.micro_batches!r}.")
+        if self.micro_batches > 1 and self.accum_steps > 1:
+            raise ValueError(
+                f"accum_steps={self.accum_steps} and micro_batches={self.micro_batches} both "
+                "split each tower's shard into micro-batches run one after another; set one "
+                "of them (micro_batches with pipeline stages).")
+        if self.pipeline_schedule not in schedule.SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {schedule.SCHEDULES}, got "
+                             f"{self.pipeline_schedule!r}.")
+        if self.variable_placement not in replicas_lib.VARIABLE_PLACEMENTS:
+            raise ValueError(f"variable_placement must be one of "
+                             f"{replicas_lib.VARIABLE_PLACEMENTS}, got {self.variable_placement!r}.")
+        if self.accum_steps > 1:  # the alias: accumulation is a one-stage pipeline
+            object.__setattr__(self, "micro_batches", self.accum_steps)
+            object.__setattr__(self, "pipeline_schedule", "1f1b")

@@ -1,0 +1,51 @@
+"""Step 2: every tower sees the same weights, as a copy on its own device.
+
+`broadcast_weights` copies the main device's values to a tower each step
+(variable_placement="main"); `Replicas` keeps a variable per tower instead,
+written from the main values before the towers read ("replicated").
+"""
+
+import tensorflow as tf
+
+
+def broadcast_weights(values, tower):
+    """Step 2: copies `values` (tensors on the main device) to `tower`.
+
+    Every tower then reads an identical local copy; the copy is also what the
+    tower's GradientTape differentiates with respect to.
+    """
+    with tf.device(tower):
+        return [tf.identity(value) for value in values]
+
+
+VARIABLE_PLACEMENTS = ("main", "replicated")
+
+
+class Replicas:
+    """A copy of every model variable on every tower (variable_placement="replicated").
+
+    At the start of each step every tower's copy is written from the model's
+    (main) values, and the tower reads its weights from it. Writing before the
+    towers read, not after the update, moves the same bytes per step, and a
+    change made outside the step (set_weights, a restored checkpoint, a
+    callback) can never leave a tower training on stale weights.
+    """
+
+    def __init__(self, model, devices):
+        self._variables = model.trainable_variables + model.non_trainable_variables
+        self._num_trainable = len(model.trainable_variables)
+        self._copies = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                self._copies.append([tf.Variable(v.value, trainable=False,
+                                                 name=f"tower_{i}_replica")
+                                     for v in self._variables])
+
+    def read(self, tower_index):
+        """Step 2, replicated: (weights, state) of tower `tower_index`, its copies first
+        written from the model's values, then read on it."""
+        values = []
+        for copy, variable in zip(self._copies[tower_index], self._variables):
+            copy.assign(variable.value)  # ordered before the read: the same resource
+            values.append(copy.read_value())
+        return values[:self._num_trainable], values[self._num_trainable:]

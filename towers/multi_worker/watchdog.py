@@ -1,0 +1,80 @@
+"""The watchdog: while a step runs, the other workers are pinged; a lost one ends it.
+
+Without it a worker that died or hangs would leave its peers' all-reduce
+waiting for ever. `Watchdog.step` turns the failure into one WorkerLostError
+on every surviving worker, before the failing step applies anything.
+"""
+
+import contextlib
+import threading
+import time
+
+import tensorflow as tf
+from absl import logging
+# Public TensorFlow has no call that aborts or health-checks collective ops of an
+# eager program; MultiWorkerMirroredStrategy uses exactly these.
+from tensorflow.python.eager import context
+
+from towers import errors
+from towers.errors import WorkerLostError
+
+
+class Watchdog:
+    """Pings the other workers while a step runs; aborts the step when one is lost.
+
+    A worker that died refuses connections, and its peers' all-reduce fails at
+    once; one that hangs is noticed within peer_timeout_s plus one ping
+    interval. Either way every surviving worker raises WorkerLostError.
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self._stepping = threading.Event()
+        self._lost = None  # (task index, reason) of the first worker found lost
+        self._interval_s = min(5.0, cluster.peer_timeout_s / 3)
+        if cluster.num_workers > 1:
+            threading.Thread(target=self._watch, daemon=True, name="towers-watchdog").start()
+
+    @contextlib.contextmanager
+    def step(self, step_number):
+        """Runs one step under watch; a lost worker turns its failure into WorkerLostError."""
+        self._stepping.set()
+        try:
+            yield
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                tf.errors.AbortedError, tf.errors.CancelledError,
+                tf.errors.FailedPreconditionError) as error:
+            lost = self._lost or self._find_lost()
+            who = (f"worker {lost[0]} ({self.cluster.workers[lost[0]]}) stopped answering "
+                   f"({lost[1]})" if lost else
+                   f"the all-reduce across workers failed ({errors.root_cause(error)})")
+            raise WorkerLostError(
+                f"step {step_number}: {who}, so worker {self.cluster.task_index} stops too; "
+                "the failing step was not applied. Restart every worker with the same "
+                "checkpoint directory to resume from the last checkpoint.") from None
+        finally:
+            self._stepping.clear()
+
+    def _watch(self):
+        while self._lost is None:
+            self._stepping.wait()
+            lost = self._find_lost(self.cluster.peer_timeout_s)
+            if lost and self._stepping.is_set():
+                self._lost = lost
+                logging.error("worker %d is lost (%s); aborting this step", *lost)
+                context.context().abort_collective_ops(
+                    tf.errors.UNAVAILABLE, f"worker {lost[0]} stopped answering")
+                return
+            time.sleep(self._interval_s)
+
+    def _find_lost(self, timeout_s=1.0):
+        """(task index, reason) of the first peer that does not answer, or None."""
+        for index in range(self.cluster.num_workers):
+            if index == self.cluster.task_index:
+                continue
+            try:
+                context.context().check_collective_ops_peer_health(
+                    self.cluster.task_name(index), timeout_in_ms=int(timeout_s * 1000))
+            except tf.errors.OpError as error:
+                return index, errors.root_cause(error)
+        return None

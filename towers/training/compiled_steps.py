@@ -1,0 +1,136 @@
+"""The bodies TowerTrainer compiles: the train step (steps 1-7) and the eval step.
+
+Each takes the trainer and reads only its public attributes (model, loss,
+optimizer, metrics, setup, cluster, stop_requested); call them inside a
+tf.function. `train_step` is the contract executions' in-graph loop builds on:
+its logs say what a caller needs to decide whether to go on.
+"""
+
+import keras
+import tensorflow as tf
+
+from towers.data_parallel import aggregate, collectives, forward, losses, split
+from towers.data_parallel.step import apply_update, assign_state, broadcast_stages
+from towers.data_parallel.step import clip_gradients, run_towers
+from towers.multi_worker import cluster as cluster_lib
+from towers.training import metrics as metrics_lib
+
+EMPTY_BATCH = "the batch is empty (batch size 0); give at least one example."
+
+
+def train_step(trainer, batch, may_be_empty):
+    """One training step on `batch`: steps 1-6 (run_towers), then step 7 if finite.
+
+    `may_be_empty`: whether a micro-batch of a tower may have no rows (False only
+    where the batch is known to fill every one: fills_every_micro_batch).
+
+    Returns logs, scalar Tensors: "loss" (the batch's mean, + regularisation),
+    "examples" (the batch's rows; with a cluster every worker's), "finite"
+    (loss and gradients finite, or with loss scaling the loss), "applied"
+    (whether the optimizer applied the step), each metric's result, and with a
+    cluster "stop_requested", with loss scaling "loss_scale".
+    """
+    # The step's collective ops take keys derived from the step and the model, the
+    # same on every worker whatever else each traced (collectives.instance_keys).
+    with collectives.instance_keys(("train_step", cluster_lib.model_signature(trainer.model))):
+        return _train_step(trainer, batch, may_be_empty)
+
+
+def train_step_any_rows(trainer, batch):
+    """train_step for a batch whose rows are known only when it runs (an in-graph
+    loop's): one tf.cond picks the step that skips empty micro-batches only for a
+    batch too small to give each a row."""
+    fills = fills_every_micro_batch(trainer.setup, batch)
+    if isinstance(fills, bool):
+        return train_step(trainer, batch, may_be_empty=not fills)
+    if num_micro_batches(trainer.setup) == 1 and trainer.cluster is None:
+        # One micro-batch is empty only when the batch is, which train_step refuses
+        # too; an assert costs less than the cond (about 3% of a small step).
+        with tf.control_dependencies([tf.debugging.Assert(fills, [EMPTY_BATCH])]):
+            batch = tf.nest.map_structure(tf.identity, batch)
+        return train_step(trainer, batch, may_be_empty=False)
+    return tf.cond(fills, lambda: train_step(trainer, batch, may_be_empty=False),
+                   lambda: train_step(trainer, batch, may_be_empty=True))
+
+
+def fills_every_micro_batch(setup, batch):
+    """Whether `batch` gives every micro-batch of every tower a row: a bool, or a bool
+    scalar Tensor where the rows are known only at run time."""
+    return split.smallest_shard_rows(batch, len(setup.grid)) >= setup.options.micro_batches
+
+
+def num_micro_batches(setup):
+    """Micro-batches per step: towers x micro-batches per tower."""
+    return len(setup.grid) * setup.options.micro_batches
+
+
+def loss_scale(optimizer):
+    """The LossScaleOptimizer's current scale (float32 scalar), or None."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.dynamic_scale.value
+    return None
+
+
+def _train_step(trainer, batch, may_be_empty):
+    setup, scale = trainer.setup, loss_scale(trainer.optimizer)
+    result = run_towers(setup, trainer.loss, batch, scale, may_be_empty)           # 1-6
+    with tf.device(setup.main_device):
+        grads = clip_gradients(result.grads, setup.options.clip_global_norm, scale)
+        grads_finite = aggregate.all_finite(grads)
+        # With loss scaling an overflowing gradient is routine: the
+        # LossScaleOptimizer skips it and halves the scale. Only the loss decides.
+        finite = aggregate.all_finite([result.loss]) & (grads_finite | (scale is not None))
+
+    def apply():  # step 7, only for a finite step
+        apply_update(trainer.optimizer, grads, trainer.model.trainable_variables,
+                     setup.main_device)
+        assign_state(trainer.model, result.state, when=grads_finite)
+        return grads_finite
+
+    metric_logs = metrics_lib.update(trainer.metrics, batch, result.y_pred, setup.main_device,
+                                      trainer.cluster)
+    exchanged = list(metric_logs.values())
+    if trainer.cluster is not None:
+        # A stop signal to any worker stops every worker after this same step.
+        [stop_requested] = collectives.all_reduce_across_workers(
+            [trainer.stop_requested.read_value()], trainer.cluster, cluster_lib.HOST_DEVICE)
+        stop_requested = stop_requested > 0
+        exchanged.append(stop_requested)
+    # Across workers the metrics have an all-reduce of their own: it too comes
+    # before the update, so a worker lost during the step leaves the weights alone.
+    with tf.control_dependencies(exchanged):
+        applied = tf.cond(finite, apply, lambda: tf.constant(False))
+    logs = {"loss": result.loss, "finite": finite, "applied": applied,
+            "examples": result.examples, **metric_logs}
+    if trainer.cluster is not None:
+        logs["stop_requested"] = stop_requested
+    if scale is not None:
+        logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
+    return logs
+
+
+def eval_step(trainer, batch, may_be_empty):
+    """(sum of the per-example losses, rows, regularisation) of `batch`, on the main
+    device; the metrics updated with the towers' outputs. No variable changes."""
+    setup = trainer.setup
+    shards, shard_sizes, rows = split.shards_of(batch, len(setup.grid))
+    weights = [v.value for v in trainer.model.trainable_variables]
+    state = [v.value for v in trainer.model.non_trainable_variables]
+    loss_sums, outputs, regularizations = [], [], []
+    for i, (row, shard) in enumerate(zip(setup.grid, shards)):
+        with tf.name_scope(f"tower_{i}"):
+            y_pred, regularization = forward.predict(
+                setup.stages, broadcast_stages(setup.stages, weights, row),
+                broadcast_stages(setup.stages, state, row, trainable=False), shard[0],
+                shard_sizes[i], row, may_be_empty)
+            with tf.device(row[-1]):
+                _, y, sample_weight = split.unpack_batch(shard)
+                loss_sums.append(tf.reduce_sum(
+                    losses.per_example_loss(trainer.loss, y, y_pred, sample_weight)))
+            outputs.append(y_pred)
+            regularizations.append(regularization)
+    with tf.device(setup.main_device):
+        metrics_lib.update(trainer.metrics, batch, forward.concat_rows(outputs),
+                            setup.main_device)
+        # Tower 0 holds the batch's first rows; an empty tower skips its regularisation.
+        return tf.add_n(loss_sums), tf.cast(rows, tf.float32), regularizations[0]

@@ -1,0 +1,71 @@
+"""What TowerTrainer sets up on its first batch, eagerly: the model built and checked,
+its stages and their variables placed, the optimizer built, the choices that need a
+batch (dense gradients, XLA towers, replicas) made, and a cluster's workers started."""
+
+import tensorflow as tf
+from absl import logging
+
+from towers import devices as devices_lib, errors
+from towers.data_parallel import losses, split, tower
+from towers.data_parallel.replicas import Replicas
+from towers.model_parallel import stages as stages_lib
+from towers.multi_worker import cluster as cluster_lib
+from towers.training import metrics as metrics_lib
+
+
+def set_up(trainer, batch):
+    """Builds model and optimizer on the main device and checks the loss, on `batch`'s
+    first example; fills in trainer.setup's first-batch fields."""
+    setup = trainer.setup
+    shards, _, _ = split.shards_of(batch, len(setup.grid))
+    first_shard = shards[0]  # holds the batch's first example
+    if split.batch_size(first_shard) == 0:  # a worker whose part of the batch is empty
+        # One example of zeros builds the model and checks the loss; nothing trains on it.
+        first_shard = tf.nest.map_structure(
+            lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), first_shard)
+    x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:1], first_shard))
+    with tf.device(setup.main_device):
+        try:
+            y_pred = trainer.model(x, training=False)
+            losses.per_example_loss(trainer.loss, y, y_pred, sample_weight)
+        except (tf.errors.OpError, TypeError) as error:
+            raise ValueError(
+                f"the model or the loss failed on the first example of the batch: "
+                f"{errors.root_cause(error)}. Check that x matches the model's inputs and y "
+                "its outputs.") from None
+        check_model(trainer)
+        if not trainer.optimizer.built:
+            trainer.optimizer.build(trainer.model.trainable_variables)
+        if setup.options.variable_placement == "replicated":
+            setup.replicas = Replicas(trainer.model, trainer.devices)
+        setup.densify = tower.choose_dense_gradients(
+            trainer.model, trainer.loss, first_shard, setup.options.sparse_policy)
+        if trainer.jit_compile:
+            setup.compiled_tower = tower.compiled_tower(
+                setup.stages, trainer.loss, setup.options.micro_batches,
+                setup.options.pipeline_schedule, setup.densify)
+    metrics_lib.build(trainer.metrics, y, y_pred)
+    if trainer.cluster is not None:
+        setup.first_tower, trainer.num_towers = cluster_lib.start_together(
+            trainer.cluster, trainer.model, trainer.optimizer, setup.options,
+            setup.main_device, len(setup.grid))
+
+
+def check_model(trainer):
+    """Checks the built model, cuts it into stages and places each stage's variables."""
+    model, setup = trainer.model, trainer.setup
+    if not model.trainable_variables:
+        raise ValueError(
+            f"model {model.name!r} has no trainable weights, so there is nothing to "
+            "train; check that its layers are built and not frozen (trainable=False).")
+    if setup.stages is None:
+        setup.stages = stages_lib.Stages(model, trainer.pipeline_cuts)
+    if trainer.pipeline_cuts is not None:
+        stages_lib.place_variables(setup.stages, setup.stage_devices, trainer.optimizer)
+    misplaced = sorted({v.value.device for v in model.variables
+                        if devices_lib.canonical_name(v.value.device) != setup.main_device})
+    if misplaced and trainer.pipeline_cuts is None:
+        logging.warning(
+            "model %r has variables on %s, not on main_device %s; they stay there. To "
+            "keep them on the main device, build the model inside `with tf.device(%r):`.",
+            model.name, misplaced, setup.main_device, setup.main_device)
