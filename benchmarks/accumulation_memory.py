@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import child_process  # noqa: E402
+from benchmarks.harness import child_process  # noqa: E402
 
 ACCUM_STEPS = flags.DEFINE_list("accum_steps", ["1", "2", "4", "8"], "Values of accum_steps.")
 MODEL = flags.DEFINE_enum("model", "cnn", ["mlp", "cnn", "resnet", "text"], "Model.")

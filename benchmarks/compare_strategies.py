@@ -15,7 +15,7 @@ Your own model goes in --models in the forms towers-train --model takes:
     --models=/path/to/model.keras          # its own input shape, dtype and classes
 
 with synthetic data of the model's input shape and dtype (benchmarks/model_setup.py).
-The work is in benchmarks/harness.py (run_benchmark); this file only reads the flags.
+The work is in benchmarks/harness/compare.py (run_benchmark); this file only reads the flags.
 """
 
 import os
@@ -29,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import towers  # noqa: E402
-from benchmarks import harness, model_setup, modes, report  # noqa: E402
+from benchmarks.harness import compare, model_setup, modes, report  # noqa: E402
 from towers.cli import model_spec, models  # noqa: E402
 
 MODELS = flags.DEFINE_list("models", ["mlp", "cnn"],
@@ -57,7 +57,7 @@ INPUT_SHAPE = flags.DEFINE_list("input_shape", ["32", "32", "3"],
                                 "Shape of one synthetic example: height,width,channels for the "
                                 "built-in models; any shape a FUNCTION of --models takes. A "
                                 ".keras file's own shape is used instead.")
-NUM_CLASSES = flags.DEFINE_integer("num_classes", harness.NUM_CLASSES,
+NUM_CLASSES = flags.DEFINE_integer("num_classes", compare.NUM_CLASSES,
                                    "Classes of the synthetic labels (the logits' width) for the "
                                    "built-in models and FUNCTIONs; a .keras file's own output "
                                    "width is used instead.", lower_bound=2)
@@ -122,7 +122,7 @@ def main(argv):
         print(f"compare_strategies: error: {error}", file=sys.stderr)
         return 1
     try:
-        results = harness.run_benchmark(
+        results = compare.run_benchmark(
             MODELS.value, num_towers, GLOBAL_BATCH_SIZE.value, STEPS.value,
             warmup_steps=WARMUP_STEPS.value, rounds=ROUNDS.value, devices=devices,
             modes=MODES.value, input_shape=[int(d) for d in INPUT_SHAPE.value],

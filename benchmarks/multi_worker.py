@@ -19,7 +19,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import child_process  # noqa: E402
+from benchmarks.harness import child_process  # noqa: E402
 
 MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models from towers.models.")
 NUM_WORKERS = flags.DEFINE_integer("num_workers", 2, "Worker processes.", lower_bound=2)

@@ -10,7 +10,7 @@ time, measured bubble next to (K-1)/(M+K-1), bytes of variables per device)
 and DIR/timeline.png (one row per stage device, one box per micro-batch's
 forward and backward, for --timeline=K,M under gpipe and 1f1b, over their
 ideal timetables). Traces and compiled graphs stay under DIR/trace. The work
-is in benchmarks/pipeline_harness.py; this file only reads the flags.
+is in benchmarks/harness/pipeline.py; this file only reads the flags.
 """
 
 import os
@@ -24,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import towers  # noqa: E402
-from benchmarks import pipeline_harness  # noqa: E402
+from benchmarks.harness import pipeline as pipeline_harness  # noqa: E402
 from towers.cli import models  # noqa: E402
 from towers.model_parallel import schedule  # noqa: E402
 

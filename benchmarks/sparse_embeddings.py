@@ -18,7 +18,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import child_process  # noqa: E402
+from benchmarks.harness import child_process  # noqa: E402
 
 MODES = ("keep", "dense", "mirrored")
 VOCAB_SIZES = flags.DEFINE_list("vocab_sizes", ["1000", "10000", "100000", "1000000"],

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from benchmarks import harness, model_setup, modes, phases
+from benchmarks.harness import compare, mode as mode_lib, model_setup, modes, phases
 from towers.cli import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ class RunBenchmarkTest(tf.test.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         cls.output_dir = tempfile.mkdtemp(prefix="test_benchmarks_")  # private: runs may overlap
-        cls.results = harness.run_benchmark(
+        cls.results = compare.run_benchmark(
             ["mlp"], [1, 2], global_batch_size=8, steps=2, warmup_steps=1, rounds=2,
             devices=DEVICES, modes=RUN_MODES, input_shape=(8, 8, 1), output_dir=cls.output_dir,
             trace_steps=1)
@@ -110,10 +110,10 @@ class RunBenchmarkTest(tf.test.TestCase):
 class PiecesTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_unknown_trainer_option_is_unsupported(self):
-        setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
+        setup = mode_lib.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
                             x=np.zeros((4, 2, 2, 1), np.float32), y=np.zeros(4, np.int32))
         with mock.patch.dict(modes.TOWER_CONFIGS, {"towers_new": {"no_such_option": True}}):
-            with self.assertRaisesRegex(modes.Unsupported, "no_such_option"):
+            with self.assertRaisesRegex(mode_lib.Unsupported, "no_such_option"):
                 modes.build("towers_new", setup, DEVICES)
 
     @parameterized.named_parameters(
@@ -123,7 +123,7 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
         ("towers_fit_spe10", "towers_fit_spe10", 3),  # as towers_spe10, through fit's loop
     )
     def test_steps_per_execution_mode_runs_calls_of_k_steps_and_matches_plain(self, mode, calls):
-        setup = modes.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
+        setup = mode_lib.Setup(make_model=lambda: models.build_model("mlp", (2, 2, 1), 2, seed=0),
                             x=np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 2, 2, 1),
                             y=np.array([0, 1, 1, 0], np.int32))
         # One tower: the loop is the same on more (the run above has these modes on two).
@@ -162,7 +162,7 @@ class PiecesTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_a_model_of_none_of_the_forms_stops_the_run_before_anything_is_timed(self):
         with self.assertRaisesRegex(model_setup.ModelError, "'vgg' is none of the three forms"):
-            harness.run_benchmark(["mlp", "vgg"], [1], global_batch_size=4, steps=1, rounds=1,
+            compare.run_benchmark(["mlp", "vgg"], [1], global_batch_size=4, steps=1, rounds=1,
                                   devices=DEVICES, modes=["plain"], trace_steps=0)
 
 
@@ -184,7 +184,7 @@ class UserModelBenchmarkTest(tf.test.TestCase):
         cls.output_dir = tempfile.mkdtemp(prefix="test_user_models_")
         cls.saved = os.path.join(cls.output_dir, "tokens.keras")
         save_token_model(cls.saved)
-        cls.results = harness.run_benchmark(
+        cls.results = compare.run_benchmark(
             [cls.FUNCTION, cls.saved], [2], global_batch_size=8, steps=1, warmup_steps=1,
             rounds=1, devices=DEVICES, modes=["plain", "bare", "towers"], input_shape=(8, 8, 1),
             num_classes=5, output_dir=cls.output_dir, trace_steps=0)

@@ -53,7 +53,7 @@ def time_steps(step, steps, warmup_steps=1):
       difference: what running the step needed), and the step-time statistics
       of benchmarks.measure.step_time_stats (milliseconds).
     """
-    from benchmarks import measure
+    from benchmarks.harness import measure
     setup_mb = peak_rss_mb()
     for _ in range(warmup_steps):
         step()

@@ -15,7 +15,8 @@ import tensorflow as tf
 from absl import logging
 
 import towers
-from benchmarks import measure, model_setup, modes as modes_lib, phases, report
+from benchmarks.harness import measure, mode as mode_lib, model_setup, modes as modes_lib, phases
+from benchmarks.harness import report, traces
 
 NUM_CLASSES = 10  # of the built-in models and FUNCTIONs unless told
 BASELINE = "plain"
@@ -28,7 +29,7 @@ def run_benchmark(models, num_towers, global_batch_size, steps, *, warmup_steps=
     """Benchmarks every mode on every model and tower count; returns the results dict.
 
     Args:
-      models: models in the forms towers-train --model takes (benchmarks/model_setup.py):
+      models: models in the forms towers-train --model takes (harness/model_setup.py):
         built-in names from towers.models.MODELS, "PACKAGE.MODULE:FUNCTION" or
         "PATH.keras", e.g. ["mlp", "examples.my_model:small_cnn"]. Every one is
         loaded and checked before any is timed.
@@ -38,7 +39,7 @@ def run_benchmark(models, num_towers, global_batch_size, steps, *, warmup_steps=
       warmup_steps: untimed steps per mode first (tracing, allocation).
       rounds: interleaved timing rounds (<= steps).
       devices: tower device names; None = the configured / visible ones.
-      modes: names from benchmarks.modes.MODES; None = all. plain always runs.
+      modes: names from modes.MODES; None = all. plain always runs.
       input_shape: one example's shape, (H, W, C) for the built-in models, and
         num_classes the classes, for built-ins and FUNCTIONs (a .keras file has its own).
       seed: seeds the weights (identical in every mode) and the synthetic batch.
@@ -66,7 +67,7 @@ def run_benchmark(models, num_towers, global_batch_size, steps, *, warmup_steps=
                    "global_batch_size": global_batch_size, "steps": steps,
                    "warmup_steps": warmup_steps, "rounds": rounds, "modes": list(modes),
                    "input_shape": list(input_shape), "num_classes": num_classes, "seed": seed,
-                   "learning_rate": modes_lib.LEARNING_RATE, "momentum": modes_lib.MOMENTUM},
+                   "learning_rate": mode_lib.LEARNING_RATE, "momentum": mode_lib.MOMENTUM},
         "machine": measure.machine_info(devices),
         "matmul_flops_per_sec": peak,
         "models": {},
@@ -87,7 +88,7 @@ def _benchmark_model(name, setup, num_towers, steps, warmup_steps, rounds, devic
     built, not_run = _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps)
     logging.info("%s: %d modes built and warmed up, timing %d steps each in %d rounds",
                  name, len(built), steps, rounds)
-    times = _time_interleaved(built, steps, rounds, seed)
+    times = measure.time_interleaved(built, steps, rounds, seed)
     reference = built[0].weights()  # plain's
     flops = measure.training_flops_per_example(built[0].model) * global_batch_size
     rows = [_row(mode, times[i], reference, flops, peak, global_batch_size, devices)
@@ -114,7 +115,7 @@ def _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps):
         try:
             mode = modes_lib.build(mode_name, setup, devices[:n])
             mode.run(warmup_steps)
-        except modes_lib.Unsupported as error:
+        except mode_lib.Unsupported as error:
             not_run.append({"mode": mode_name, "num_towers": n, "status": "unsupported",
                             "message": str(error)})
             continue
@@ -132,17 +133,6 @@ def _build_and_warm_up(setup, devices, num_towers, modes, warmup_steps):
     for mode in built:
         mode.run(1)
     return built, not_run
-
-
-def _time_interleaved(built, steps, rounds, seed):
-    """Per-step seconds of each mode: `rounds` blocks each, modes in turn, order shuffled per round."""
-    block_sizes = towers.split.shard_sizes(steps, rounds)
-    order_rng = np.random.default_rng(seed)
-    times = [[] for _ in built]
-    for block in block_sizes:
-        for i in order_rng.permutation(len(built)):
-            times[i].extend(built[i].run(block))
-    return times
 
 
 def _row(mode, times, reference, flops, peak, global_batch_size, devices):
@@ -177,13 +167,13 @@ def _trace(mode, num_steps, trace_dir, model_name):
     folder = re.sub(r"[^\w.-]+", "_", report.short_name(model_name))
     log_dir = os.path.join(trace_dir, f"{folder}_{mode.num_towers}towers")
     try:
-        space = phases.load_xspace(phases.trace_steps(lambda: mode.run(1), num_steps, log_dir))
+        space = traces.load_xspace(traces.trace_steps(lambda: mode.run(1), num_steps, log_dir))
     except (ImportError, OSError, tf.errors.OpError) as error:
         logging.warning("no phase breakdown for %s on %d towers: %s", model_name,
                         mode.num_towers, error)
         return {"error": _first_line(error)}
     chrome_trace = os.path.join(log_dir, "trace.json")
-    phases.write_chrome_trace(space, chrome_trace)
+    traces.write_chrome_trace(space, chrome_trace)
     return {**phases.phase_table(space, num_steps), "chrome_trace": chrome_trace,
             "profile_dir": log_dir}
 

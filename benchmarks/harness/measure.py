@@ -9,6 +9,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from towers.data_parallel import split
+
 # 1.4826 * MAD estimates the standard deviation of normal data, ignoring outliers.
 MAD_TO_SIGMA = 1.4826
 
@@ -108,3 +110,16 @@ def physical_device_count(devices):
     """How many physical devices `devices` (logical names) stand on, at most len(devices)."""
     kind = "GPU" if all("GPU" in d.upper() for d in devices) else "CPU"
     return max(1, min(len(devices), len(tf.config.list_physical_devices(kind))))
+
+
+def time_interleaved(built, steps, rounds, seed):
+    """Per-step seconds of each of the `built` modes (anything with run(num_steps) -> times):
+    `rounds` blocks each, the modes in turn, their order shuffled per round, so that a
+    slow spell of a shared machine falls on every mode alike."""
+    block_sizes = split.shard_sizes(steps, rounds)
+    order_rng = np.random.default_rng(seed)
+    times = [[] for _ in built]
+    for block in block_sizes:
+        for i in order_rng.permutation(len(built)):
+            times[i].extend(built[i].run(block))
+    return times

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from benchmarks import modes
+from benchmarks.harness import mode as mode_lib
 from towers.cli import model_spec
 
 # Ids drawn for an integer input whose vocabulary the model does not show: 0 and 1.
@@ -46,7 +46,7 @@ def setup_for(spec, global_batch_size, input_shape, num_classes, seed):
       seed: seeds the weights (except a file's) and the batch.
 
     Returns:
-      (modes.Setup, description): description is a dict for results.json:
+      (mode_lib.Setup, description): description is a dict for results.json:
       input_shape, input_dtype, num_classes, x_range ([low, high) of x) and
       x_values (the same in words, with where high comes from).
 
@@ -69,7 +69,7 @@ def setup_for(spec, global_batch_size, input_shape, num_classes, seed):
     y = rng.integers(0, num_classes, size=global_batch_size).astype(np.int32)
     description = {"input_shape": list(input_shape), "input_dtype": x.dtype.name,
                    "num_classes": num_classes, "x_range": x_range, "x_values": x_values}
-    return modes.Setup(make_model=make_model, x=x, y=y), description
+    return mode_lib.Setup(make_model=make_model, x=x, y=y), description
 
 
 def _build(spec, form, input_shape, num_classes, seed):

@@ -18,11 +18,12 @@ import tensorflow as tf
 from absl import logging
 
 import towers
-from benchmarks import harness, measure, modes, phases, pipeline_profile, report
+from benchmarks.harness import compare, measure, mode as mode_lib, pipeline_profile, report
+from benchmarks.harness import traces
 from towers.cli import models as models_lib
 from towers.model_parallel import schedule
 
-NUM_CLASSES = harness.NUM_CLASSES
+NUM_CLASSES = compare.NUM_CLASSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class _Built:
     config: Config
     grid: list            # one row of stage devices per tower
     trainer: towers.TowerTrainer
-    mode: modes.Mode      # what harness times
+    mode: mode_lib.Mode      # what harness times
     op_devices: dict      # node name -> device, from the compiled step's graphs
 
 
@@ -94,7 +95,7 @@ def run_pipeline_benchmark(model_name, stages, micro_batches, devices, output_di
                     warmup_steps, os.path.join(trace_dir, config.name)) for config in configs]
     logging.info("%d configurations built; timing %d steps each in %d rounds",
                  len(built), steps, rounds)
-    times = harness._time_interleaved([b.mode for b in built], steps, rounds, seed)
+    times = measure.time_interleaved([b.mode for b in built], steps, rounds, seed)
     rows = [{**_describe(b), **_timing(t, global_batch_size),
              **_profile(b, trace_steps, os.path.join(trace_dir, b.config.name)),
              **_variable_bytes(b)} for b, t in zip(built, times)]
@@ -105,7 +106,7 @@ def run_pipeline_benchmark(model_name, stages, micro_batches, devices, output_di
                    "warmup_steps": warmup_steps, "rounds": rounds, "trace_steps": trace_steps,
                    "timeline": list(timeline), "input_shape": list(input_shape),
                    "num_classes": NUM_CLASSES, "seed": seed, "optimizer": "sgd",
-                   "learning_rate": modes.LEARNING_RATE, "momentum": modes.MOMENTUM},
+                   "learning_rate": mode_lib.LEARNING_RATE, "momentum": mode_lib.MOMENTUM},
         "machine": measure.machine_info(devices),
         "rows": rows,
     }
@@ -128,7 +129,7 @@ def _build(config, model_name, input_shape, devices, num_towers, batch, seed, wa
         model = models_lib.build_model(model_name, input_shape, NUM_CLASSES, seed=seed)
     cuts = models_lib.pipeline_cuts(model, k) or None  # one stage: no cuts, plain towers
     trainer = towers.TowerTrainer(
-        model, modes.make_loss(), modes.make_optimizer(),
+        model, mode_lib.make_loss(), mode_lib.make_optimizer(),
         devices=grid if cuts else [row[0] for row in grid], pipeline_cuts=cuts,
         micro_batches=config.micro_batches, pipeline_schedule=config.schedule)
 
@@ -137,7 +138,7 @@ def _build(config, model_name, input_shape, devices, num_towers, batch, seed, wa
 
     logging.info("building %s", config.name)
     op_devices = pipeline_profile.record_op_devices(step, os.path.join(log_dir, "graph"))
-    mode = modes.Mode(config.name, num_towers, step, model)
+    mode = mode_lib.Mode(config.name, num_towers, step, model)
     mode.run(warmup_steps)
     return _Built(config, grid, trainer, mode, op_devices)
 
@@ -174,12 +175,12 @@ def _timing(times, global_batch_size):
 def _profile(built, trace_steps, log_dir):
     """Idle share per device (mean over the traced steps) and the boxes of the median step."""
     try:
-        space = phases.load_xspace(
-            phases.trace_steps(lambda: built.mode.run(1), trace_steps, log_dir))
+        space = traces.load_xspace(
+            traces.trace_steps(lambda: built.mode.run(1), trace_steps, log_dir))
     except (ImportError, OSError, tf.errors.OpError) as error:
         logging.warning("no trace of %s: %s", built.config.name, error)
         return {"trace_error": f"{type(error).__name__}: {error}"}
-    phases.write_chrome_trace(space, os.path.join(log_dir, "trace.json"))
+    traces.write_chrome_trace(space, os.path.join(log_dir, "trace.json"))
     steps = [ops for ops in pipeline_profile.traced_steps(space, built.op_devices) if ops]
     if not steps:
         return {"trace_error": f"the trace under {log_dir} holds no op of a traced step"}

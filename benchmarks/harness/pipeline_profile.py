@@ -32,7 +32,7 @@ import time
 
 import tensorflow as tf
 
-from benchmarks import phases
+from benchmarks.harness import traces
 from towers import devices as devices_lib
 from towers.model_parallel import schedule
 
@@ -97,22 +97,18 @@ def read_op_devices(log_dir, since=0.0):
 
 
 def traced_steps(space, op_devices):
-    """The ops of each step that phases.trace_steps recorded: one list of OpRuns per step.
+    """The ops of each step that traces.trace_steps recorded: one list of OpRuns per step.
 
     An op belongs to the step whose annotation it starts in.
     """
     steps, ops = [], []
-    for plane in space.planes:
-        for line in plane.lines:
-            for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
-                start = line.timestamp_ns * 1000 + event.offset_ps
-                interval = (start, start + event.duration_ps)
-                if name == phases.STEP_ANNOTATION and plane.name.startswith("/host:CPU"):
-                    steps.append(interval)
-                elif line.name.startswith("tf_Compute") and phases._OP_NAME.match(name):
-                    op_name, op_type = name.rsplit(":", 1)
-                    ops.append(OpRun(op_name, op_type, op_devices.get(op_name), *interval))
+    for event in traces.events(space):
+        interval = (event.start_ps, event.start_ps + event.duration_ps)
+        if event.name == traces.STEP_ANNOTATION and event.plane.startswith("/host:CPU"):
+            steps.append(interval)
+        elif event.line.startswith("tf_Compute") and traces.OP_NAME.match(event.name):
+            op_name, op_type = event.name.rsplit(":", 1)
+            ops.append(OpRun(op_name, op_type, op_devices.get(op_name), *interval))
     steps.sort()
     return [[op for op in ops if begin <= op.start_ps <= end] for begin, end in steps]
 

@@ -13,7 +13,7 @@ NOTES = """\
   / TowerTrainer.fit with steps_per_execution=10) and bare_loop: one per 10 steps; each
   of their samples is one call's time / its steps, so their n counts calls.
 - bare... is the floor: the seven steps written plainly without the library
-  (benchmarks/bare.py: split, copy the weights, forward and backward per tower, average
+  (benchmarks/harness/bare.py: split, copy the weights, forward and backward per tower, average
   on the main device, a finite check, apply), so a towers row's time over bare's at the
   same N is what the library adds. bare_loop runs 10 of those steps per call over
   tf.data (compare towers_spe10), bare_xla each tower's forward and backward with XLA
