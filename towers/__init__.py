@@ -10,6 +10,7 @@ The packages, one per part (docs/architecture.md; imports point down the list):
   training/        TowerTrainer, its compiled steps, executions, the fit loop, callbacks,
                    checkpoints, preemption, input staging
   multi_worker/    the cluster of workers, its watchdog and the local launcher
+  op_parallel/     split layers: a layer's parts on their own devices
   data_parallel/   the seven steps: split, replicas, tower, losses, aggregate, exchange, step
   model_parallel/  pipeline stages and their schedules
   devices, errors  shared by all of them
@@ -34,6 +35,7 @@ from towers.data_parallel.step import tower_gradients
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError, Preempted, WorkerLostError
 from towers.model_parallel.stages import split_model
+from towers.op_parallel.plan import join_layers, split_layers
 from towers.multi_worker.cluster import Cluster, cluster_from_tf_config
 from towers.multi_worker.cluster import join as join_cluster
 from towers.training.checkpoint import Checkpointer
@@ -70,7 +72,9 @@ __all__ = [
     "cluster_from_tf_config",
     "configure_devices",
     "join_cluster",
+    "join_layers",
     "split_batch",
+    "split_layers",
     "split_model",
     "tower_gradients",
 ]

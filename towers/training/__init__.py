@@ -9,6 +9,6 @@ callbacks (Keras callbacks), checkpoint (`Checkpointer`), preemption
 (SIGTERM/SIGINT finish the step and save), prefetch (shards staged on their
 towers' devices ahead of the step).
 
-May import: towers.multi_worker, towers.data_parallel, towers.model_parallel,
-towers.devices, towers.errors. Never towers.cli.
+May import: towers.multi_worker, towers.op_parallel, towers.data_parallel,
+towers.model_parallel, towers.devices, towers.errors. Never towers.cli.
 """

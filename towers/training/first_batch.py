@@ -10,6 +10,7 @@ from towers.data_parallel import losses, split, tower
 from towers.data_parallel.replicas import Replicas
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
+from towers.op_parallel import plan as op_plan
 from towers.training import metrics as metrics_lib
 
 
@@ -64,7 +65,8 @@ def check_model(trainer):
         stages_lib.place_variables(setup.stages, setup.stage_devices, trainer.optimizer)
     misplaced = sorted({v.value.device for v in model.variables
                         if devices_lib.canonical_name(v.value.device) != setup.main_device})
-    if misplaced and trainer.pipeline_cuts is None:
+    # Stages and split layers place their variables on purpose.
+    if misplaced and trainer.pipeline_cuts is None and not op_plan.is_split(model):
         logging.warning(
             "model %r has variables on %s, not on main_device %s; they stay there. To "
             "keep them on the main device, build the model inside `with tf.device(%r):`.",

@@ -1,0 +1,139 @@
+"""Op parallelism: split layers compute what the original does, train as one device
+does, sit on the devices the plan names, and join back exactly (issue 18, first part)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+from tests import reference
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+PARTS = DEVICES[1:]  # three parts: 8 units split 3, 3, 2
+TOLERANCE = 1e-5
+
+
+def _mlp(seed=0):
+    """Dense 8 (L2) -> Dense 7 -> Dense 3 logits, for a column -> row pair and a placed layer."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    hidden = keras.layers.Dense(8, activation="relu", name="up",
+                                kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
+    hidden = keras.layers.Dense(7, activation="tanh", name="down")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(hidden))
+
+
+def _branches(seed=0):
+    """Two independent branches (a recommender's user and item towers) joined at the end."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    left = keras.layers.Dense(4, activation="relu", name="left")(inputs)
+    right = keras.layers.Dense(5, activation="relu", name="right")(inputs)
+    joined = keras.layers.Concatenate(name="join")([left, right])
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(joined))
+
+
+MLP_PLAN = {"up": "column", "down": "row", "out": 0}
+BRANCH_PLAN = {"left": 1, "right": 2}
+
+
+def _device_of(variable):
+    return towers.devices.canonical_name(variable.value.device)
+
+
+class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_computes_what_the_model_computes_with_each_part_on_its_device(self):
+        model = _mlp()
+        x = reference.make_batches(6, num_steps=1)[0][0]
+        parted = towers.split_layers(model, MLP_PLAN, PARTS)
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+        devices = {v.path: _device_of(v) for v in parted.weights}
+        self.assertEqual([devices[f"up/part_{j}/kernel"] for j in range(3)], PARTS)
+        self.assertEqual([devices[f"down/part_{j}/kernel"] for j in range(3)], PARTS)
+        self.assertEqual(devices["down/part_0/bias"], PARTS[0])  # the one bias, added once
+        self.assertNotIn("down/part_1/bias", devices)
+        self.assertEqual(devices["out/out/kernel"], PARTS[0])
+        # Parts of 8 units on 3 devices: 3, 3, 2 (larger first, as shards are).
+        self.assertEqual([parted.get_layer("up").parts[j].kernel.shape[1] for j in range(3)],
+                         [3, 3, 2])
+        # L2 on a split kernel is counted once: the parts' terms add up to the whole's.
+        self.assertAllClose(tf.add_n(parted.losses), tf.add_n(model.losses), atol=1e-7, rtol=0)
+
+    def test_join_gives_the_original_layers_and_weights_back(self):
+        model = _mlp()
+        before = [w.copy() for w in model.get_weights()]
+        joined = towers.join_layers(towers.split_layers(model, MLP_PLAN, PARTS))
+        self.assertEqual([type(layer) for layer in joined.layers],
+                         [type(layer) for layer in model.layers])
+        for expected, actual in zip(model.get_weights(), joined.get_weights()):
+            self.assertAllEqual(expected, actual)
+        for expected, actual in zip(before, model.get_weights()):  # the original untouched
+            self.assertAllEqual(expected, actual)
+
+    def test_branches_placed_whole(self):
+        model = _branches()
+        x = reference.make_batches(5, num_steps=1)[0][0]
+        parted = towers.split_layers(model, BRANCH_PLAN, DEVICES[:3])
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+        devices = {v.path.split("/")[0]: _device_of(v) for v in parted.weights}
+        self.assertEqual(devices, {"left": DEVICES[1], "right": DEVICES[2], "out": DEVICES[0]})
+
+    @parameterized.product(
+        make_model=[("mlp", _mlp, MLP_PLAN, PARTS), ("branches", _branches, BRANCH_PLAN,
+                                                     DEVICES[:3])],
+        num_towers=[1, 2], optimizer=["sgd", "adam"],
+        batch_sizes=[(7, 6, 7), (7, 1, 3)])  # (.., 1, ..): a step with an empty tower
+    def test_trains_as_one_device(self, make_model, num_towers, optimizer, batch_sizes):
+        _, build, plan, parts = make_model
+        batches = [reference.make_batches(size, num_steps=1, seed=i)[0]  # sample-weighted
+                   for i, size in enumerate(batch_sizes)]
+        expected_model = build()
+        reference.single_device_weights(expected_model, reference.OPTIMIZERS[optimizer](),
+                                        reference.make_loss(), batches)
+        trainer = towers.TowerTrainer(towers.split_layers(build(), plan, parts),
+                                      reference.make_loss(), reference.OPTIMIZERS[optimizer](),
+                                      devices=DEVICES[:num_towers])
+        for batch in batches:
+            trainer.train_step(batch)
+        joined = towers.join_layers(trainer.model)
+        for expected, actual in zip(expected_model.get_weights(), joined.get_weights()):
+            self.assertAllClose(actual, expected, atol=TOLERANCE, rtol=0)
+
+
+class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("unknown_layer", {"nope": "column"}, "does not have; its layers are"),
+        ("kind_for_another_layer", {"join": "column"}, "needs a Dense layer, but 'join' is "
+                                                       "Concatenate"),
+        ("unknown_kind", {"left": "diagonal"}, "is not a kind"),
+        ("not_built_yet", {"left": "heads"}, "is not built yet"),
+        ("index_out_of_range", {"left": 3}, "is not a device index: there are 3 devices"),
+        ("more_parts_than_units", {"left": "column"}, "splits 4 output units into 5 parts"),
+        ("empty_plan", {}, "plan must be a non-empty dict"))
+    def test_one_line_value_error(self, plan, message):
+        devices = DEVICES + ["/device:CPU:0"] if "more_parts" in self._testMethodName else \
+            DEVICES[:3]
+        with self.assertRaisesRegex(ValueError, message) as caught:
+            towers.split_layers(_branches(), plan, devices)
+        self.assertNotIn("\n", str(caught.exception))
+
+    def test_subclassed_model_is_refused(self):
+        class Subclassed(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(2)
+
+            def call(self, x):
+                return self.dense(x)
+
+        model = Subclassed()
+        model(np.zeros((1, 3), np.float32))
+        with self.assertRaisesRegex(ValueError, "functional or Sequential"):
+            towers.split_layers(model, {"dense": "column"}, DEVICES[:2])
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,127 @@
+"""The parallel forms of a layer: its parts, each with its variables on its own device.
+
+A part is one device's piece of a split layer (a tower's piece of the batch is a
+shard). Sizes need not divide: parts differ by at most one, larger first, as
+shards do (`part_sizes`). Each form computes exactly what the layer it replaces
+computes; only where each multiply runs, and so where each variable lives, moves.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from towers.data_parallel import split
+
+# The Dense arguments each part takes as they are (units and use_bias are set per form).
+_PART_ARGS = ("kernel_initializer", "bias_initializer", "kernel_regularizer",
+              "bias_regularizer", "kernel_constraint", "bias_constraint")
+
+
+def part_sizes(total, num_parts):
+    """Sizes of `num_parts` parts of `total` units (rows, heads): differing by at most one,
+    larger first. Raises ValueError for more parts than units."""
+    if num_parts > total:
+        raise ValueError(f"{num_parts} parts of {total}: each part needs at least one")
+    return split.shard_sizes(total, num_parts)
+
+
+class _Parted(keras.layers.Layer):
+    """A layer of parts, part j built and run under tf.device(devices[j])."""
+
+    def __init__(self, dense_config, devices, activity_regularizer=None, **kwargs):
+        super().__init__(name=dense_config["name"], dtype=dense_config.get("dtype"),
+                         trainable=dense_config.get("trainable", True),
+                         activity_regularizer=activity_regularizer, **kwargs)
+        self.dense_config, self.devices = dict(dense_config), list(devices)
+        self.units = dense_config["units"]
+        self.activation = keras.activations.get(dense_config["activation"])
+
+    def _part(self, j, units, use_bias):
+        args = {key: self.dense_config[key] for key in _PART_ARGS if key in self.dense_config}
+        return keras.layers.Dense(units, use_bias=use_bias, name=f"part_{j}",
+                                  dtype=self.dtype_policy, **args)
+
+    def build(self, input_shape):
+        for device, (part, part_shape) in zip(self.devices, self._part_input_shapes(input_shape)):
+            with tf.device(device):
+                part.build(part_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "dense_config": self.dense_config,
+                "devices": self.devices}
+
+
+class ColumnDense(_Parted):
+    """Dense with its output units split: part j computes units [start_j, end_j) on
+    devices[j] from the whole input; the parts' outputs are concatenated."""
+
+    def __init__(self, dense_config, devices, **kwargs):
+        super().__init__(dense_config, devices, **kwargs)
+        self.sizes = part_sizes(self.units, len(self.devices))
+        self.parts = [self._part(j, size, dense_config["use_bias"])
+                      for j, size in enumerate(self.sizes)]
+
+    def _part_input_shapes(self, input_shape):
+        return [(part, input_shape) for part in self.parts]
+
+    def call(self, inputs):
+        outputs = []
+        for device, part in zip(self.devices, self.parts):
+            with tf.device(device):
+                outputs.append(part(inputs))  # (..., size_j)
+        # After the gather: an activation may mix units (softmax).
+        return self.activation(ops.concatenate(outputs, axis=-1))  # (..., units)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+
+class RowDense(_Parted):
+    """Dense with its input units split: part j multiplies input units [start_j, end_j)
+    by its rows of the kernel on devices[j]; the partial products are summed, then the
+    bias (part 0's) and the activation."""
+
+    def __init__(self, dense_config, devices, input_units, **kwargs):
+        super().__init__(dense_config, devices, **kwargs)
+        self.input_units = input_units
+        self.sizes = part_sizes(input_units, len(self.devices))
+        # Part 0 holds the bias: added once, after the sum.
+        self.parts = [self._part(j, self.units, dense_config["use_bias"] and j == 0)
+                      for j in range(len(self.sizes))]
+
+    def _part_input_shapes(self, input_shape):
+        return [(part, (*input_shape[:-1], size)) for part, size in zip(self.parts, self.sizes)]
+
+    def call(self, inputs):
+        partials, start = [], 0
+        for device, part, size in zip(self.devices, self.parts, self.sizes):
+            with tf.device(device):
+                partials.append(part(inputs[..., start:start + size]))  # (..., units)
+            start += size
+        return self.activation(ops.sum(ops.stack(partials), axis=0))
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+    def get_config(self):
+        return {**super().get_config(), "input_units": self.input_units}
+
+
+class Placed(keras.layers.Layer):
+    """A whole layer on one device: its variables created there and its call run there,
+    so independent branches placed on different devices run at once."""
+
+    def __init__(self, layer, device, **kwargs):
+        super().__init__(name=layer.name, dtype=layer.dtype_policy, **kwargs)
+        self.layer, self.device = layer, device
+
+    def build(self, input_shape):
+        with tf.device(self.device):
+            self.layer.build(input_shape)
+
+    def call(self, inputs, **kwargs):
+        with tf.device(self.device):
+            return self.layer(inputs, **kwargs)
+
+    def compute_output_shape(self, input_shape):
+        return self.layer.compute_output_shape(input_shape)

@@ -1,0 +1,158 @@
+"""split_layers: a model with the layers a plan names replaced by their parallel forms;
+join_layers: the model back with the original layer types and the full weights.
+
+A plan is {layer name: how}: "column" or "row" (Dense), or an int j (the whole
+layer on devices[j]). "vocab" and "heads" (Embedding, MultiHeadAttention) are
+the next part of this package and refused in one line until then.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from towers import devices as devices_lib
+from towers.op_parallel.layers import ColumnDense, Placed, RowDense, part_sizes
+
+KINDS = {"column": (keras.layers.Dense,), "row": (keras.layers.Dense,)}
+PLANNED = ("vocab", "heads")  # in the contract, not built yet
+
+
+def split_layers(model, plan, devices):
+    """A new keras.Model computing what `model` computes, each layer named in `plan`
+    replaced by its parallel form (its part j's variables on devices[j]); every other
+    layer's variables on devices[0]. `model` is left as it was.
+
+    Args:
+      model: a built functional or Sequential keras.Model.
+      plan: {layer name: "column" | "row" | int}.
+      devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
+
+    Raises:
+      ValueError: one line naming what is wrong with the plan.
+    """
+    devices = [devices_lib.canonical_name(d) for d in devices]
+    _check(model, plan, devices)
+    by_name = {layer.name: layer for layer in model.layers}
+
+    def clone(layer):
+        how = plan.get(layer.name)
+        if how is None:
+            return layer.__class__.from_config(layer.get_config())
+        if isinstance(how, int):
+            return Placed(layer.__class__.from_config(layer.get_config()), devices[how])
+        config = layer.get_config()
+        regularizer = layer.activity_regularizer
+        if how == "column":
+            return ColumnDense(config, devices, activity_regularizer=regularizer)
+        return RowDense(config, devices, _input_units(layer), activity_regularizer=regularizer)
+
+    with tf.device(devices[0]):
+        parted = keras.models.clone_model(model, clone_function=clone)
+    for layer in parted.layers:
+        original = by_name.get(layer.name)
+        if original is not None and original.weights:
+            _copy_split(original, layer)
+    return parted
+
+
+def join_layers(model):
+    """`model` with every parallel form replaced by the layer it stands for, with the
+    full (joined) weights: to export, serve or compare. Variables on the current device."""
+    def clone(layer):
+        if isinstance(layer, (ColumnDense, RowDense)):
+            return keras.layers.Dense.from_config(layer.dense_config)
+        inner = layer.layer if isinstance(layer, Placed) else layer
+        return inner.__class__.from_config(inner.get_config())
+
+    joined = keras.models.clone_model(model, clone_function=clone)
+    by_name = {layer.name: layer for layer in model.layers}
+    for layer in joined.layers:
+        parted = by_name[layer.name]
+        if isinstance(parted, ColumnDense):
+            kernels = [p.kernel.numpy() for p in parted.parts]
+            weights = [np.concatenate(kernels, axis=-1)]
+            if parted.dense_config["use_bias"]:
+                weights.append(np.concatenate([p.bias.numpy() for p in parted.parts]))
+            layer.set_weights(weights)
+        elif isinstance(parted, RowDense):
+            weights = [np.concatenate([p.kernel.numpy() for p in parted.parts], axis=0)]
+            if parted.dense_config["use_bias"]:
+                weights.append(parted.parts[0].bias.numpy())
+            layer.set_weights(weights)
+        elif parted.weights:
+            layer.set_weights(parted.get_weights())
+    return joined
+
+
+def is_split(model):
+    """Whether `model` holds parallel forms of layers (split_layers' result)."""
+    return any(isinstance(layer, (ColumnDense, RowDense, Placed)) for layer in model.layers)
+
+
+def _copy_split(original, parted):
+    """Writes `original`'s weights into `parted`, its parallel form or clone."""
+    if isinstance(parted, ColumnDense):
+        kernel, bias = original.kernel.numpy(), original.bias if original.use_bias else None
+        ends = np.cumsum(parted.sizes)
+        for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+            part.kernel.assign(kernel[:, start:end])
+            if bias is not None:
+                part.bias.assign(bias.numpy()[start:end])
+    elif isinstance(parted, RowDense):
+        kernel = original.kernel.numpy()
+        ends = np.cumsum(parted.sizes)
+        for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+            part.kernel.assign(kernel[start:end])
+        if original.use_bias:
+            parted.parts[0].bias.assign(original.bias.numpy())
+    else:
+        parted.set_weights(original.get_weights())
+
+
+def _input_units(layer):
+    return int(layer.kernel.shape[0])
+
+
+def _check(model, plan, devices):
+    if not isinstance(model, keras.Model) or not (
+            isinstance(model, keras.Sequential) or model.__class__.__name__ == "Functional"):
+        raise ValueError(f"split_layers needs a functional or Sequential keras.Model, got "
+                         f"{type(model).__name__}: a subclassed model's layers cannot be "
+                         "replaced from outside; build it with the functional API.")
+    if not model.built:
+        raise ValueError(f"model {model.name!r} is not built; call it on a batch (or build "
+                         "it) before split_layers.")
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"plan must be a non-empty dict {{layer name: how}}, got {plan!r}.")
+    if not devices:
+        raise ValueError("devices must name at least one device, one per part.")
+    layers = {layer.name: layer for layer in model.layers}
+    for name, how in plan.items():
+        if name not in layers:
+            raise ValueError(f"plan names layer {name!r}, which model {model.name!r} does not "
+                             f"have; its layers are {sorted(layers)}.")
+        layer = layers[name]
+        if isinstance(how, bool) or not isinstance(how, (int, str)):
+            raise ValueError(f"plan[{name!r}] must be 'column', 'row' or a device index, got "
+                             f"{how!r}.")
+        if isinstance(how, int):
+            if not 0 <= how < len(devices):
+                raise ValueError(f"plan[{name!r}] = {how} is not a device index: there are "
+                                 f"{len(devices)} devices, 0 to {len(devices) - 1}.")
+            continue
+        if how in PLANNED:
+            raise ValueError(f"plan[{name!r}] = {how!r} is not built yet (issue 18 lands "
+                             "'column', 'row' and whole layers first).")
+        if how not in KINDS:
+            raise ValueError(f"plan[{name!r}] = {how!r} is not a kind; use one of "
+                             f"{sorted(KINDS) + list(PLANNED)} or a device index.")
+        if type(layer) not in KINDS[how]:
+            raise ValueError(f"plan[{name!r}] = {how!r} needs a Dense layer, but {name!r} is "
+                             f"{type(layer).__name__}.")
+        units = layer.units if how == "column" else _input_units(layer)
+        what = "output units" if how == "column" else "input units"
+        try:
+            part_sizes(units, len(devices))
+        except ValueError:
+            raise ValueError(f"plan[{name!r}] = {how!r} splits {units} {what} into "
+                             f"{len(devices)} parts; give at most {units} devices.") from None
