@@ -34,7 +34,22 @@ def _branches(seed=0):
     return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(joined))
 
 
+def _text(seed=0):
+    """Token ids -> an Embedding of 11 rows (split 4, 4, 3; id 0 masked) -> mean -> logits.
+
+    Takes reference batches' features as ids: |x| * 3, rounded, lies in 0..10."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    ids = keras.layers.Lambda(lambda x: keras.ops.cast(
+        keras.ops.minimum(keras.ops.round(keras.ops.abs(x) * 3), 10), "int32"))(inputs)
+    vectors = keras.layers.Embedding(11, 6, mask_zero=True, name="table")(ids)
+    pooled = keras.layers.GlobalAveragePooling1D()(vectors)  # honours the mask
+    hidden = keras.layers.Dense(8, activation="relu", name="up")(pooled)
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(hidden))
+
+
 MLP_PLAN = {"up": "column", "down": "row", "out": 0}
+TEXT_PLAN = {"table": "vocab", "up": "column", "out": "row"}
 BRANCH_PLAN = {"left": 1, "right": 2}
 
 
@@ -72,6 +87,24 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         for expected, actual in zip(before, model.get_weights()):  # the original untouched
             self.assertAllEqual(expected, actual)
 
+    def test_vocab_parts_look_up_their_own_rows(self):
+        model = _text()
+        x = reference.make_batches(6, num_steps=1)[0][0]
+        parted = towers.split_layers(model, TEXT_PLAN, PARTS)
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+        table = parted.get_layer("table")
+        self.assertEqual([part.embeddings.shape[0] for part in table.parts], [4, 4, 3])
+        self.assertEqual([_device_of(part.embeddings) for part in table.parts], PARTS)
+        ids = np.array([[0, 3, 4, 10]])
+        self.assertAllEqual(table.compute_mask(ids), ids != 0)
+        # Each part's gradient holds only rows it looked up, as an IndexedSlices.
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(table(ids))
+        grads = tape.gradient(total, [part.embeddings for part in table.parts])
+        self.assertTrue(all(isinstance(g, tf.IndexedSlices) for g in grads))
+        whole = np.concatenate([tf.convert_to_tensor(g).numpy() for g in grads])
+        self.assertAllEqual(whole.sum(axis=1) != 0, np.isin(np.arange(11), ids))
+
     def test_branches_placed_whole(self):
         model = _branches()
         x = reference.make_batches(5, num_steps=1)[0][0]
@@ -81,14 +114,14 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(devices, {"left": DEVICES[1], "right": DEVICES[2], "out": DEVICES[0]})
 
     @parameterized.product(
-        make_model=[("mlp", _mlp, MLP_PLAN, PARTS), ("branches", _branches, BRANCH_PLAN,
-                                                     DEVICES[:3])],
-        num_towers=[1, 2], optimizer=["sgd", "adam"],
-        batch_sizes=[(7, 6, 7), (7, 1, 3)])  # (.., 1, ..): a step with an empty tower
-    def test_trains_as_one_device(self, make_model, num_towers, optimizer, batch_sizes):
+        make_model=[("mlp", _mlp, MLP_PLAN, PARTS), ("text", _text, TEXT_PLAN, PARTS),
+                    ("branches", _branches, BRANCH_PLAN, DEVICES[:3])],
+        num_towers=[1, 2], optimizer=["sgd", "adam"])
+    def test_trains_as_one_device(self, make_model, num_towers, optimizer):
         _, build, plan, parts = make_model
+        # Uneven shards, then a batch of 1: on 2 towers, one of them empty.
         batches = [reference.make_batches(size, num_steps=1, seed=i)[0]  # sample-weighted
-                   for i, size in enumerate(batch_sizes)]
+                   for i, size in enumerate((7, 1, 6))]
         expected_model = build()
         reference.single_device_weights(expected_model, reference.OPTIMIZERS[optimizer](),
                                         reference.make_loss(), batches)
@@ -106,10 +139,11 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("unknown_layer", {"nope": "column"}, "does not have; its layers are"),
-        ("kind_for_another_layer", {"join": "column"}, "needs a Dense layer, but 'join' is "
+        ("kind_for_another_layer", {"join": "column"}, "splits Dense layers, but 'join' is "
                                                        "Concatenate"),
         ("unknown_kind", {"left": "diagonal"}, "is not a kind"),
         ("not_built_yet", {"left": "heads"}, "is not built yet"),
+        ("vocab_on_a_dense", {"left": "vocab"}, "splits Embedding layers, but 'left' is Dense"),
         ("index_out_of_range", {"left": 3}, "is not a device index: there are 3 devices"),
         ("more_parts_than_units", {"left": "column"}, "splits 4 output units into 5 parts"),
         ("empty_plan", {}, "plan must be a non-empty dict"))

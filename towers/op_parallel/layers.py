@@ -125,3 +125,53 @@ class Placed(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
+
+
+class VocabEmbedding(keras.layers.Layer):
+    """Embedding with its table's rows split: part j holds rows [start_j, end_j) on
+    devices[j] and looks up there the ids that fall in them (the others read row 0 and
+    are zeroed); the parts' vectors are summed, each id's coming from exactly one part.
+    The gradient of part j's table is a tf.IndexedSlices of the rows it looked up."""
+
+    def __init__(self, embedding_config, devices, **kwargs):
+        super().__init__(name=embedding_config["name"], dtype=embedding_config.get("dtype"),
+                         trainable=embedding_config.get("trainable", True),
+                         activity_regularizer=embedding_config.get("activity_regularizer"),
+                         **kwargs)
+        self.embedding_config, self.devices = dict(embedding_config), list(devices)
+        self.input_dim = embedding_config["input_dim"]
+        self.output_dim = embedding_config["output_dim"]
+        self.mask_zero = embedding_config.get("mask_zero", False)
+        self.supports_masking = self.mask_zero
+        self.sizes = part_sizes(self.input_dim, len(self.devices))
+        args = {key: embedding_config[key] for key in (
+            "embeddings_initializer", "embeddings_regularizer", "embeddings_constraint")
+            if key in embedding_config}
+        self.parts = [keras.layers.Embedding(size, self.output_dim, name=f"part_{j}",
+                                             dtype=self.dtype_policy, **args)
+                      for j, size in enumerate(self.sizes)]
+
+    def build(self, input_shape):
+        for device, part in zip(self.devices, self.parts):
+            with tf.device(device):
+                part.build(input_shape)
+
+    def call(self, inputs):
+        ids, vectors, start = ops.cast(inputs, "int32"), [], 0
+        for device, part, size in zip(self.devices, self.parts, self.sizes):
+            with tf.device(device):
+                here = ops.logical_and(ids >= start, ids < start + size)       # (B, ...)
+                rows = part(ops.where(here, ids - start, 0))                    # (B, ..., D)
+                vectors.append(rows * ops.cast(here, rows.dtype)[..., None])
+            start += size
+        return ops.sum(ops.stack(vectors), axis=0)
+
+    def compute_mask(self, inputs, mask=None):
+        return ops.not_equal(inputs, 0) if self.mask_zero else None
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.output_dim)
+
+    def get_config(self):
+        return {**super().get_config(), "embedding_config": self.embedding_config,
+                "devices": self.devices}

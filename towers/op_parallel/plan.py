@@ -1,9 +1,9 @@
 """split_layers: a model with the layers a plan names replaced by their parallel forms;
 join_layers: the model back with the original layer types and the full weights.
 
-A plan is {layer name: how}: "column" or "row" (Dense), or an int j (the whole
-layer on devices[j]). "vocab" and "heads" (Embedding, MultiHeadAttention) are
-the next part of this package and refused in one line until then.
+A plan is {layer name: how}: "column" or "row" (Dense), "vocab" (Embedding), or
+an int j (the whole layer on devices[j]). "heads" (MultiHeadAttention) is the
+next part of this package and refused in one line until then.
 """
 
 import keras
@@ -11,10 +11,13 @@ import numpy as np
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.op_parallel.layers import ColumnDense, Placed, RowDense, part_sizes
+from towers.op_parallel.layers import ColumnDense, Placed, RowDense, VocabEmbedding
+from towers.op_parallel.layers import part_sizes
 
-KINDS = {"column": (keras.layers.Dense,), "row": (keras.layers.Dense,)}
-PLANNED = ("vocab", "heads")  # in the contract, not built yet
+KINDS = {"column": keras.layers.Dense, "row": keras.layers.Dense,
+         "vocab": keras.layers.Embedding}
+PLANNED = ("heads",)  # in the contract, not built yet
+PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, Placed)
 
 
 def split_layers(model, plan, devices):
@@ -24,7 +27,7 @@ def split_layers(model, plan, devices):
 
     Args:
       model: a built functional or Sequential keras.Model.
-      plan: {layer name: "column" | "row" | int}.
+      plan: {layer name: "column" | "row" | "vocab" | int}.
       devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
 
     Raises:
@@ -37,13 +40,15 @@ def split_layers(model, plan, devices):
     def clone(layer):
         how = plan.get(layer.name)
         if how is None:
-            return layer.__class__.from_config(layer.get_config())
+            return _copy(layer)
         if isinstance(how, int):
-            return Placed(layer.__class__.from_config(layer.get_config()), devices[how])
+            return Placed(_copy(layer), devices[how])
         config = layer.get_config()
         regularizer = layer.activity_regularizer
         if how == "column":
             return ColumnDense(config, devices, activity_regularizer=regularizer)
+        if how == "vocab":
+            return VocabEmbedding(config, devices)
         return RowDense(config, devices, _input_units(layer), activity_regularizer=regularizer)
 
     with tf.device(devices[0]):
@@ -61,8 +66,9 @@ def join_layers(model):
     def clone(layer):
         if isinstance(layer, (ColumnDense, RowDense)):
             return keras.layers.Dense.from_config(layer.dense_config)
-        inner = layer.layer if isinstance(layer, Placed) else layer
-        return inner.__class__.from_config(inner.get_config())
+        if isinstance(layer, VocabEmbedding):
+            return keras.layers.Embedding.from_config(layer.embedding_config)
+        return _copy(layer.layer if isinstance(layer, Placed) else layer)
 
     joined = keras.models.clone_model(model, clone_function=clone)
     by_name = {layer.name: layer for layer in model.layers}
@@ -79,6 +85,8 @@ def join_layers(model):
             if parted.dense_config["use_bias"]:
                 weights.append(parted.parts[0].bias.numpy())
             layer.set_weights(weights)
+        elif isinstance(parted, VocabEmbedding):
+            layer.set_weights([np.concatenate([p.embeddings.numpy() for p in parted.parts])])
         elif parted.weights:
             layer.set_weights(parted.get_weights())
     return joined
@@ -86,7 +94,15 @@ def join_layers(model):
 
 def is_split(model):
     """Whether `model` holds parallel forms of layers (split_layers' result)."""
-    return any(isinstance(layer, (ColumnDense, RowDense, Placed)) for layer in model.layers)
+    return any(isinstance(layer, PARALLEL_FORMS) for layer in model.layers)
+
+
+def _copy(layer):
+    """A new layer like `layer`; a layer (or op) without variables is shared, not copied:
+    it has nothing to place, and its config may not rebuild it (a Lambda's function)."""
+    if not getattr(layer, "weights", None):
+        return layer
+    return layer.__class__.from_config(layer.get_config())
 
 
 def _copy_split(original, parted):
@@ -98,6 +114,11 @@ def _copy_split(original, parted):
             part.kernel.assign(kernel[:, start:end])
             if bias is not None:
                 part.bias.assign(bias.numpy()[start:end])
+    elif isinstance(parted, VocabEmbedding):
+        table = original.embeddings.numpy()
+        ends = np.cumsum(parted.sizes)
+        for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+            part.embeddings.assign(table[start:end])
     elif isinstance(parted, RowDense):
         kernel = original.kernel.numpy()
         ends = np.cumsum(parted.sizes)
@@ -111,6 +132,15 @@ def _copy_split(original, parted):
 
 def _input_units(layer):
     return int(layer.kernel.shape[0])
+
+
+def _split_size(layer, how):
+    """(how many units the split `how` divides among the parts, what they are)."""
+    if how == "column":
+        return layer.units, "output units"
+    if how == "row":
+        return _input_units(layer), "input units"
+    return layer.input_dim, "rows"
 
 
 def _check(model, plan, devices):
@@ -133,8 +163,8 @@ def _check(model, plan, devices):
                              f"have; its layers are {sorted(layers)}.")
         layer = layers[name]
         if isinstance(how, bool) or not isinstance(how, (int, str)):
-            raise ValueError(f"plan[{name!r}] must be 'column', 'row' or a device index, got "
-                             f"{how!r}.")
+            raise ValueError(f"plan[{name!r}] must be one of {sorted(KINDS)} or a device "
+                             f"index, got {how!r}.")
         if isinstance(how, int):
             if not 0 <= how < len(devices):
                 raise ValueError(f"plan[{name!r}] = {how} is not a device index: there are "
@@ -146,11 +176,10 @@ def _check(model, plan, devices):
         if how not in KINDS:
             raise ValueError(f"plan[{name!r}] = {how!r} is not a kind; use one of "
                              f"{sorted(KINDS) + list(PLANNED)} or a device index.")
-        if type(layer) not in KINDS[how]:
-            raise ValueError(f"plan[{name!r}] = {how!r} needs a Dense layer, but {name!r} is "
-                             f"{type(layer).__name__}.")
-        units = layer.units if how == "column" else _input_units(layer)
-        what = "output units" if how == "column" else "input units"
+        if type(layer) is not KINDS[how]:
+            raise ValueError(f"plan[{name!r}] = {how!r} splits {KINDS[how].__name__} layers, "
+                             f"but {name!r} is {type(layer).__name__}.")
+        units, what = _split_size(layer, how)
         try:
             part_sizes(units, len(devices))
         except ValueError:
