@@ -4,10 +4,15 @@ does, sit on the devices the plan names, and join back exactly (issue 18, first 
 import keras
 import numpy as np
 import tensorflow as tf
-from absl.testing import parameterized
+from absl import flags
+from absl.testing import flagsaver, parameterized
 
 import towers
 from tests import reference
+from towers.cli import train
+
+if not flags.FLAGS.is_parsed():  # the command line's tests run train.train() in-process
+    flags.FLAGS.mark_as_parsed()
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 PARTS = DEVICES[1:]  # three parts: 8 units split 3, 3, 2
@@ -167,6 +172,43 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
         model(np.zeros((1, 3), np.float32))
         with self.assertRaisesRegex(ValueError, "functional or Sequential"):
             towers.split_layers(model, {"dense": "column"}, DEVICES[:2])
+
+
+class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
+    """towers-train --tensor_parallel / --split_plan, run in this process (train.train())."""
+
+    QUICK = dict(num_towers=1, global_batch_size=32, steps=4, optimizer="sgd")
+
+    def test_default_mlp_plan_trains_as_the_unsplit_model(self):
+        with flagsaver.flagsaver(**self.QUICK, model="mlp"):
+            whole = train.train()
+        with flagsaver.flagsaver(**self.QUICK, model="mlp", tensor_parallel=2):
+            parted = train.train()
+        # The mlp's two hidden Dense layers (Keras names them), as a column -> row pair.
+        self.assertEqual((parted["tensor_parallel"], list(parted["split_plan"].values())),
+                         (2, ["column", "row"]))
+        self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+        self.assertEqual((whole["tensor_parallel"], whole["split_plan"]), (1, {}))
+
+    def test_split_plan_names_any_layer(self):
+        with flagsaver.flagsaver(**self.QUICK, model="text", tensor_parallel=3,
+                                 split_plan=["embedding:vocab", "logits:row"]):
+            results = train.train()
+        self.assertEqual(results["split_plan"], {"embedding": "vocab", "logits": "row"})
+
+    @parameterized.named_parameters(
+        ("no_default_plan", dict(model="cnn", tensor_parallel=2),
+         "--tensor_parallel=2: model 'cnn' has no default split plan"),
+        ("not_layer_kind", dict(model="mlp", split_plan=["dense"]),
+         "--split_plan: 'dense' is not LAYER:KIND"),
+        ("bad_plan", dict(model="mlp", tensor_parallel=2, split_plan=["logits:heads"]),
+         "plan\\['logits'\\] = 'heads' is not built yet"),
+        ("with_towers", dict(model="mlp", tensor_parallel=2, num_towers=2),
+         "--num_towers=2 cannot be combined with split layers yet"))
+    def test_refused_in_one_line(self, options, message):
+        with flagsaver.flagsaver(**{**self.QUICK, **options}):
+            with self.assertRaisesRegex(ValueError, message):
+                train.train()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""The op-parallel plans of the command line: --split_plan parsed, and the built-in
+models' defaults for --tensor_parallel (towers.split_layers takes either)."""
+
+from keras import layers
+
+
+def parse(items):
+    """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab or a part index."""
+    plan = {}
+    for item in items:
+        name, _, how = item.rpartition(":")
+        if not name or not how:
+            raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab or a part "
+                             "index).")
+        plan[name] = int(how) if how.isdigit() else how
+    return plan
+
+
+def default(model, name):
+    """The op-parallel plan --tensor_parallel uses for built-in model `name`: the mlp's
+    hidden Dense layers as a column -> row pair, the text model's table split by rows."""
+    if name == "mlp":
+        hidden = [layer.name for layer in model.layers
+                  if isinstance(layer, layers.Dense) and layer.name != "logits"]
+        return {hidden[0]: "column", hidden[1]: "row"}
+    if name == "text":
+        return {"embedding": "vocab"}
+    raise ValueError(f"model {name!r} has no default split plan (convolution channels are not "
+                     "split yet); name its layers with --split_plan=LAYER:KIND,...")

@@ -1,0 +1,133 @@
+"""The flags of towers-train (towers/cli/train.py reads them as flag.NAME.value)."""
+
+from absl import flags
+
+from towers import devices as devices_lib
+from towers.cli import data as data_lib, model_spec
+from towers.data_parallel import exchange, replicas
+from towers.model_parallel import schedule
+from towers.multi_worker import cluster as cluster_lib
+
+DEFAULT_EPOCHS = 10
+OPTIMIZERS = ("adam", "sgd")
+MIXED_PRECISION_POLICIES = ("none", "mixed_float16", "mixed_bfloat16")
+
+DATASET = flags.DEFINE_enum("dataset", "digits", data_lib.DATASETS,
+                            "Training data: the 8x8 digits scikit-learn ships (offline), random "
+                            "synthetic images, or a keras.datasets set.")
+DATA_NPZ = flags.DEFINE_string("data_npz", None,
+                               "Your own .npz with x_train, y_train and optionally x_test, "
+                               "y_test (without them a fixed, stratified 10% of the training "
+                               "examples is held out for evaluation); overrides --dataset.")
+MODEL = flags.DEFINE_string("model", "cnn",
+                            f"Which model to train, one of three forms: {model_spec.FORMS}. "
+                            "PACKAGE.MODULE is imported from the current directory, e.g. "
+                            "--model=examples.my_model:small_cnn.")
+NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices) on this worker.",
+                                  lower_bound=1)
+DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", devices_lib.DEVICE_TYPES,
+                                "Tower device kind; auto = GPUs if any, else CPU devices.")
+GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64,
+                                         "Examples per step, split across all workers and "
+                                         "their towers.", lower_bound=1)
+EPOCHS = flags.DEFINE_integer("epochs", None,
+                              f"Epochs to train (default {DEFAULT_EPOCHS}); not with --steps.",
+                              lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", None, "Optimizer steps to train; not with --epochs.",
+                             lower_bound=1)
+OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.")
+LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
+AGGREGATION = flags.DEFINE_enum("aggregation", "main", exchange.AGGREGATIONS,
+                                "How tower gradients meet: gathered on the main device, "
+                                "pairwise tree, collective all-reduce, or NCCL (GPUs).")
+PACK_GRADIENTS = flags.DEFINE_bool("pack_gradients", False,
+                                   "Exchange each tower's gradients as one flat buffer.")
+VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
+                                       replicas.VARIABLE_PLACEMENTS,
+                                       "One copy of the variables on the main device, or a "
+                                       "copy on every tower, written from the main values "
+                                       "at the start of each step.")
+STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    "steps_per_execution", 1,
+    "Training steps per call of one compiled function (an in-graph loop, no Python "
+    "between them); logs, progress, callbacks and checkpoints then happen once per call.",
+    lower_bound=1)
+JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile", False,
+    "Compile each tower's forward and backward with XLA, one computation on its device "
+    "(with --pipeline_stages > 1: each stage's, per micro-batch).")
+PREFETCH_TO_DEVICES = flags.DEFINE_enum(
+    "prefetch_to_devices", "auto", ["auto", "on", "off"],
+    "on: split each batch in the input pipeline and copy every tower's shard to its device "
+    "while the previous step runs; off: split inside the step; auto: on for GPU towers.")
+ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 1,
+                                   "Micro-batches each tower runs one after another per step "
+                                   "(gradient accumulation: less memory, same result).",
+                                   lower_bound=1)
+PIPELINE_STAGES = flags.DEFINE_integer(
+    "pipeline_stages", 1,
+    "Pipeline stages each tower's model is cut into, each on its own device (model "
+    "parallelism): the run uses --num_towers x this many devices. The built-in model is cut "
+    "into stages of about equal estimated compute; 1 = no pipeline.", lower_bound=1)
+MICRO_BATCHES = flags.DEFINE_integer(
+    "micro_batches", 1,
+    "Micro-batches each tower's shard is split into, so the pipeline stages work on "
+    "different micro-batches at once; with --pipeline_stages=1 it is gradient "
+    "accumulation, like --accum_steps (set one of the two).", lower_bound=1)
+PIPELINE_SCHEDULE = flags.DEFINE_enum(
+    "pipeline_schedule", "gpipe", schedule.SCHEDULES,
+    "Order of each stage's forwards and backwards: gpipe (all forwards, then all "
+    "backwards) or 1f1b (alternating, fewer micro-batches' activations alive at once); "
+    "the same weights either way.")
+TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel", 1, "Op parallelism: parts each split layer is cut into, one device each "
+    "(docs/op_parallel.md); with the built-in mlp and text a default plan, else --split_plan.",
+    lower_bound=1)
+SPLIT_PLAN = flags.DEFINE_list(
+    "split_plan", None, "Op parallelism: LAYER:KIND,... with KIND column or row (Dense), vocab "
+    "(Embedding) or a part index (the whole layer on that part's device).")
+MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
+                                    "Keras dtype policy; mixed_float16 adds dynamic loss "
+                                    "scaling shared by all towers.")
+CLIP_GLOBAL_NORM = flags.DEFINE_float("clip_global_norm", None,
+                                      "Clip the averaged gradient to this global norm.",
+                                      lower_bound=0.0)
+CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None,
+                                     "Where checkpoints go; a rerun resumes from the newest.")
+CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", 100, "Save a checkpoint every this many steps (and at the end).",
+    lower_bound=1)
+# absl.logging already defines --log_dir, for log files it writes only when asked to; the
+# command-line contract names it as the TensorBoard directory, so it is shared, with our help.
+flags.FLAGS["log_dir"].help = "Where TensorBoard summaries go."
+OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write the final metrics here as JSON.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout.")
+DETERMINISTIC = flags.DEFINE_bool("deterministic", False,
+                                  "Also make TensorFlow's ops deterministic, so two runs of the "
+                                  "same command give identical weights.")
+INTRA_OP_THREADS = flags.DEFINE_integer(
+    "intra_op_threads", 0,
+    "Threads TensorFlow may use inside one op (a matmul, a convolution); 0 = TensorFlow's "
+    "choice (about one per core). Logical CPU devices (towers or stages carved out of one "
+    "CPU) all share this one process-wide pool, so more devices do not bring more threads.",
+    lower_bound=0)
+INTER_OP_THREADS = flags.DEFINE_integer(
+    "inter_op_threads", 0,
+    "Ops TensorFlow may run at the same time; 0 = TensorFlow's choice (about one per core). "
+    "The process has one such pool for all logical CPU devices, so it bounds how many "
+    "towers' and stages' ops overlap.", lower_bound=0)
+WORKER_HOSTS = flags.DEFINE_list("worker_hosts", None,
+                                 "host:port of every worker, the chief first; builds the "
+                                 "cluster instead of TF_CONFIG. Needs --task_index.")
+TASK_INDEX = flags.DEFINE_integer("task_index", None,
+                                  "This worker's position in --worker_hosts (0 = chief).",
+                                  lower_bound=0)
+PEER_TIMEOUT_S = flags.DEFINE_float("peer_timeout_s", cluster_lib.DEFAULT_PEER_TIMEOUT_S,
+                                    "A worker that does not answer for this many seconds "
+                                    "during a step stops every worker with an error.",
+                                    lower_bound=1.0)
+STARTUP_TIMEOUT_S = flags.DEFINE_float("startup_timeout_s",
+                                       cluster_lib.DEFAULT_STARTUP_TIMEOUT_S,
+                                       "How long each worker waits for all the others to start.",
+                                       lower_bound=1.0)
+flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
