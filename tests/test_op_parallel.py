@@ -40,7 +40,9 @@ def _branches(seed=0):
 
 
 def _text(seed=0):
-    """Token ids -> an Embedding of 11 rows (split 4, 4, 3; id 0 masked) -> mean -> logits.
+    """A transformer block: token ids -> an Embedding of 11 rows (id 0 masked) ->
+    self-attention with 4 heads (3 parts: 2, 1, 1) + residual -> LayerNorm -> a
+    feed-forward Dense pair -> mean -> logits.
 
     Takes reference batches' features as ids: |x| * 3, rounded, lies in 0..10."""
     keras.utils.set_random_seed(seed)
@@ -48,13 +50,16 @@ def _text(seed=0):
     ids = keras.layers.Lambda(lambda x: keras.ops.cast(
         keras.ops.minimum(keras.ops.round(keras.ops.abs(x) * 3), 10), "int32"))(inputs)
     vectors = keras.layers.Embedding(11, 6, mask_zero=True, name="table")(ids)
-    pooled = keras.layers.GlobalAveragePooling1D()(vectors)  # honours the mask
-    hidden = keras.layers.Dense(8, activation="relu", name="up")(pooled)
-    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(hidden))
+    attended = keras.layers.MultiHeadAttention(4, 3, name="att")(vectors, vectors)
+    x = keras.layers.LayerNormalization()(keras.layers.Add()([vectors, attended]))
+    x = keras.layers.Dense(8, activation="relu", name="up")(x)
+    x = keras.layers.Dense(6, name="down")(x)
+    pooled = keras.layers.GlobalAveragePooling1D()(x)  # honours the mask
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(pooled))
 
 
 MLP_PLAN = {"up": "column", "down": "row", "out": 0}
-TEXT_PLAN = {"table": "vocab", "up": "column", "out": "row"}
+TEXT_PLAN = {"table": "vocab", "att": "heads", "up": "column", "down": "row"}
 BRANCH_PLAN = {"left": 1, "right": 2}
 
 
@@ -110,6 +115,20 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         whole = np.concatenate([tf.convert_to_tensor(g).numpy() for g in grads])
         self.assertAllEqual(whole.sum(axis=1) != 0, np.isin(np.arange(11), ids))
 
+    def test_heads_parts_hold_their_heads(self):
+        model = _text()
+        x = reference.make_batches(6, num_steps=1)[0][0]
+        parted = towers.split_layers(model, TEXT_PLAN, PARTS)
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+        attention = parted.get_layer("att")
+        self.assertEqual([part.num_heads for part in attention.parts], [2, 1, 1])
+        for j, part in enumerate(attention.parts):
+            self.assertEqual({_device_of(v) for v in part.weights}, {PARTS[j]})
+        # The output bias is added once: part 0's; the others' stay zero, untrained.
+        biases = [part._output_dense.bias for part in attention.parts]
+        self.assertEqual([b.trainable for b in biases], [True, False, False])
+        self.assertAllEqual(biases[1], np.zeros(6))
+
     def test_branches_placed_whole(self):
         model = _branches()
         x = reference.make_batches(5, num_steps=1)[0][0]
@@ -147,7 +166,8 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
         ("kind_for_another_layer", {"join": "column"}, "splits Dense layers, but 'join' is "
                                                        "Concatenate"),
         ("unknown_kind", {"left": "diagonal"}, "is not a kind"),
-        ("not_built_yet", {"left": "heads"}, "is not built yet"),
+        ("heads_on_a_dense", {"left": "heads"}, "splits MultiHeadAttention layers, but "
+                                                "'left' is Dense"),
         ("vocab_on_a_dense", {"left": "vocab"}, "splits Embedding layers, but 'left' is Dense"),
         ("index_out_of_range", {"left": 3}, "is not a device index: there are 3 devices"),
         ("more_parts_than_units", {"left": "column"}, "splits 4 output units into 5 parts"),
@@ -202,7 +222,7 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
         ("not_layer_kind", dict(model="mlp", split_plan=["dense"]),
          "--split_plan: 'dense' is not LAYER:KIND"),
         ("bad_plan", dict(model="mlp", tensor_parallel=2, split_plan=["logits:heads"]),
-         "plan\\['logits'\\] = 'heads' is not built yet"),
+         "plan\\['logits'\\] = 'heads' splits MultiHeadAttention layers"),
         ("with_towers", dict(model="mlp", tensor_parallel=2, num_towers=2),
          "--num_towers=2 cannot be combined with split layers yet"))
     def test_refused_in_one_line(self, options, message):

@@ -5,13 +5,13 @@ from keras import layers
 
 
 def parse(items):
-    """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab or a part index."""
+    """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab, heads or a part index."""
     plan = {}
     for item in items:
         name, _, how = item.rpartition(":")
         if not name or not how:
-            raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab or a part "
-                             "index).")
+            raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab, heads or a "
+                             "part index).")
         plan[name] = int(how) if how.isdigit() else how
     return plan
 

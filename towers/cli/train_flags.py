@@ -85,7 +85,8 @@ TENSOR_PARALLEL = flags.DEFINE_integer(
     lower_bound=1)
 SPLIT_PLAN = flags.DEFINE_list(
     "split_plan", None, "Op parallelism: LAYER:KIND,... with KIND column or row (Dense), vocab "
-    "(Embedding) or a part index (the whole layer on that part's device).")
+    "(Embedding), heads (MultiHeadAttention) or a part index (the whole layer on that part's "
+    "device).")
 MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
                                     "Keras dtype policy; mixed_float16 adds dynamic loss "
                                     "scaling shared by all towers.")

@@ -33,6 +33,7 @@ class _Parted(keras.layers.Layer):
                          trainable=dense_config.get("trainable", True),
                          activity_regularizer=activity_regularizer, **kwargs)
         self.dense_config, self.devices = dict(dense_config), list(devices)
+        self.supports_masking = True  # a mask passes on, as through Dense
         self.units = dense_config["units"]
         self.activation = keras.activations.get(dense_config["activation"])
 
@@ -174,4 +175,57 @@ class VocabEmbedding(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "embedding_config": self.embedding_config,
+                "devices": self.devices}
+
+
+class HeadsAttention(keras.layers.Layer):
+    """MultiHeadAttention with its heads split: part j holds heads [start_j, end_j) on
+    devices[j] (their query, key and value projections and their slice of the output
+    projection) and computes their attention there; the parts' outputs are summed.
+    Part 0 holds the output bias; the others' is zero and not trained, so it is added
+    once."""
+
+    def __init__(self, attention_config, devices, **kwargs):
+        """attention_config: the layer's get_config(), its output_shape given (each part's
+        slice of the output projection maps to the whole output)."""
+        super().__init__(name=attention_config["name"], dtype=attention_config.get("dtype"),
+                         trainable=attention_config.get("trainable", True), **kwargs)
+        self.attention_config, self.devices = dict(attention_config), list(devices)
+        self.supports_masking = True  # the query's mask passes on, as MultiHeadAttention's
+        self.sizes = part_sizes(attention_config["num_heads"], len(self.devices))
+        self.parts = []
+        for j, heads in enumerate(self.sizes):
+            config = {**attention_config, "num_heads": heads, "name": f"part_{j}"}
+            self.parts.append(keras.layers.MultiHeadAttention.from_config(config))
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        for j, (device, part) in enumerate(zip(self.devices, self.parts)):
+            with tf.device(device):
+                part.build(query_shape, value_shape, key_shape)
+            if j > 0 and part._use_bias:
+                part._output_dense.bias.assign(ops.zeros_like(part._output_dense.bias))
+                part._output_dense.bias.trainable = False
+
+    def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
+             attention_mask=None, return_attention_scores=False, training=None,
+             use_causal_mask=False):
+        outputs, scores = [], []
+        for device, part in zip(self.devices, self.parts):
+            with tf.device(device):
+                result = part(query, value, key, query_mask=query_mask, value_mask=value_mask,
+                              key_mask=key_mask, attention_mask=attention_mask,
+                              return_attention_scores=return_attention_scores,
+                              training=training, use_causal_mask=use_causal_mask)
+            if return_attention_scores:
+                result, part_scores = result
+                scores.append(part_scores)  # (B, heads_j, T_q, T_k)
+            outputs.append(result)  # (B, T_q, output units): heads_j's share of the output
+        output = ops.sum(ops.stack(outputs), axis=0)
+        return (output, ops.concatenate(scores, axis=1)) if return_attention_scores else output
+
+    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        return self.parts[0].compute_output_shape(query_shape, value_shape, key_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "attention_config": self.attention_config,
                 "devices": self.devices}

@@ -1,9 +1,8 @@
 """split_layers: a model with the layers a plan names replaced by their parallel forms;
 join_layers: the model back with the original layer types and the full weights.
 
-A plan is {layer name: how}: "column" or "row" (Dense), "vocab" (Embedding), or
-an int j (the whole layer on devices[j]). "heads" (MultiHeadAttention) is the
-next part of this package and refused in one line until then.
+A plan is {layer name: how}: "column" or "row" (Dense), "vocab" (Embedding),
+"heads" (MultiHeadAttention), or an int j (the whole layer on devices[j]).
 """
 
 import keras
@@ -11,13 +10,12 @@ import numpy as np
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.op_parallel.layers import ColumnDense, Placed, RowDense, VocabEmbedding
-from towers.op_parallel.layers import part_sizes
+from towers.op_parallel.layers import ColumnDense, HeadsAttention, Placed, RowDense
+from towers.op_parallel.layers import VocabEmbedding, part_sizes
 
 KINDS = {"column": keras.layers.Dense, "row": keras.layers.Dense,
-         "vocab": keras.layers.Embedding}
-PLANNED = ("heads",)  # in the contract, not built yet
-PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, Placed)
+         "vocab": keras.layers.Embedding, "heads": keras.layers.MultiHeadAttention}
+PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, HeadsAttention, Placed)
 
 
 def split_layers(model, plan, devices):
@@ -27,7 +25,7 @@ def split_layers(model, plan, devices):
 
     Args:
       model: a built functional or Sequential keras.Model.
-      plan: {layer name: "column" | "row" | "vocab" | int}.
+      plan: {layer name: "column" | "row" | "vocab" | "heads" | int}.
       devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
 
     Raises:
@@ -49,6 +47,10 @@ def split_layers(model, plan, devices):
             return ColumnDense(config, devices, activity_regularizer=regularizer)
         if how == "vocab":
             return VocabEmbedding(config, devices)
+        if how == "heads":
+            if config["output_shape"] is None:  # the query's width, which the parts cannot see
+                config["output_shape"] = int(layer._output_dense.kernel.shape[-1])
+            return HeadsAttention(config, devices)
         return RowDense(config, devices, _input_units(layer), activity_regularizer=regularizer)
 
     with tf.device(devices[0]):
@@ -68,6 +70,8 @@ def join_layers(model):
             return keras.layers.Dense.from_config(layer.dense_config)
         if isinstance(layer, VocabEmbedding):
             return keras.layers.Embedding.from_config(layer.embedding_config)
+        if isinstance(layer, HeadsAttention):
+            return keras.layers.MultiHeadAttention.from_config(layer.attention_config)
         return _copy(layer.layer if isinstance(layer, Placed) else layer)
 
     joined = keras.models.clone_model(model, clone_function=clone)
@@ -87,6 +91,8 @@ def join_layers(model):
             layer.set_weights(weights)
         elif isinstance(parted, VocabEmbedding):
             layer.set_weights([np.concatenate([p.embeddings.numpy() for p in parted.parts])])
+        elif isinstance(parted, HeadsAttention):
+            layer.set_weights(_joined_heads(parted))
         elif parted.weights:
             layer.set_weights(parted.get_weights())
     return joined
@@ -119,6 +125,8 @@ def _copy_split(original, parted):
         ends = np.cumsum(parted.sizes)
         for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
             part.embeddings.assign(table[start:end])
+    elif isinstance(parted, HeadsAttention):
+        _split_heads(original, parted)
     elif isinstance(parted, RowDense):
         kernel = original.kernel.numpy()
         ends = np.cumsum(parted.sizes)
@@ -128,6 +136,37 @@ def _copy_split(original, parted):
             parted.parts[0].bias.assign(original.bias.numpy())
     else:
         parted.set_weights(original.get_weights())
+
+
+_PROJECTIONS = ("_query_dense", "_key_dense", "_value_dense")
+
+
+def _split_heads(original, parted):
+    """Each part's heads of the query, key and value projections (kernels (d, H, k), biases
+    (H, k)) and of the output projection (kernel (H, v, d)); the output bias to part 0."""
+    ends = np.cumsum(parted.sizes)
+    for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+        for name in _PROJECTIONS:
+            whole, piece = getattr(original, name), getattr(part, name)
+            piece.kernel.assign(whole.kernel.numpy()[:, start:end])
+            if original._use_bias:
+                piece.bias.assign(whole.bias.numpy()[start:end])
+        part._output_dense.kernel.assign(original._output_dense.kernel.numpy()[start:end])
+    if original._use_bias:
+        parted.parts[0]._output_dense.bias.assign(original._output_dense.bias.numpy())
+
+
+def _joined_heads(parted):
+    """The weights of the MultiHeadAttention `parted` stands for, in its weights' order."""
+    weights = []
+    for name in _PROJECTIONS:
+        weights.append(np.concatenate([getattr(p, name).kernel.numpy() for p in parted.parts], 1))
+        if parted.parts[0]._use_bias:
+            weights.append(np.concatenate([getattr(p, name).bias.numpy() for p in parted.parts]))
+    weights.append(np.concatenate([p._output_dense.kernel.numpy() for p in parted.parts]))
+    if parted.parts[0]._use_bias:
+        weights.append(parted.parts[0]._output_dense.bias.numpy())
+    return weights
 
 
 def _input_units(layer):
@@ -140,6 +179,8 @@ def _split_size(layer, how):
         return layer.units, "output units"
     if how == "row":
         return _input_units(layer), "input units"
+    if how == "heads":
+        return layer.num_heads, "heads"
     return layer.input_dim, "rows"
 
 
@@ -170,15 +211,15 @@ def _check(model, plan, devices):
                 raise ValueError(f"plan[{name!r}] = {how} is not a device index: there are "
                                  f"{len(devices)} devices, 0 to {len(devices) - 1}.")
             continue
-        if how in PLANNED:
-            raise ValueError(f"plan[{name!r}] = {how!r} is not built yet (issue 18 lands "
-                             "'column', 'row' and whole layers first).")
         if how not in KINDS:
             raise ValueError(f"plan[{name!r}] = {how!r} is not a kind; use one of "
-                             f"{sorted(KINDS) + list(PLANNED)} or a device index.")
+                             f"{sorted(KINDS)} or a device index.")
         if type(layer) is not KINDS[how]:
             raise ValueError(f"plan[{name!r}] = {how!r} splits {KINDS[how].__name__} layers, "
                              f"but {name!r} is {type(layer).__name__}.")
+        if how == "heads" and layer.get_config().get("use_gate"):
+            raise ValueError(f"plan[{name!r}] = 'heads': a gated MultiHeadAttention "
+                             "(use_gate=True) is not split yet; place it whole instead.")
         units, what = _split_size(layer, how)
         try:
             part_sizes(units, len(devices))
