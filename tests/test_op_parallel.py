@@ -8,6 +8,7 @@ from absl import flags
 from absl.testing import flagsaver, parameterized
 
 import towers
+from benchmarks.harness import op_parallel
 from tests import reference
 from towers.cli import train
 
@@ -85,6 +86,31 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
                          [3, 3, 2])
         # L2 on a split kernel is counted once: the parts' terms add up to the whole's.
         self.assertAllClose(tf.add_n(parted.losses), tf.add_n(model.losses), atol=1e-7, rtol=0)
+
+    def test_optimizer_slots_live_with_their_parts(self):
+        # One step builds Adam's slots; each sits on its variable's device, so a device
+        # holds 1/T of a split layer's weights and of their slots.
+        trainer = towers.TowerTrainer(towers.split_layers(_text(), TEXT_PLAN, PARTS),
+                                      reference.make_loss(), keras.optimizers.Adam(0.01),
+                                      devices=DEVICES[:1])
+        trainer.train_step(reference.make_batches(6, num_steps=1)[0])
+        devices = {v.path: _device_of(v) for v in trainer.model.weights}
+        slots = [v for v in trainer.optimizer.variables if v.path.split("/")[-1] in (
+            *(f"{p.replace('/', '_')}_momentum" for p in devices),
+            *(f"{p.replace('/', '_')}_velocity" for p in devices))]
+        self.assertLen(slots, 2 * len(trainer.model.trainable_weights))
+        for slot in slots:
+            variable = slot.path.split("/")[-1].rsplit("_", 1)[0]
+            owner = next(d for p, d in devices.items() if p.replace("/", "_") == variable)
+            self.assertEqual(_device_of(slot), owner, slot.path)
+        results = op_parallel.run_op_parallel_benchmark(
+            [1, 3], DEVICES, self.create_tempdir().full_path, vocab=30, width=6, heads=3,
+            hidden=9, length=4, global_batch_size=5, steps=1, rounds=1)
+        whole, parted = (row["bytes_per_device"] for row in results["rows"])
+        # The same weights, plus the zero output biases of attention parts 1 and 2.
+        self.assertEqual(sum(v for v, _ in parted.values()) - sum(v for v, _ in whole.values()),
+                         2 * 6 * 4)
+        self.assertLen(parted, 3)  # every part's device holds its share
 
     def test_join_gives_the_original_layers_and_weights_back(self):
         model = _mlp()

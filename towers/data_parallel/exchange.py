@@ -143,7 +143,8 @@ def _all_reduce_sum(tower_grads, devices, main_device, hint):
                 results.append(tf.raw_ops.CollectiveReduceV2(
                     input=tf.zeros_like(template) if grad is None else grad,
                     group_size=len(devices), group_key=group_key, instance_key=instance_key,
-                    ordering_token=[collectives.ordering_token(device)], merge_op="Add", final_op="Id",
+                    ordering_token=[collectives.ordering_token(device)], merge_op="Add",
+                    final_op="Id",
                     communication_hint=hint))
         summed.append(results[0])
     return summed

@@ -175,8 +175,9 @@ def read_weights(setup, weights, state, tower_index):
 
 def broadcast_stages(stages, values, row, trainable=True):
     """Step 2 for a tower: each stage's values (model order) copied to its device in `row`."""
-    return stages.merge([replicas_lib.broadcast_weights(stages.select(values, k, trainable), device)
-                         for k, device in enumerate(row)], trainable)
+    return stages.merge(
+        [replicas_lib.broadcast_weights(stages.select(values, k, trainable), device)
+         for k, device in enumerate(row)], trainable)
 
 
 def merge_state(tower_states, shard_sizes, device, state_policy):

@@ -1,0 +1,49 @@
+"""Op parallelism: bytes of variables and optimizer slots per device, and step time,
+of a transformer block split into T parts, against the unsplit block.
+
+    python benchmarks/op_parallel.py --parts=1,2,4 --output_dir=DIR
+
+The block's embedding is split by rows (vocab), its attention by heads, its
+feed-forward pair as column -> row (towers.split_layers), part j on device j;
+one tower, Adam. Writes DIR/results.json and DIR/results.md. The work is in
+benchmarks/harness/op_parallel.py; this file only reads the flags.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+import towers  # noqa: E402
+from benchmarks.harness import op_parallel  # noqa: E402
+
+PARTS = flags.DEFINE_list("parts", ["1", "2", "4"], "Part counts T; 1 is the unsplit block.")
+VOCAB = flags.DEFINE_integer("vocab", 20000, "Embedding rows.", lower_bound=1)
+WIDTH = flags.DEFINE_integer("width", 64, "Embedding width (divisible by --heads).",
+                             lower_bound=1)
+HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.", lower_bound=1)
+HIDDEN = flags.DEFINE_integer("hidden", 256, "Feed-forward hidden width.", lower_bound=1)
+GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64, "Sequences per step.",
+                                         lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", 50, "Timed steps per T.", lower_bound=1)
+ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.", lower_bound=1)
+OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results/op_parallel",
+                                 "Where results.json and results.md go.")
+
+
+def main(argv):
+    del argv
+    parts = [int(p) for p in PARTS.value]
+    devices = towers.configure_devices(max(parts))
+    results = op_parallel.run_op_parallel_benchmark(
+        parts, devices, OUTPUT_DIR.value, vocab=VOCAB.value, width=WIDTH.value,
+        heads=HEADS.value, hidden=HIDDEN.value, global_batch_size=GLOBAL_BATCH_SIZE.value,
+        steps=STEPS.value, rounds=ROUNDS.value)
+    print(op_parallel.markdown(results))
+
+
+if __name__ == "__main__":
+    app.run(main)
