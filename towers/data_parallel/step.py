@@ -88,6 +88,9 @@ class StepSetup:
         which then runs steps 3-4 of each tower with XLA.
       route: steps 5-6, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
+      pinned: per trainable and per non-trainable variable, whether step 2 leaves it
+        where it lives (a split layer's part, read and used on its own device), or
+        (None, None) to copy every one.
     """
     stages: stages_lib.Stages
     grid: list
@@ -99,6 +102,7 @@ class StepSetup:
     replicas: Optional[replicas_lib.Replicas] = None
     compiled_tower: Optional[Callable] = None
     route: Callable = dataclasses.field(init=False)
+    pinned: tuple = (None, None)
 
     def __post_init__(self):
         self.route = exchange.route(self.options.aggregation, self.options.pack_gradients)
@@ -169,14 +173,17 @@ def read_weights(setup, weights, state, tower_index):
     if setup.replicas is not None:
         return setup.replicas.read(tower_index)
     row = setup.grid[tower_index]
-    return (broadcast_stages(setup.stages, weights, row),
-            broadcast_stages(setup.stages, state, row, trainable=False))
+    return (broadcast_stages(setup.stages, weights, row, pinned=setup.pinned[0]),
+            broadcast_stages(setup.stages, state, row, trainable=False, pinned=setup.pinned[1]))
 
 
-def broadcast_stages(stages, values, row, trainable=True):
-    """Step 2 for a tower: each stage's values (model order) copied to its device in `row`."""
+def broadcast_stages(stages, values, row, trainable=True, pinned=None):
+    """Step 2 for a tower: each stage's values (model order) copied to its device in `row`;
+    a value `pinned` (per value, a bool) stays where its variable lives and is read there."""
+    pinned = pinned or [False] * len(values)
     return stages.merge(
-        [replicas_lib.broadcast_weights(stages.select(values, k, trainable), device)
+        [replicas_lib.broadcast_weights(stages.select(values, k, trainable), device,
+                                        stages.select(pinned, k, trainable))
          for k, device in enumerate(row)], trainable)
 
 

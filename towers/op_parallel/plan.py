@@ -103,6 +103,18 @@ def is_split(model):
     return any(isinstance(layer, PARALLEL_FORMS) for layer in model.layers)
 
 
+def pinned(model):
+    """(per trainable, per non-trainable variable of `model`: whether it belongs to a
+    parallel form, whose parts read their variables where they live), or (None, None)
+    for a model with none: step 2 then copies every variable to each tower."""
+    owned = {id(v) for layer in model.layers if isinstance(layer, PARALLEL_FORMS)
+             for v in layer.weights}
+    if not owned:
+        return None, None
+    return ([id(v) in owned for v in model.trainable_variables],
+            [id(v) in owned for v in model.non_trainable_variables])
+
+
 def _copy(layer):
     """A new layer like `layer`; a layer (or op) without variables is shared, not copied:
     it has nothing to place, and its config may not rebuild it (a Lambda's function)."""

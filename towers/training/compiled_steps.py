@@ -120,9 +120,10 @@ def eval_step(trainer, batch, may_be_empty):
     for i, (row, shard) in enumerate(zip(setup.grid, shards)):
         with tf.name_scope(f"tower_{i}"):
             y_pred, regularization = forward.predict(
-                setup.stages, broadcast_stages(setup.stages, weights, row),
-                broadcast_stages(setup.stages, state, row, trainable=False), shard[0],
-                shard_sizes[i], row, may_be_empty)
+                setup.stages, broadcast_stages(setup.stages, weights, row, pinned=setup.pinned[0]),
+                broadcast_stages(setup.stages, state, row, trainable=False,
+                                 pinned=setup.pinned[1]), shard[0], shard_sizes[i], row,
+                may_be_empty)
             with tf.device(row[-1]):
                 _, y, sample_weight = split.unpack_batch(shard)
                 loss_sums.append(tf.reduce_sum(
