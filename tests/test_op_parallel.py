@@ -185,7 +185,49 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(actual, expected, atol=TOLERANCE, rtol=0)
 
 
+class OptionsTest(tf.test.TestCase, parameterized.TestCase):
+    """What works with towers keeps working with split layers: the split transformer
+    block on 2 towers against the unsplit one under the same trainer options."""
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+        super().tearDown()
+
+    @parameterized.named_parameters(
+        ("global_norm_clipping", dict(clip_global_norm=0.05), TOLERANCE),
+        ("fit_3_steps_per_execution", dict(steps_per_execution=3), TOLERANCE),
+        # bfloat16 sums in another order: the two agree to bfloat16's precision.
+        ("mixed_bfloat16", dict(policy="mixed_bfloat16"), 2e-2))
+    def test_options_work_as_on_the_unsplit_model(self, options, tolerance):
+        options = dict(options)
+        keras.mixed_precision.set_global_policy(options.pop("policy", "float32"))
+        batches = reference.make_batches(6, num_steps=3)
+        weights = []
+        for split in (False, True):
+            model = towers.split_layers(_text(), TEXT_PLAN, PARTS) if split else _text()
+            trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                          reference.OPTIMIZERS["adam"](), devices=DEVICES[:2],
+                                          **options)
+            if "steps_per_execution" in options:
+                arrays = [np.concatenate(parts) for parts in zip(*batches)]
+                trainer.fit(tf.data.Dataset.from_tensor_slices(tuple(arrays)).batch(6),
+                            verbose=False)
+            else:
+                for batch in batches:
+                    trainer.train_step(batch)
+            self.assertEqual(trainer.step, 3)
+            weights.append(towers.join_layers(trainer.model).get_weights())
+        for expected, actual in zip(*weights):
+            self.assertAllClose(actual, expected, atol=tolerance, rtol=0)
+
+
 class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_xla_is_refused_in_one_line(self):
+        with self.assertRaisesRegex(ValueError, "jit_compile=True cannot compile split layers"):
+            towers.TowerTrainer(towers.split_layers(_mlp(), MLP_PLAN, PARTS),
+                                reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+                                devices=DEVICES[:1], jit_compile=True)
 
     @parameterized.named_parameters(
         ("unknown_layer", {"nope": "column"}, "does not have; its layers are"),

@@ -77,6 +77,8 @@ def join_layers(model):
     joined = keras.models.clone_model(model, clone_function=clone)
     by_name = {layer.name: layer for layer in model.layers}
     for layer in joined.layers:
+        if not layer.weights:
+            continue
         parted = by_name[layer.name]
         if isinstance(parted, ColumnDense):
             kernels = [p.kernel.numpy() for p in parted.parts]

@@ -13,6 +13,7 @@ from towers.data_parallel.step import StepSetup
 from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
+from towers.op_parallel import plan as op_plan
 from towers.training import compiled, compiled_steps, executions, first_batch, loop
 from towers.training import metrics as metrics_lib, prefetch
 
@@ -95,6 +96,10 @@ class TowerTrainer:
         self.steps_per_execution = executions.check_steps_per_execution(steps_per_execution)
         self.prefetch_to_devices = prefetch.resolve(prefetch_to_devices, self.input_devices)
         self.jit_compile = bool(jit_compile)
+        if self.jit_compile and op_plan.is_split(model):
+            raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
+                             "tower for one device, and a split layer's parts run on several; "
+                             "pass jit_compile=False.")
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
         self.stop_requested = None
