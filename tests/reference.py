@@ -23,6 +23,21 @@ def make_model(seed=0, l2=0.01):
     ])
 
 
+def subclassed_model():
+    """A built subclassed keras.Model of one Dense layer named "dense": no layer graph."""
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model(np.zeros((1, 3), np.float32))
+    return model
+
+
 def make_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -123,12 +123,16 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         for expected, actual in zip(before, model.get_weights()):  # the original untouched
             self.assertAllEqual(expected, actual)
 
-    def test_vocab_parts_look_up_their_own_rows(self):
+    def _split_text(self):
+        """The transformer block split by TEXT_PLAN, checked to compute what it did."""
         model = _text()
         x = reference.make_batches(6, num_steps=1)[0][0]
         parted = towers.split_layers(model, TEXT_PLAN, PARTS)
         self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
-        table = parted.get_layer("table")
+        return parted
+
+    def test_vocab_parts_look_up_their_own_rows(self):
+        table = self._split_text().get_layer("table")
         self.assertEqual([part.embeddings.shape[0] for part in table.parts], [4, 4, 3])
         self.assertEqual([_device_of(part.embeddings) for part in table.parts], PARTS)
         ids = np.array([[0, 3, 4, 10]])
@@ -142,11 +146,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllEqual(whole.sum(axis=1) != 0, np.isin(np.arange(11), ids))
 
     def test_heads_parts_hold_their_heads(self):
-        model = _text()
-        x = reference.make_batches(6, num_steps=1)[0][0]
-        parted = towers.split_layers(model, TEXT_PLAN, PARTS)
-        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
-        attention = parted.get_layer("att")
+        attention = self._split_text().get_layer("att")
         self.assertEqual([part.num_heads for part in attention.parts], [2, 1, 1])
         for j, part in enumerate(attention.parts):
             self.assertEqual({_device_of(v) for v in part.weights}, {PARTS[j]})
@@ -248,16 +248,7 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
         self.assertNotIn("\n", str(caught.exception))
 
     def test_subclassed_model_is_refused(self):
-        class Subclassed(keras.Model):
-            def __init__(self):
-                super().__init__()
-                self.dense = keras.layers.Dense(2)
-
-            def call(self, x):
-                return self.dense(x)
-
-        model = Subclassed()
-        model(np.zeros((1, 3), np.float32))
+        model = reference.subclassed_model()
         with self.assertRaisesRegex(ValueError, "functional or Sequential"):
             towers.split_layers(model, {"dense": "column"}, DEVICES[:2])
 

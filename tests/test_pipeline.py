@@ -97,16 +97,7 @@ class SplitModelTest(tf.test.TestCase, parameterized.TestCase):
             towers.split_model(_model(), cuts)
 
     def test_subclassed_model_is_refused(self):
-        class Subclassed(keras.Model):
-            def __init__(self):
-                super().__init__()
-                self.dense = keras.layers.Dense(2)
-
-            def call(self, x):
-                return self.dense(x)
-
-        model = Subclassed()
-        model(np.zeros((1, 3), np.float32))
+        model = reference.subclassed_model()
         with self.assertRaisesRegex(ValueError, "subclassed keras.Model.*no graph of layers"):
             towers.split_model(model, ["dense"])
 
