@@ -1,7 +1,7 @@
 """The command line: `towers-train` (`python -m towers.train`).
 
-train (the run the flags describe; train_flags defines them), plans (--split_plan and
-the built-in models' op-parallel plans), model_spec (--model: a built-in
+train (the flags, and the run they describe), plans (--split_plan and the built-in
+models' op-parallel plans), model_spec (--model: a built-in
 name, PACKAGE.MODULE:FUNCTION or PATH.keras), models (the built-in mlp, cnn,
 resnet and text models), data (--dataset: the data sets, their splits and
 tf.data pipelines), arrays (checking and converting their arrays), data_files
