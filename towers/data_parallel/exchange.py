@@ -46,10 +46,10 @@ def route(aggregation="main", pack=False):
     """
     if aggregation == "main" and not pack:
         return _gather_and_sum
-    dense_sum = {"main": _gather_and_sum, "tree": _tree_sum,
+    sum_dense = {"main": _gather_and_sum, "tree": _tree_sum,
                  "collective": functools.partial(_all_reduce_sum, hint="auto"),
                  "nccl": functools.partial(_all_reduce_sum, hint="nccl")}[aggregation]
-    return functools.partial(_sum_dense_by, dense_sum, pack)
+    return functools.partial(_sum_dense_by, sum_dense, pack)
 
 
 def sum_gradients(tower_grads, devices, main_device, aggregation="main", pack=False):
@@ -68,8 +68,8 @@ def _gather_and_sum(tower_grads, devices, main_device):
         return aggregate.sum_gradients(tower_grads, main_device)                       # 6
 
 
-def _sum_dense_by(dense_sum, pack, tower_grads, devices, main_device):
-    """The dense gradients summed by `dense_sum` (packed first if `pack`); the sparse
+def _sum_dense_by(sum_dense, pack, tower_grads, devices, main_device):
+    """The dense gradients summed by `sum_dense` (packed first if `pack`); the sparse
     ones (tf.IndexedSlices: rows differ per tower, no all-reduce fits) by "main"."""
     if not tower_grads[0]:
         return []
@@ -80,7 +80,7 @@ def _sum_dense_by(dense_sum, pack, tower_grads, devices, main_device):
         sparse_grads = [[g if s else None for g, s in zip(grads, sparse)] for grads in tower_grads]
         if pack:
             dense_grads, unpack = _pack(dense_grads, devices)
-        summed = dense_sum(dense_grads, devices, main_device)                          # 5, 6
+        summed = sum_dense(dense_grads, devices, main_device)                          # 5, 6
         with tf.device(main_device):
             dense_sum = [None if g is None else tf.identity(g) for g in summed]
             if pack:

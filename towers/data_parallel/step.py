@@ -172,6 +172,13 @@ def read_weights(setup, weights, state, tower_index):
     row: copies of the main values, or the tower's replicas."""
     if setup.replicas is not None:
         return setup.replicas.read(tower_index)
+    return copy_weights(setup, weights, state, tower_index)
+
+
+def copy_weights(setup, weights, state, tower_index):
+    """Step 2 by copying: (weights, state) of the main values, each stage's copied to its
+    device of the tower's row (split layers' parts stay where they live). Evaluation
+    reads this way too: it writes no replica."""
     row = setup.grid[tower_index]
     return (broadcast_stages(setup.stages, weights, row, pinned=setup.pinned[0]),
             broadcast_stages(setup.stages, state, row, trainable=False, pinned=setup.pinned[1]))

@@ -125,26 +125,29 @@ def _copy(layer):
     return layer.__class__.from_config(layer.get_config())
 
 
+def _part_ranges(parted):
+    """(part, start, end) of each part of `parted`: the units [start, end) it holds."""
+    ends = np.cumsum(parted.sizes)
+    return zip(parted.parts, ends - parted.sizes, ends)
+
+
 def _copy_split(original, parted):
     """Writes `original`'s weights into `parted`, its parallel form or clone."""
     if isinstance(parted, ColumnDense):
         kernel, bias = original.kernel.numpy(), original.bias if original.use_bias else None
-        ends = np.cumsum(parted.sizes)
-        for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+        for part, start, end in _part_ranges(parted):
             part.kernel.assign(kernel[:, start:end])
             if bias is not None:
                 part.bias.assign(bias.numpy()[start:end])
     elif isinstance(parted, VocabEmbedding):
         table = original.embeddings.numpy()
-        ends = np.cumsum(parted.sizes)
-        for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+        for part, start, end in _part_ranges(parted):
             part.embeddings.assign(table[start:end])
     elif isinstance(parted, HeadsAttention):
         _split_heads(original, parted)
     elif isinstance(parted, RowDense):
         kernel = original.kernel.numpy()
-        ends = np.cumsum(parted.sizes)
-        for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+        for part, start, end in _part_ranges(parted):
             part.kernel.assign(kernel[start:end])
         if original.use_bias:
             parted.parts[0].bias.assign(original.bias.numpy())
@@ -158,8 +161,7 @@ _PROJECTIONS = ("_query_dense", "_key_dense", "_value_dense")
 def _split_heads(original, parted):
     """Each part's heads of the query, key and value projections (kernels (d, H, k), biases
     (H, k)) and of the output projection (kernel (H, v, d)); the output bias to part 0."""
-    ends = np.cumsum(parted.sizes)
-    for part, start, end in zip(parted.parts, ends - parted.sizes, ends):
+    for part, start, end in _part_ranges(parted):
         for name in _PROJECTIONS:
             whole, piece = getattr(original, name), getattr(part, name)
             piece.kernel.assign(whole.kernel.numpy()[:, start:end])

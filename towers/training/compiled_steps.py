@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, forward, losses, split
-from towers.data_parallel.step import apply_update, assign_state, broadcast_stages
+from towers.data_parallel.step import apply_update, assign_state, copy_weights
 from towers.data_parallel.step import clip_gradients, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.training import metrics as metrics_lib
@@ -119,11 +119,9 @@ def eval_step(trainer, batch, may_be_empty):
     loss_sums, outputs, regularizations = [], [], []
     for i, (row, shard) in enumerate(zip(setup.grid, shards)):
         with tf.name_scope(f"tower_{i}"):
-            y_pred, regularization = forward.predict(
-                setup.stages, broadcast_stages(setup.stages, weights, row, pinned=setup.pinned[0]),
-                broadcast_stages(setup.stages, state, row, trainable=False,
-                                 pinned=setup.pinned[1]), shard[0], shard_sizes[i], row,
-                may_be_empty)
+            tower_weights, tower_state = copy_weights(setup, weights, state, i)
+            y_pred, regularization = forward.predict(setup.stages, tower_weights, tower_state,
+                                                     shard[0], shard_sizes[i], row, may_be_empty)
             with tf.device(row[-1]):
                 _, y, sample_weight = split.unpack_batch(shard)
                 loss_sums.append(tf.reduce_sum(
