@@ -1,6 +1,9 @@
 """Op parallelism: split layers compute what the original does, train as one device
 does, sit on the devices the plan names, and join back exactly (issue 18, first part)."""
 
+import collections
+import re
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -185,6 +188,76 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(actual, expected, atol=TOLERANCE, rtol=0)
 
 
+class GridTest(tf.test.TestCase, parameterized.TestCase):
+    """Towers x parts: tower i runs part j on devices[i][j]; part j's variables and slots
+    stay on devices[0][j], where its gradients meet."""
+
+    @parameterized.named_parameters(
+        ("text_2x2", _text, TEXT_PLAN, [[0, 1], [2, 3]]),
+        # Rows may share devices with each other: tower 1's part 0 runs on tower 0's part 2.
+        ("mlp_2x3", _mlp, MLP_PLAN, [[1, 2, 3], [0, 3, 1]]),
+        ("branches_2x3", _branches, BRANCH_PLAN, [[0, 1, 2], [3, 2, 1]]))
+    def test_trains_as_one_device_with_each_part_on_its_row(self, build, plan, rows):
+        rows = [[DEVICES[d] for d in row] for row in rows]
+        batches = [reference.make_batches(size, num_steps=1, seed=i)[0]
+                   for i, size in enumerate((7, 1, 6))]
+        expected_model = build()
+        reference.single_device_weights(expected_model, reference.OPTIMIZERS["adam"](),
+                                        reference.make_loss(), batches)
+        trainer = towers.TowerTrainer(towers.split_layers(build(), plan, rows[0]),
+                                      reference.make_loss(), reference.OPTIMIZERS["adam"](),
+                                      devices=rows)
+        for batch in batches:
+            trainer.train_step(batch)
+        joined = towers.join_layers(trainer.model)
+        for expected, actual in zip(expected_model.get_weights(), joined.get_weights()):
+            self.assertAllClose(actual, expected, atol=TOLERANCE, rtol=0)
+        self.assertEqual(trainer.devices, [row[0] for row in rows])
+        # Variables and Adam's slots where split_layers put them: row 0.
+        homes = {v.path: _device_of(v) for v in trainer.model.weights}
+        for slot in trainer.optimizer.variables[2:]:  # after iterations and learning rate
+            owner = next(p for p in homes if p.replace("/", "_") in slot.path)
+            self.assertEqual(_device_of(slot), homes[owner], slot.path)
+        # Every multiply of tower i's part j (a split layer's part_j, or a layer placed
+        # whole on j) runs on rows[i][j], forward and backward (tape.gradient alone would
+        # put the backward on the tower's device).
+        placed, wholes = collections.defaultdict(set), {
+            name: j for name, j in plan.items() if isinstance(j, int)}
+        for function in trainer._compiled.functions():
+            for concrete in function._list_all_concrete_functions():
+                for op in concrete.graph.get_operations():
+                    tower = re.search(r"tower_(\d+)/", op.name)
+                    part = re.search(r"/part_(\d+)(_\d+)?/", op.name) or next(
+                        (j for name, j in wholes.items()
+                         if re.search(f"/{name}(_\\d+)?/", op.name)), None)
+                    if tower and part is not None and op.type in ("MatMul", "BatchMatMulV2"):
+                        j = part if isinstance(part, int) else int(part[1])
+                        backward = op.name.startswith("gradient_tape/")
+                        placed[int(tower[1]), j, backward].add(
+                            towers.devices.canonical_name(op.device))
+        parts = set(wholes.values()) if len(wholes) == len(plan) else range(len(rows[0]))
+        self.assertEqual(set(placed), {(i, j, backward) for i in range(2) for j in parts
+                                       for backward in (False, True)})
+        for (i, j, _), devices in placed.items():
+            self.assertEqual(devices, {rows[i][j]}, (i, j))
+
+    def test_bad_grid_is_refused_in_one_line(self):
+        parted = towers.split_layers(_mlp(), MLP_PLAN, DEVICES[:2])
+        for devices, message in (
+                ([DEVICES[:2], DEVICES[2:3]], "a grid of rows of 2 devices"),
+                ([DEVICES[2:4], DEVICES[:2]], "must be the devices split_layers put")):
+            with self.assertRaisesRegex(ValueError, message) as caught:
+                towers.TowerTrainer(parted, reference.make_loss(),
+                                    reference.OPTIMIZERS["sgd"](), devices=devices)
+            self.assertNotIn("\n", str(caught.exception))
+        for options, message in ((dict(pipeline_cuts=["up"]), "pipeline_cuts cannot be"),
+                                 (dict(variable_placement="replicated"), "'replicated' cannot")):
+            with self.assertRaisesRegex(ValueError, message):
+                towers.TowerTrainer(parted, reference.make_loss(),
+                                    reference.OPTIMIZERS["sgd"](), devices=DEVICES[:2],
+                                    **options)
+
+
 class OptionsTest(tf.test.TestCase, parameterized.TestCase):
     """What works with towers keeps working with split layers: the split transformer
     block on 2 towers against the unsplit one under the same trainer options."""
@@ -269,6 +342,15 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
         self.assertEqual((whole["tensor_parallel"], whole["split_plan"]), (1, {}))
 
+    def test_towers_by_parts_train_as_the_unsplit_model_on_those_towers(self):
+        quick = {**self.QUICK, "num_towers": 2, "model": "mlp"}
+        with flagsaver.flagsaver(**quick):
+            whole = train.train()
+        with flagsaver.flagsaver(**quick, tensor_parallel=2):
+            parted = train.train()
+        self.assertEqual(parted["devices"], [DEVICES[:2], DEVICES[2:]])
+        self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+
     def test_split_plan_names_any_layer(self):
         with flagsaver.flagsaver(**self.QUICK, model="text", tensor_parallel=3,
                                  split_plan=["embedding:vocab", "logits:row"]):
@@ -282,8 +364,8 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
          "--split_plan: 'dense' is not LAYER:KIND"),
         ("bad_plan", dict(model="mlp", tensor_parallel=2, split_plan=["logits:heads"]),
          "plan\\['logits'\\] = 'heads' splits MultiHeadAttention layers"),
-        ("with_towers", dict(model="mlp", tensor_parallel=2, num_towers=2),
-         "--num_towers=2 cannot be combined with split layers yet"))
+        ("with_stages", dict(model="mlp", tensor_parallel=2, pipeline_stages=2),
+         "--pipeline_stages=2 cannot be combined with split layers yet"))
     def test_refused_in_one_line(self, options, message):
         with flagsaver.flagsaver(**{**self.QUICK, **options}):
             with self.assertRaisesRegex(ValueError, message):

@@ -102,7 +102,8 @@ PIPELINE_SCHEDULE = flags.DEFINE_enum(
     "the same weights either way.")
 TENSOR_PARALLEL = flags.DEFINE_integer(
     "tensor_parallel", 1, "Op parallelism: parts each split layer is cut into, one device each "
-    "(docs/op_parallel.md); with the built-in mlp and text a default plan, else --split_plan.",
+    "(docs/op_parallel.md); with the built-in mlp and text a default plan, else --split_plan. "
+    "The run uses --num_towers x this many devices: tower t runs part j on device t*T + j.",
     lower_bound=1)
 SPLIT_PLAN = flags.DEFINE_list(
     "split_plan", None, "Op parallelism: LAYER:KIND,... with KIND column or row (Dense), vocab "
@@ -187,12 +188,12 @@ def train():
     _check_model_flag()
     num_stages = PIPELINE_STAGES.value
     num_parts = TENSOR_PARALLEL.value
-    devices = towers.configure_devices(max(NUM_TOWERS.value * num_stages, num_parts),
-                                       DEVICE_TYPE.value)
-    # Tower t runs its stages on devices[t*K:(t+1)*K], one row of the grid per tower;
-    # without a pipeline, a flat list with one device per tower.
-    tower_devices = devices[:NUM_TOWERS.value] if num_stages == 1 else [
-        devices[t * num_stages:(t + 1) * num_stages] for t in range(NUM_TOWERS.value)]
+    width = max(num_stages, num_parts)  # devices per tower: one per stage, or per part
+    devices = towers.configure_devices(NUM_TOWERS.value * width, DEVICE_TYPE.value)
+    # Tower t runs its stages or parts on devices[t*W:(t+1)*W], one row of the grid per
+    # tower; with neither, a flat list with one device per tower.
+    tower_devices = devices[:NUM_TOWERS.value] if width == 1 else [
+        devices[t * width:(t + 1) * width] for t in range(NUM_TOWERS.value)]
     if cluster is not None:
         towers.join_cluster(cluster)
         # What decides which examples each step reads; the trainer checks the rest.
@@ -316,13 +317,10 @@ def _check_pipeline_flags():
             f"--micro_batches={MICRO_BATCHES.value} both "
             "split each tower's shard into micro-batches run one after another; set only one "
             "of them (--micro_batches with --pipeline_stages).")
-    if TENSOR_PARALLEL.value > 1 or SPLIT_PLAN.value:
-        for other, fix in ((PIPELINE_STAGES, "pipeline stages"),
-                           (NUM_TOWERS, "towers (the grid of towers x parts)")):
-            if other.value != 1:
-                raise ValueError(f"--{other.name}={other.value} cannot be combined with split "
-                                 f"layers yet: {fix} with op parallelism is the next part of "
-                                 f"issue 18; use --{other.name}=1.")
+    if (TENSOR_PARALLEL.value > 1 or SPLIT_PLAN.value) and PIPELINE_STAGES.value != 1:
+        raise ValueError(f"--pipeline_stages={PIPELINE_STAGES.value} cannot be combined with "
+                         "split layers yet (a grid of towers x stages x parts); use "
+                         "--pipeline_stages=1 or no split.")
     if PIPELINE_STAGES.value == 1:
         return
     if VARIABLE_PLACEMENT.value == "replicated":

@@ -127,6 +127,10 @@ def _add(a, b):
 
 def _all_reduce_sum(tower_grads, devices, main_device, hint):
     """CollectiveReduceV2 sums on every tower; returns tower 0's sums."""
+    if len(set(devices)) < len(devices):
+        # Towers that all ran a split layer's part on its one device: nothing to
+        # exchange between devices, and an all-reduce has one member per device.
+        return _gather_and_sum(tower_grads, devices, main_device)
     del main_device  # the caller copies tower 0's sums there
     # This worker's task is part of the key: other workers have devices of the same names.
     group_key = collectives.group_key((tf.config.list_logical_devices()[0].name, tuple(devices)))

@@ -8,16 +8,14 @@ written from the main values before the towers read ("replicated").
 import tensorflow as tf
 
 
-def broadcast_weights(values, tower, pinned=None):
+def broadcast_weights(values, tower):
     """Step 2: copies `values` (tensors on the main device) to `tower`.
 
     Every tower then reads an identical local copy; the copy is also what the
-    tower's GradientTape differentiates with respect to. A value `pinned` (per
-    value, a bool) is not copied: a split layer reads its part where it lives.
+    tower's GradientTape differentiates with respect to.
     """
-    pinned = pinned or [False] * len(values)
     with tf.device(tower):
-        return [value if pin else tf.identity(value) for value, pin in zip(values, pinned)]
+        return [tf.identity(value) for value in values]
 
 
 VARIABLE_PLACEMENTS = ("main", "replicated")

@@ -5,6 +5,7 @@ step number; TowerTrainer compiles it, with `apply_update`, into one tf.function
 """
 
 import collections
+import contextlib
 import dataclasses
 from typing import Callable, Optional
 
@@ -88,9 +89,9 @@ class StepSetup:
         which then runs steps 3-4 of each tower with XLA.
       route: steps 5-6, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
-      pinned: per trainable and per non-trainable variable, whether step 2 leaves it
-        where it lives (a split layer's part, read and used on its own device), or
-        (None, None) to copy every one.
+      parts: None, or an op_parallel.grid.PartGrid for a model with split layers:
+        its columns (the layers not split, then each part) take the stages' place in
+        steps 2, 5 and 6, and tower i runs its parts on parts.rows[i].
     """
     stages: stages_lib.Stages
     grid: list
@@ -102,7 +103,7 @@ class StepSetup:
     replicas: Optional[replicas_lib.Replicas] = None
     compiled_tower: Optional[Callable] = None
     route: Callable = dataclasses.field(init=False)
-    pinned: tuple = (None, None)
+    parts: Optional[object] = None
 
     def __post_init__(self):
         self.route = exchange.route(self.options.aggregation, self.options.pack_gradients)
@@ -110,6 +111,28 @@ class StepSetup:
     @property
     def main_device(self):
         return self.stage_devices[0]
+
+    # Steps 2, 5 and 6 work column by column: a column's variables live on one device,
+    # each tower reads them on its device of the column, and their gradients meet where
+    # they live. The columns are the pipeline stages, or a split model's parts.
+    @property
+    def columns(self):
+        """The variables' columns, a stages.VariableGroups."""
+        return self.stages if self.parts is None else self.parts
+
+    @property
+    def column_grid(self):
+        """Per tower, its device per column."""
+        return self.grid if self.parts is None else self.parts.rows
+
+    @property
+    def column_devices(self):
+        """Per column, where its variables live and its gradients meet."""
+        return self.stage_devices if self.parts is None else self.parts.devices
+
+    def tower_scope(self, tower_index):
+        """Where tower `tower_index` traces its model: its split layers on its row."""
+        return contextlib.nullcontext() if self.parts is None else self.parts.scope(tower_index)
 
 
 def run_towers(setup, loss, batch, loss_scale=None, may_be_empty=True):
@@ -134,18 +157,18 @@ def run_towers(setup, loss, batch, loss_scale=None, may_be_empty=True):
             tower_weights, tower_state = read_weights(setup, weights, state, i)   # 2
             outputs.append(run_tower(setup, loss, shard, shard_sizes[i], batch_rows,  # 3, 4
                                      tower_weights, tower_state, i, loss_scale, may_be_empty))
-    grads, state = [], []
-    for k, stage_device in enumerate(setup.stage_devices):
-        column = [row[k] for row in grid]
-        grads.append(setup.route([stages.select(o.grads, k) for o in outputs],  # 5, 6
-                                 column, stage_device))
-        state.append(merge_state([stages.select(o.state, k, trainable=False) for o in outputs],
-                                 shard_sizes, stage_device, options.state_policy))
+    grads, state, columns = [], [], setup.columns
+    for k, column_device in enumerate(setup.column_devices):
+        column = [row[k] for row in setup.column_grid]
+        grads.append(setup.route([columns.select(o.grads, k) for o in outputs],  # 5, 6
+                                 column, column_device))
+        state.append(merge_state([columns.select(o.state, k, trainable=False) for o in outputs],
+                                 shard_sizes, column_device, options.state_policy))
     with tf.device(setup.main_device):
         result = TowerResult(
-            grads=stages.merge(grads),
+            grads=columns.merge(grads),
             loss=tf.add_n([o.loss for o in outputs]),  # the towers' parts of the batch's loss
-            state=stages.merge(state, trainable=False),
+            state=columns.merge(state, trainable=False),
             y_pred=forward.concat_rows([o.y_pred for o in outputs]),
             examples=batch_rows)
     if setup.cluster is None:
@@ -161,10 +184,11 @@ def run_tower(setup, loss, shard, rows, batch_rows, weights, state, i, loss_scal
     if setup.compiled_tower is not None:
         return setup.compiled_tower(shard, rows, batch_rows, weights, state, row,
                                     tf.constant(tower_index), loss_scale, may_be_empty)
-    return tower.run_tower(setup.stages, loss, shard, rows, batch_rows, weights, state, row,
-                           tower_index, setup.options.micro_batches,
-                           setup.options.pipeline_schedule, loss_scale,
-                           setup.densify, may_be_empty=may_be_empty)
+    with setup.tower_scope(i):
+        return tower.run_tower(setup.stages, loss, shard, rows, batch_rows, weights, state,
+                               row, tower_index, setup.options.micro_batches,
+                               setup.options.pipeline_schedule, loss_scale,
+                               setup.densify, may_be_empty=may_be_empty)
 
 
 def read_weights(setup, weights, state, tower_index):
@@ -176,21 +200,19 @@ def read_weights(setup, weights, state, tower_index):
 
 
 def copy_weights(setup, weights, state, tower_index):
-    """Step 2 by copying: (weights, state) of the main values, each stage's copied to its
-    device of the tower's row (split layers' parts stay where they live). Evaluation
-    reads this way too: it writes no replica."""
-    row = setup.grid[tower_index]
-    return (broadcast_stages(setup.stages, weights, row, pinned=setup.pinned[0]),
-            broadcast_stages(setup.stages, state, row, trainable=False, pinned=setup.pinned[1]))
+    """Step 2 by copying: (weights, state) of the main values, each column's copied to its
+    device of the tower's row (a stage's, or a split layer part's). Evaluation reads
+    this way too: it writes no replica."""
+    row = setup.column_grid[tower_index]
+    return (broadcast_columns(setup.columns, weights, row),
+            broadcast_columns(setup.columns, state, row, trainable=False))
 
 
-def broadcast_stages(stages, values, row, trainable=True, pinned=None):
-    """Step 2 for a tower: each stage's values (model order) copied to its device in `row`;
-    a value `pinned` (per value, a bool) stays where its variable lives and is read there."""
-    pinned = pinned or [False] * len(values)
-    return stages.merge(
-        [replicas_lib.broadcast_weights(stages.select(values, k, trainable), device,
-                                        stages.select(pinned, k, trainable))
+def broadcast_columns(columns, values, row, trainable=True):
+    """Step 2 for a tower: each column's values (model order) copied to its device in
+    `row`; `columns` a stages.VariableGroups (the stages, or a split model's parts)."""
+    return columns.merge(
+        [replicas_lib.broadcast_weights(columns.select(values, k, trainable), device)
          for k, device in enumerate(row)], trainable)
 
 

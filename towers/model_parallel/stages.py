@@ -75,31 +75,58 @@ def split_model(model, cuts):
     return stages
 
 
-class Stages:
-    """A model cut into pipeline stages, with the bookkeeping the tower step needs.
-
-    With cuts=None there is one stage, the model itself.
+class VariableGroups:
+    """A model's variables in groups (pipeline stages, or split layers' part columns),
+    each group's gradients summed and applied on its own device.
 
     Attributes:
       model: the whole keras.Model.
-      models: one keras.Model per stage (split_model's).
-      trainable_index: per stage, the positions in model.trainable_variables of
-        its trainable variables, in the order of the stage model's own list.
+      trainable_index: per group, the positions in model.trainable_variables of
+        its trainable variables.
       state_index: the same for model.non_trainable_variables.
     """
 
+    def __init__(self, model, trainable_index, state_index):
+        self.model, self.trainable_index, self.state_index = model, trainable_index, state_index
+
+    def select(self, values, group, trainable=True):
+        """The entries of `values` (one per model variable) that belong to `group`."""
+        index = self.trainable_index if trainable else self.state_index
+        return [values[i] for i in index[group]]
+
+    def merge(self, per_group, trainable=True):
+        """Inverse of `select`: per-group lists back into one list in model order."""
+        index = self.trainable_index if trainable else self.state_index
+        merged = [None] * sum(len(positions) for positions in index)
+        for positions, values in zip(index, per_group):
+            for i, value in zip(positions, values):
+                merged[i] = value
+        return merged
+
+
+class Stages(VariableGroups):
+    """A model cut into pipeline stages, with the bookkeeping the tower step needs.
+
+    With cuts=None there is one stage, the model itself. The groups are the
+    stages: trainable_index[k] and state_index[k] are stage k's variables, in
+    the order of the stage model's own lists.
+
+    Attributes:
+      models: one keras.Model per stage (split_model's).
+    """
+
     def __init__(self, model, cuts=None):
-        self.model = model
         self.models = split_model(model, cuts) if cuts else [model]
 
         def positions(model_variables, stage_variables):
             where = {id(v): i for i, v in enumerate(model_variables)}
             return [where[id(v)] for v in stage_variables]
 
-        self.trainable_index = [positions(model.trainable_variables, m.trainable_variables)
-                                for m in self.models]
-        self.state_index = [positions(model.non_trainable_variables, m.non_trainable_variables)
-                            for m in self.models]
+        super().__init__(
+            model,
+            [positions(model.trainable_variables, m.trainable_variables) for m in self.models],
+            [positions(model.non_trainable_variables, m.non_trainable_variables)
+             for m in self.models])
         for index, total in ((self.trainable_index, len(model.trainable_variables)),
                              (self.state_index, len(model.non_trainable_variables))):
             if sorted(i for stage in index for i in stage) != list(range(total)):
@@ -111,20 +138,6 @@ class Stages:
     @property
     def num_stages(self):
         return len(self.models)
-
-    def select(self, values, stage, trainable=True):
-        """The entries of `values` (one per model variable) that belong to `stage`."""
-        index = self.trainable_index if trainable else self.state_index
-        return [values[i] for i in index[stage]]
-
-    def merge(self, per_stage, trainable=True):
-        """Inverse of `select`: per-stage lists back into one list in model order."""
-        index = self.trainable_index if trainable else self.state_index
-        merged = [None] * sum(len(positions) for positions in index)
-        for positions, values in zip(index, per_stage):
-            for i, value in zip(positions, values):
-                merged[i] = value
-        return merged
 
     def variables(self, stage):
         """Every variable (trainable and not) of `stage`."""

@@ -4,13 +4,24 @@ A part is one device's piece of a split layer (a tower's piece of the batch is a
 shard). Sizes need not divide: parts differ by at most one, larger first, as
 shards do (`part_sizes`). Each form computes exactly what the layer it replaces
 computes; only where each multiply runs, and so where each variable lives, moves.
+
+Part j's variables live on devices[j]; it runs there too, except inside
+`tower_row(row)`, where it runs on row[j]: tower i of a grid runs its parts on
+its own row of devices, reading copies of the weights (grid.PartGrid).
 """
+
+import contextlib
+import threading
 
 import keras
 import tensorflow as tf
 from keras import ops
+# Keras has no public way to read the tensor a stateless call maps a variable to.
+from keras.src.backend.common import stateless_scope
 
 from towers.data_parallel import split
+
+_tower = threading.local()  # .row: the devices the tower being traced runs its parts on
 
 # The Dense arguments each part takes as they are (units and use_bias are set per form).
 _PART_ARGS = ("kernel_initializer", "bias_initializer", "kernel_regularizer",
@@ -23,6 +34,69 @@ def part_sizes(total, num_parts):
     if num_parts > total:
         raise ValueError(f"{num_parts} parts of {total}: each part needs at least one")
     return split.shard_sizes(total, num_parts)
+
+
+@contextlib.contextmanager
+def tower_row(row):
+    """Within it, every parallel form runs its part j on row[j] (None: on devices[j])."""
+    outer = getattr(_tower, "row", None)
+    _tower.row = row
+    try:
+        yield
+    finally:
+        _tower.row = outer
+
+
+def part_device(devices, j):
+    """Where part j of a form whose parts live on `devices` runs now (tower_row's)."""
+    row = getattr(_tower, "row", None)
+    return devices[j] if row is None else row[j]
+
+
+def run_part(devices, j, part, call, *inputs):
+    """call(*inputs), the work of part j (`part`: the layer holding its variables), with
+    its forward and its backward on part_device(devices, j).
+
+    tape.gradient creates every backward op under the device scope it is called in,
+    the tower's (TensorFlow issue #33688); that would run each part's backward, 2/3 of
+    its work, on one device and copy its weights there. So a part is one
+    custom-gradient op that differentiates itself on its device. Inside a stateless
+    call the part's weights are tensors (the tower's copies), inputs of that op, so
+    their gradients flow; outside one, its variables get theirs (`variables`).
+    """
+    device = part_device(devices, j)
+    scope = stateless_scope.get_stateless_scope()
+    weights = [] if scope is None else [
+        w for w in (scope.get_current_value(v) for v in part.trainable_weights) if w is not None]
+    # Each tensor is one input of the op, however often it is passed (self-attention's
+    # query and value): a gradient per input, or the tape would count it twice.
+    flat_inputs, unique = tf.nest.flatten(inputs), {}
+    for tensor in flat_inputs + weights:
+        unique.setdefault(id(tensor), tensor)
+    position = {key: i for i, key in enumerate(unique)}
+
+    @tf.custom_gradient
+    def run(*args):
+        with tf.device(device), tf.GradientTape() as tape:
+            tape.watch([a for a in args if a.dtype.is_floating])
+            outputs = call(*tf.nest.pack_sequence_as(
+                inputs, [args[position[id(t)]] for t in flat_inputs]))
+        flat_outputs = tf.nest.flatten(outputs)
+
+        def gradient(*output_grads, variables=None):
+            given = [(o, g) for o, g in zip(flat_outputs, output_grads) if g is not None]
+            sources = [a for a in args if a.dtype.is_floating] + list(variables or [])
+            grads = iter([None] * len(sources))
+            if given:
+                with tf.device(device):
+                    grads = iter(tape.gradient([o for o, _ in given], sources,
+                                               output_gradients=[g for _, g in given]))
+            arg_grads = [next(grads) if a.dtype.is_floating else None for a in args]
+            return (arg_grads, list(grads)) if variables else arg_grads
+
+        return outputs, gradient
+
+    return run(*unique.values())
 
 
 class _Parted(keras.layers.Layer):
@@ -67,9 +141,8 @@ class ColumnDense(_Parted):
 
     def call(self, inputs):
         outputs = []
-        for device, part in zip(self.devices, self.parts):
-            with tf.device(device):
-                outputs.append(part(inputs))  # (..., size_j)
+        for j, part in enumerate(self.parts):
+            outputs.append(run_part(self.devices, j, part, part, inputs))  # (..., size_j)
         # After the gather: an activation may mix units (softmax).
         return self.activation(ops.concatenate(outputs, axis=-1))  # (..., units)
 
@@ -95,9 +168,10 @@ class RowDense(_Parted):
 
     def call(self, inputs):
         partials, start = [], 0
-        for device, part, size in zip(self.devices, self.parts, self.sizes):
-            with tf.device(device):
-                partials.append(part(inputs[..., start:start + size]))  # (..., units)
+        for j, (part, size) in enumerate(zip(self.parts, self.sizes)):
+            # Sliced before the part: it receives, and sends back the gradient of, its slice.
+            partials.append(run_part(self.devices, j, part, part,
+                                     inputs[..., start:start + size]))  # (..., units)
             start += size
         return self.activation(ops.sum(ops.stack(partials), axis=0))
 
@@ -109,20 +183,21 @@ class RowDense(_Parted):
 
 
 class Placed(keras.layers.Layer):
-    """A whole layer on one device: its variables created there and its call run there,
-    so independent branches placed on different devices run at once."""
+    """A whole layer on devices[index]: its variables created there and its call run
+    there, so independent branches placed on different devices run at once."""
 
-    def __init__(self, layer, device, **kwargs):
+    def __init__(self, layer, devices, index, **kwargs):
         super().__init__(name=layer.name, dtype=layer.dtype_policy, **kwargs)
-        self.layer, self.device = layer, device
+        self.layer, self.devices, self.index = layer, list(devices), index
+        self.parts = {index: layer}  # part index -> the layer holding its variables
 
     def build(self, input_shape):
-        with tf.device(self.device):
+        with tf.device(self.devices[self.index]):
             self.layer.build(input_shape)
 
     def call(self, inputs, **kwargs):
-        with tf.device(self.device):
-            return self.layer(inputs, **kwargs)
+        return run_part(self.devices, self.index, self.layer,
+                        lambda x: self.layer(x, **kwargs), inputs)
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
@@ -159,11 +234,12 @@ class VocabEmbedding(keras.layers.Layer):
 
     def call(self, inputs):
         ids, vectors, start = ops.cast(inputs, "int32"), [], 0
-        for device, part, size in zip(self.devices, self.parts, self.sizes):
-            with tf.device(device):
+        for j, (part, size) in enumerate(zip(self.parts, self.sizes)):
+            def look_up(ids, part=part, start=start, size=size):
                 here = ops.logical_and(ids >= start, ids < start + size)       # (B, ...)
                 rows = part(ops.where(here, ids - start, 0))                    # (B, ..., D)
-                vectors.append(rows * ops.cast(here, rows.dtype)[..., None])
+                return rows * ops.cast(here, rows.dtype)[..., None]
+            vectors.append(run_part(self.devices, j, part, look_up, ids))
             start += size
         return ops.sum(ops.stack(vectors), axis=0)
 
@@ -210,12 +286,14 @@ class HeadsAttention(keras.layers.Layer):
              attention_mask=None, return_attention_scores=False, training=None,
              use_causal_mask=False):
         outputs, scores = [], []
-        for device, part in zip(self.devices, self.parts):
-            with tf.device(device):
-                result = part(query, value, key, query_mask=query_mask, value_mask=value_mask,
-                              key_mask=key_mask, attention_mask=attention_mask,
-                              return_attention_scores=return_attention_scores,
-                              training=training, use_causal_mask=use_causal_mask)
+        for j, part in enumerate(self.parts):
+            def attend(query, value, key=None, part=part):
+                return part(query, value, key, query_mask=query_mask, value_mask=value_mask,
+                            key_mask=key_mask, attention_mask=attention_mask,
+                            return_attention_scores=return_attention_scores,
+                            training=training, use_causal_mask=use_causal_mask)
+            result = run_part(self.devices, j, part, attend,
+                              *((query, value) if key is None else (query, value, key)))
             if return_attention_scores:
                 result, part_scores = result
                 scores.append(part_scores)  # (B, heads_j, T_q, T_k)

@@ -40,7 +40,7 @@ def split_layers(model, plan, devices):
         if how is None:
             return _copy(layer)
         if isinstance(how, int):
-            return Placed(_copy(layer), devices[how])
+            return Placed(_copy(layer), devices, how)
         config = layer.get_config()
         regularizer = layer.activity_regularizer
         if how == "column":
@@ -103,18 +103,6 @@ def join_layers(model):
 def is_split(model):
     """Whether `model` holds parallel forms of layers (split_layers' result)."""
     return any(isinstance(layer, PARALLEL_FORMS) for layer in model.layers)
-
-
-def pinned(model):
-    """(per trainable, per non-trainable variable of `model`: whether it belongs to a
-    parallel form, whose parts read their variables where they live), or (None, None)
-    for a model with none: step 2 then copies every variable to each tower."""
-    owned = {id(v) for layer in model.layers if isinstance(layer, PARALLEL_FORMS)
-             for v in layer.weights}
-    if not owned:
-        return None, None
-    return ([id(v) in owned for v in model.trainable_variables],
-            [id(v) in owned for v in model.non_trainable_variables])
 
 
 def _copy(layer):

@@ -120,8 +120,10 @@ def eval_step(trainer, batch, may_be_empty):
     for i, (row, shard) in enumerate(zip(setup.grid, shards)):
         with tf.name_scope(f"tower_{i}"):
             tower_weights, tower_state = copy_weights(setup, weights, state, i)
-            y_pred, regularization = forward.predict(setup.stages, tower_weights, tower_state,
-                                                     shard[0], shard_sizes[i], row, may_be_empty)
+            with setup.tower_scope(i):
+                y_pred, regularization = forward.predict(setup.stages, tower_weights,
+                                                         tower_state, shard[0], shard_sizes[i],
+                                                         row, may_be_empty)
             with tf.device(row[-1]):
                 _, y, sample_weight = split.unpack_batch(shard)
                 loss_sums.append(tf.reduce_sum(

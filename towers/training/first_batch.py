@@ -37,7 +37,6 @@ def set_up(trainer, batch):
         check_model(trainer)
         if not trainer.optimizer.built:
             trainer.optimizer.build(trainer.model.trainable_variables)
-        setup.pinned = op_plan.pinned(trainer.model)
         if setup.options.variable_placement == "replicated":
             setup.replicas = Replicas(trainer.model, trainer.devices)
         setup.densify = tower.choose_dense_gradients(

@@ -13,7 +13,7 @@ from towers.data_parallel.step import StepSetup
 from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
-from towers.op_parallel import plan as op_plan
+from towers.op_parallel import grid as op_grid, plan as op_plan
 from towers.training import compiled, compiled_steps, executions, first_batch, loop
 from towers.training import metrics as metrics_lib, prefetch
 
@@ -83,16 +83,22 @@ class TowerTrainer:
         devices = devices_lib.default_devices() if devices is None else list(devices)
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        variable_placement)
+        op_grid.check_split_model(model, self.pipeline_cuts, variable_placement)
+        devices, part_rows = op_grid.tower_and_part_devices(model, devices)
         grid = devices_lib.device_grid(
             devices, None if self.pipeline_cuts is None else len(self.pipeline_cuts) + 1)
         self.devices = [row[0] for row in grid] if self.pipeline_cuts is None else grid
         self.main_device = devices_lib.canonical_name(main_device or grid[0][0])
         # Stage k's main device: where its variables live and its gradients meet.
         stage_devices = [self.main_device] + list(grid[0][1:])
-        devices_lib.check_devices_exist(sum(grid, []) + [self.main_device])
+        self.setup = StepSetup(None, grid, stage_devices, self.options, cluster=cluster)
+        if part_rows is not None:
+            self.setup.parts = op_grid.PartGrid(model, self.devices, part_rows, self.main_device)
+        devices_lib.check_devices_exist(sum(self.setup.column_grid, []) + [self.main_device])
+        # A split layer's part columns are not checked: where towers share a part's
+        # device, its gradients are summed there, with nothing to exchange.
         for k in range(len(stage_devices)):
             exchange.check_aggregation(aggregation, [row[k] for row in grid])
-        self.setup = StepSetup(None, grid, stage_devices, self.options, cluster=cluster)
         self.steps_per_execution = executions.check_steps_per_execution(steps_per_execution)
         self.prefetch_to_devices = prefetch.resolve(prefetch_to_devices, self.input_devices)
         self.jit_compile = bool(jit_compile)
@@ -111,7 +117,7 @@ class TowerTrainer:
         self.metrics = metrics_lib.resolve(metrics)
         self._skipped_steps = 0
         self._compiled = compiled.CompiledFunctions()
-        if len(stage_devices) > 1:
+        if len(self.setup.column_devices) > 1:
             stages_lib.update_on_variable_devices(self.optimizer)
         if model.built:
             first_batch.check_model(self)
