@@ -9,6 +9,7 @@ from towers.model_parallel import schedule
 ON_NONFINITE = ("raise", "skip")
 STATE_POLICIES = ("mean", "first_tower")
 SPARSE_POLICIES = ("keep", "dense")
+EMBEDDING_LOOKUPS = ("table", "copy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,10 @@ class TowerOptions:
         their gradients are added up before the towers'.
       pipeline_schedule: the order of each stage's forwards and backwards, one
         of schedule.SCHEDULES: "gpipe" or "1f1b".
+      embedding_lookup: "table" (each tower sends its ids to an Embedding table's
+        device and receives only the rows it looked up; op_parallel.tables) or
+        "copy" (step 2 copies the whole table to every tower, as any weight).
+        "table" applies with variable_placement="main" and without jit_compile.
     """
     accum_steps: int = 1
     clip_global_norm: Optional[float] = None
@@ -49,6 +54,7 @@ class TowerOptions:
     variable_placement: str = "main"
     micro_batches: int = 1
     pipeline_schedule: str = "gpipe"
+    embedding_lookup: str = "table"
 
     def __post_init__(self):
         if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
@@ -90,6 +96,9 @@ class TowerOptions:
         if self.variable_placement not in replicas_lib.VARIABLE_PLACEMENTS:
             raise ValueError(f"variable_placement must be one of "
                              f"{replicas_lib.VARIABLE_PLACEMENTS}, got {self.variable_placement!r}.")
+        if self.embedding_lookup not in EMBEDDING_LOOKUPS:
+            raise ValueError(f"embedding_lookup must be one of {EMBEDDING_LOOKUPS}, got "
+                             f"{self.embedding_lookup!r}.")
         if self.accum_steps > 1:  # the alias: accumulation is a one-stage pipeline
             object.__setattr__(self, "micro_batches", self.accum_steps)
             object.__setattr__(self, "pipeline_schedule", "1f1b")

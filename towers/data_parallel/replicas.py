@@ -8,14 +8,17 @@ written from the main values before the towers read ("replicated").
 import tensorflow as tf
 
 
-def broadcast_weights(values, tower):
-    """Step 2: copies `values` (tensors on the main device) to `tower`.
+def broadcast_weights(values, tower, kept=None):
+    """Step 2: copies `values` (the main device's variables or tensors) to `tower`.
 
     Every tower then reads an identical local copy; the copy is also what the
-    tower's GradientTape differentiates with respect to.
+    tower's GradientTape differentiates with respect to. A value `kept` (per value,
+    a bool) is passed on as it is, not copied: an embedding table the tower looks up
+    where it lives, reading only its rows (op_parallel.tables).
     """
+    kept = kept or [False] * len(values)
     with tf.device(tower):
-        return [tf.identity(value) for value in values]
+        return [value if keep else tf.identity(value) for value, keep in zip(values, kept)]
 
 
 VARIABLE_PLACEMENTS = ("main", "replicated")

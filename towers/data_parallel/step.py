@@ -92,6 +92,9 @@ class StepSetup:
       parts: None, or an op_parallel.grid.PartGrid for a model with split layers:
         its columns (the layers not split, then each part) take the stages' place in
         steps 2, 5 and 6, and tower i runs its parts on parts.rows[i].
+      tables: None, or per trainable variable whether it is an embedding table the
+        towers look up where it lives (op_parallel.tables): step 2 passes the
+        variable on instead of copying it.
     """
     stages: stages_lib.Stages
     grid: list
@@ -104,6 +107,7 @@ class StepSetup:
     compiled_tower: Optional[Callable] = None
     route: Callable = dataclasses.field(init=False)
     parts: Optional[object] = None
+    tables: Optional[list] = None
 
     def __post_init__(self):
         self.route = exchange.route(self.options.aggregation, self.options.pack_gradients)
@@ -204,15 +208,18 @@ def copy_weights(setup, weights, state, tower_index):
     device of the tower's row (a stage's, or a split layer part's). Evaluation reads
     this way too: it writes no replica."""
     row = setup.column_grid[tower_index]
-    return (broadcast_columns(setup.columns, weights, row),
+    return (broadcast_columns(setup.columns, weights, row, kept=setup.tables),
             broadcast_columns(setup.columns, state, row, trainable=False))
 
 
-def broadcast_columns(columns, values, row, trainable=True):
+def broadcast_columns(columns, values, row, trainable=True, kept=None):
     """Step 2 for a tower: each column's values (model order) copied to its device in
-    `row`; `columns` a stages.VariableGroups (the stages, or a split model's parts)."""
+    `row`; `columns` a stages.VariableGroups (the stages, or a split model's parts).
+    kept: None, or per value whether it is passed on uncopied (a table)."""
+    kept = kept or [False] * len(values)
     return columns.merge(
-        [replicas_lib.broadcast_weights(columns.select(values, k, trainable), device)
+        [replicas_lib.broadcast_weights(columns.select(values, k, trainable), device,
+                                        columns.select(kept, k, trainable))
          for k, device in enumerate(row)], trainable)
 
 

@@ -66,6 +66,12 @@ def run_part(devices, j, part, call, *inputs):
     """
     device = part_device(devices, j)
     scope = stateless_scope.get_stateless_scope()
+    if scope is not None and any(isinstance(scope.get_current_value(v), tf.Variable)
+                                 for v in part.trainable_weights):
+        # A table looked up where it lives (op_parallel.tables): its read, and so the
+        # gradient's rows, are where it lives already; a custom gradient would read it whole.
+        with tf.device(device):
+            return call(*inputs)
     weights = [] if scope is None else [
         w for w in (scope.get_current_value(v) for v in part.trainable_weights) if w is not None]
     # Each tensor is one input of the op, however often it is passed (self-attention's
@@ -205,9 +211,11 @@ class Placed(keras.layers.Layer):
 
 class VocabEmbedding(keras.layers.Layer):
     """Embedding with its table's rows split: part j holds rows [start_j, end_j) on
-    devices[j] and looks up there the ids that fall in them (the others read row 0 and
-    are zeroed); the parts' vectors are summed, each id's coming from exactly one part.
-    The gradient of part j's table is a tf.IndexedSlices of the rows it looked up."""
+    devices[j]. The tower sends part j only the ids in its rows and receives only
+    their vectors, which it puts back in place; each id's vector comes from exactly
+    one part. The gradient of part j's table is a tf.IndexedSlices of its rows looked
+    up. An id outside the table reads zeros (as Embedding on a GPU); a negative one
+    counts from the end (as Keras's take)."""
 
     def __init__(self, embedding_config, devices, **kwargs):
         super().__init__(name=embedding_config["name"], dtype=embedding_config.get("dtype"),
@@ -233,15 +241,18 @@ class VocabEmbedding(keras.layers.Layer):
                 part.build(input_shape)
 
     def call(self, inputs):
-        ids, vectors, start = ops.cast(inputs, "int32"), [], 0
+        ids = tf.reshape(tf.cast(inputs, tf.int32), [-1])                       # (N,)
+        ids = tf.where(ids < 0, ids + self.input_dim, ids)
+        positions, vectors, start = [], [], 0
         for j, (part, size) in enumerate(zip(self.parts, self.sizes)):
-            def look_up(ids, part=part, start=start, size=size):
-                here = ops.logical_and(ids >= start, ids < start + size)       # (B, ...)
-                rows = part(ops.where(here, ids - start, 0))                    # (B, ..., D)
-                return rows * ops.cast(here, rows.dtype)[..., None]
-            vectors.append(run_part(self.devices, j, part, look_up, ids))
+            mine = tf.where((ids >= start) & (ids < start + size))              # (n_j, 1)
+            local = tf.gather_nd(ids, mine) - start                             # (n_j,)
+            positions.append(mine)
+            vectors.append(run_part(self.devices, j, part, part, local))        # (n_j, D)
             start += size
-        return ops.sum(ops.stack(vectors), axis=0)
+        found = tf.scatter_nd(tf.concat(positions, 0), tf.concat(vectors, 0),
+                              tf.stack([tf.size(ids, tf.int64), self.output_dim]))  # (N, D)
+        return tf.reshape(found, tf.concat([tf.shape(inputs), [self.output_dim]], 0))
 
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0) if self.mask_zero else None

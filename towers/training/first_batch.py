@@ -10,7 +10,7 @@ from towers.data_parallel import losses, split, tower
 from towers.data_parallel.replicas import Replicas
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
-from towers.op_parallel import plan as op_plan
+from towers.op_parallel import plan as op_plan, tables as op_tables
 from towers.training import metrics as metrics_lib
 
 
@@ -39,6 +39,9 @@ def set_up(trainer, batch):
             trainer.optimizer.build(trainer.model.trainable_variables)
         if setup.options.variable_placement == "replicated":
             setup.replicas = Replicas(trainer.model, trainer.devices)
+        elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:
+            tables = op_tables.look_up_where_they_live(trainer.model)
+            setup.tables = tables if any(tables) else None
         setup.densify = tower.choose_dense_gradients(
             trainer.model, trainer.loss, first_shard, setup.options.sparse_policy)
         if trainer.jit_compile:

@@ -26,7 +26,9 @@ class TowerTrainer:
       optimizer: as given, wrapped in keras.optimizers.LossScaleOptimizer when
         the model computes in float16 (a mixed_float16 policy) and it is not one.
       devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"]; with
-        pipeline_cuts a grid, one row per tower and one device per stage.
+        pipeline_cuts a grid, one row per tower and one device per stage. (For a
+        model with split layers the constructor also takes a grid, one row per
+        tower and one device per part; this attribute then holds each row's first.)
       main_device: where the variables live and the gradients are averaged
         (with pipeline stages: stage 0's; stage k's is devices[0][k]).
       pipeline_cuts: None, or the names of the layers the model is cut after
@@ -34,7 +36,7 @@ class TowerTrainer:
         live on devices[0][k], and its update is applied there.
       options: a TowerOptions (aggregation, pack_gradients, variable_placement,
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
-        micro_batches, pipeline_schedule).
+        micro_batches, pipeline_schedule, embedding_lookup).
       metrics: Keras metrics updated on every train and evaluation batch.
       jit_compile: whether each tower's forward and backward (all its
         micro-batches) is compiled by XLA as one computation on its device
@@ -62,7 +64,7 @@ class TowerTrainer:
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
                  pipeline_schedule="gpipe", steps_per_execution=1,
-                 prefetch_to_devices="auto"):
+                 prefetch_to_devices="auto", embedding_lookup="table"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         losses.check_loss(loss)
@@ -75,7 +77,8 @@ class TowerTrainer:
                                     pack_gradients=pack_gradients,
                                     variable_placement=variable_placement,
                                     micro_batches=micro_batches,
-                                    pipeline_schedule=pipeline_schedule)
+                                    pipeline_schedule=pipeline_schedule,
+                                    embedding_lookup=embedding_lookup)
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.

@@ -1,0 +1,44 @@
+"""Embedding look-ups where the table lives: towers send ids and receive rows.
+
+Step 2 gives every tower its own copy of every weight; for an embedding table
+that is the whole table, every step, for the few rows a tower looks up. A table
+looked up where it lives is not copied: the tower's stateless call maps it to
+the variable itself, and its look-up (the `tf.gather` Keras's Embedding does)
+reads it with a ResourceGather on the table's device, so only the rows looked
+up travel to the tower. The gradient of that read is a tf.IndexedSlices of those
+rows, so only rows travel back (sparse_policy="keep").
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+LOOKUPS = ("table", "copy")
+
+
+def look_up_where_they_live(model):
+    """Per model.trainable_variables entry, whether it is an embedding table (of an
+    Embedding layer, a vocab part's too) to be looked up where it lives; makes
+    tf.gather on each such table read its rows there (`_sparse_read`)."""
+    tables = set()
+    # Keras has no public walk over nested layers (a vocab part inside its form).
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.Embedding) and layer.trainable \
+                and not layer.lora_enabled:  # with LoRA the look-up reads a sum, not the table
+            table = layer.embeddings
+            # tf.gather(params, ids) calls params.sparse_read(ids) where params has one.
+            table.sparse_read = functools.partial(_sparse_read, table)
+            tables.add(id(table))
+    return [id(v) in tables for v in model.trainable_variables]
+
+
+def _sparse_read(table, indices, name=None):
+    """The rows `indices` of `table` (a keras.Variable): read on the table's device from
+    the variable itself where the tower's stateless call maps the table to it, or
+    outside any call; else gathered from the tensor the call maps it to."""
+    value = table.value
+    if isinstance(value, tf.Variable):
+        with tf.device(value.device):
+            return value.sparse_read(indices, name=name)
+    return tf.gather(value, indices, name=name)
