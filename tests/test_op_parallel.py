@@ -258,6 +258,55 @@ class GridTest(tf.test.TestCase, parameterized.TestCase):
                                     **options)
 
 
+class CheckpointTest(tf.test.TestCase, parameterized.TestCase):
+    """A split model's checkpoint is the unsplit model's: it restores with another
+    number of parts, with none, and into join_layers' model; training goes on as if
+    one device had trained all along (Adam's slots and step count moved too)."""
+
+    @parameterized.named_parameters(("2_to_3", 2, 3), ("2_to_none", 2, None),
+                                    ("none_to_3", None, 3), ("3_to_2", 3, 2))
+    def test_moves_between_part_counts(self, saved_parts, restored_parts):
+        batches = [reference.make_batches(size, num_steps=1, seed=i)[0]
+                   for i, size in enumerate((6, 5, 7))]
+        expected = _text()
+        reference.single_device_weights(expected, reference.OPTIMIZERS["adam"](),
+                                        reference.make_loss(), batches)
+        directory = self.create_tempdir().full_path
+
+        def trainer_with(parts, seed):
+            model = _text(seed) if parts is None else towers.split_layers(
+                _text(seed), TEXT_PLAN, DEVICES[:parts])
+            trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                          reference.OPTIMIZERS["adam"](), devices=DEVICES[:2])
+            trainer.optimizer.build(model.trainable_variables)
+            return trainer, towers.Checkpointer(directory, model, trainer.optimizer)
+
+        saving, checkpointer = trainer_with(saved_parts, seed=0)
+        for batch in batches[:2]:
+            saving.train_step(batch)
+        checkpointer.save(epoch=0, batch_in_epoch=2)
+        restoring, checkpointer = trainer_with(restored_parts, seed=1)  # restored over
+        self.assertIsNotNone(checkpointer.restore())
+        self.assertEqual(restoring.step, 2)
+        restoring.train_step(batches[2])
+        model = restoring.model if restored_parts is None else towers.join_layers(restoring.model)
+        for want, got in zip(expected.get_weights(), model.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+
+    def test_restores_into_join_layers_model(self):
+        parted = towers.split_layers(_text(), TEXT_PLAN, PARTS)
+        trainer = towers.TowerTrainer(parted, reference.make_loss(),
+                                      reference.OPTIMIZERS["sgd"](), devices=DEVICES[:1])
+        trainer.train_step(reference.make_batches(6, num_steps=1)[0])
+        directory = self.create_tempdir().full_path
+        towers.Checkpointer(directory, parted, trainer.optimizer).save(0, 1)
+        whole = towers.join_layers(towers.split_layers(_text(seed=1), TEXT_PLAN, PARTS[:2]))
+        tf.train.Checkpoint(model=whole).restore(
+            tf.train.latest_checkpoint(directory)).expect_partial()
+        for want, got in zip(towers.join_layers(parted).get_weights(), whole.get_weights()):
+            self.assertAllEqual(got, want)
+
+
 class OptionsTest(tf.test.TestCase, parameterized.TestCase):
     """What works with towers keeps working with split layers: the split transformer
     block on 2 towers against the unsplit one under the same trainer options."""
@@ -350,6 +399,21 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
             parted = train.train()
         self.assertEqual(parted["devices"], [DEVICES[:2], DEVICES[2:]])
         self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+
+    def test_checkpoint_resumes_with_another_part_count(self):
+        directory = self.create_tempdir().full_path
+        with flagsaver.flagsaver(**{**self.QUICK, "steps": 2}, model="mlp", tensor_parallel=2,
+                                 checkpoint_dir=directory):
+            self.assertEqual(train.train()["steps"], 2)
+        with flagsaver.flagsaver(**self.QUICK, model="mlp", tensor_parallel=3,
+                                 checkpoint_dir=directory), \
+                self.assertLogs("absl", "INFO") as logs:
+            resumed = train.train()
+        self.assertTrue(any("restored" in line and "batch 2" in line for line in logs.output))
+        with flagsaver.flagsaver(**self.QUICK, model="mlp"):  # the same steps, unsplit
+            whole = train.train()
+        self.assertEqual(resumed["steps"], whole["steps"])
+        self.assertAllClose(resumed["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
 
     def test_split_plan_names_any_layer(self):
         with flagsaver.flagsaver(**self.QUICK, model="text", tensor_parallel=3,

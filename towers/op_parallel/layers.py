@@ -155,6 +155,14 @@ class ColumnDense(_Parted):
     def compute_output_shape(self, input_shape):
         return (*input_shape[:-1], self.units)
 
+    def layout(self):
+        """Per weight of the Dense (kernel, bias): (axis, the parts' variables joined
+        along it)."""
+        weights = [(1, [part.kernel for part in self.parts])]
+        if self.dense_config["use_bias"]:
+            weights.append((0, [part.bias for part in self.parts]))
+        return weights
+
 
 class RowDense(_Parted):
     """Dense with its input units split: part j multiplies input units [start_j, end_j)
@@ -187,6 +195,14 @@ class RowDense(_Parted):
     def get_config(self):
         return {**super().get_config(), "input_units": self.input_units}
 
+    def layout(self):
+        """Per weight of the Dense: (axis, the parts' kernels joined along it), and the
+        bias (axis None: one variable, part 0's, holds it whole)."""
+        weights = [(0, [part.kernel for part in self.parts])]
+        if self.dense_config["use_bias"]:
+            weights.append((None, [self.parts[0].bias]))
+        return weights
+
 
 class Placed(keras.layers.Layer):
     """A whole layer on devices[index]: its variables created there and its call run
@@ -207,6 +223,10 @@ class Placed(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
+
+    def layout(self):
+        """Per weight of the layer: (None, [it]): the layer holds its weights itself."""
+        return [(None, [weight]) for weight in self.layer.weights]
 
 
 class VocabEmbedding(keras.layers.Layer):
@@ -256,6 +276,10 @@ class VocabEmbedding(keras.layers.Layer):
 
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0) if self.mask_zero else None
+
+    def layout(self):
+        """The table: (axis 0, the parts' tables, joined along it)."""
+        return [(0, [part.embeddings for part in self.parts])]
 
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.output_dim)
@@ -314,6 +338,20 @@ class HeadsAttention(keras.layers.Layer):
 
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         return self.parts[0].compute_output_shape(query_shape, value_shape, key_shape)
+
+    def layout(self):
+        """Per weight of the MultiHeadAttention, in its order: the query, key and value
+        kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0, the
+        output kernel (H, v, d) on axis 0, and the output bias (part 0's, whole)."""
+        use_bias, weights = self.parts[0]._use_bias, []
+        for name in ("_query_dense", "_key_dense", "_value_dense"):
+            weights.append((1, [getattr(part, name).kernel for part in self.parts]))
+            if use_bias:
+                weights.append((0, [getattr(part, name).bias for part in self.parts]))
+        weights.append((0, [part._output_dense.kernel for part in self.parts]))
+        if use_bias:
+            weights.append((None, [self.parts[0]._output_dense.bias]))
+        return weights
 
     def get_config(self):
         return {**super().get_config(), "attention_config": self.attention_config,

@@ -58,7 +58,7 @@ def split_layers(model, plan, devices):
     for layer in parted.layers:
         original = by_name.get(layer.name)
         if original is not None and original.weights:
-            _copy_split(original, layer)
+            write_split(layer, original.get_weights())
     return parted
 
 
@@ -77,27 +77,36 @@ def join_layers(model):
     joined = keras.models.clone_model(model, clone_function=clone)
     by_name = {layer.name: layer for layer in model.layers}
     for layer in joined.layers:
-        if not layer.weights:
-            continue
-        parted = by_name[layer.name]
-        if isinstance(parted, ColumnDense):
-            kernels = [p.kernel.numpy() for p in parted.parts]
-            weights = [np.concatenate(kernels, axis=-1)]
-            if parted.dense_config["use_bias"]:
-                weights.append(np.concatenate([p.bias.numpy() for p in parted.parts]))
-            layer.set_weights(weights)
-        elif isinstance(parted, RowDense):
-            weights = [np.concatenate([p.kernel.numpy() for p in parted.parts], axis=0)]
-            if parted.dense_config["use_bias"]:
-                weights.append(parted.parts[0].bias.numpy())
-            layer.set_weights(weights)
-        elif isinstance(parted, VocabEmbedding):
-            layer.set_weights([np.concatenate([p.embeddings.numpy() for p in parted.parts])])
-        elif isinstance(parted, HeadsAttention):
-            layer.set_weights(_joined_heads(parted))
-        elif parted.weights:
-            layer.set_weights(parted.get_weights())
+        if layer.weights:
+            layer.set_weights(joined_values(by_name[layer.name]))
     return joined
+
+
+def joined_values(layer, read=lambda variable: variable.numpy()):
+    """The weights (NumPy arrays) of the layer `layer` stands for, in that layer's order:
+    its parts' joined, for a parallel form; else its own. `read`: a variable's value
+    (an optimizer slot's can stand in for it)."""
+    if not isinstance(layer, PARALLEL_FORMS):
+        return [read(weight) for weight in layer.weights]
+    return [read(variables[0]) if axis is None else
+            np.concatenate([read(v) for v in variables], axis)
+            for axis, variables in layer.layout()]
+
+
+def write_split(layer, values, write=lambda variable, value: variable.assign(value)):
+    """Writes `values`, the weights of the layer `layer` stands for, into it: cut into
+    its parts for a parallel form. `write(variable, value)` as joined_values' read."""
+    if not isinstance(layer, PARALLEL_FORMS):
+        for weight, value in zip(layer.weights, values):
+            write(weight, value)
+        return
+    for (axis, variables), value in zip(layer.layout(), values):
+        if axis is None:
+            write(variables[0], value)
+            continue
+        ends = np.cumsum([variable.shape[axis] for variable in variables])[:-1]
+        for variable, piece in zip(variables, np.split(value, ends, axis)):
+            write(variable, piece)
 
 
 def is_split(model):
@@ -111,66 +120,6 @@ def _copy(layer):
     if not getattr(layer, "weights", None):
         return layer
     return layer.__class__.from_config(layer.get_config())
-
-
-def _part_ranges(parted):
-    """(part, start, end) of each part of `parted`: the units [start, end) it holds."""
-    ends = np.cumsum(parted.sizes)
-    return zip(parted.parts, ends - parted.sizes, ends)
-
-
-def _copy_split(original, parted):
-    """Writes `original`'s weights into `parted`, its parallel form or clone."""
-    if isinstance(parted, ColumnDense):
-        kernel, bias = original.kernel.numpy(), original.bias if original.use_bias else None
-        for part, start, end in _part_ranges(parted):
-            part.kernel.assign(kernel[:, start:end])
-            if bias is not None:
-                part.bias.assign(bias.numpy()[start:end])
-    elif isinstance(parted, VocabEmbedding):
-        table = original.embeddings.numpy()
-        for part, start, end in _part_ranges(parted):
-            part.embeddings.assign(table[start:end])
-    elif isinstance(parted, HeadsAttention):
-        _split_heads(original, parted)
-    elif isinstance(parted, RowDense):
-        kernel = original.kernel.numpy()
-        for part, start, end in _part_ranges(parted):
-            part.kernel.assign(kernel[start:end])
-        if original.use_bias:
-            parted.parts[0].bias.assign(original.bias.numpy())
-    else:
-        parted.set_weights(original.get_weights())
-
-
-_PROJECTIONS = ("_query_dense", "_key_dense", "_value_dense")
-
-
-def _split_heads(original, parted):
-    """Each part's heads of the query, key and value projections (kernels (d, H, k), biases
-    (H, k)) and of the output projection (kernel (H, v, d)); the output bias to part 0."""
-    for part, start, end in _part_ranges(parted):
-        for name in _PROJECTIONS:
-            whole, piece = getattr(original, name), getattr(part, name)
-            piece.kernel.assign(whole.kernel.numpy()[:, start:end])
-            if original._use_bias:
-                piece.bias.assign(whole.bias.numpy()[start:end])
-        part._output_dense.kernel.assign(original._output_dense.kernel.numpy()[start:end])
-    if original._use_bias:
-        parted.parts[0]._output_dense.bias.assign(original._output_dense.bias.numpy())
-
-
-def _joined_heads(parted):
-    """The weights of the MultiHeadAttention `parted` stands for, in its weights' order."""
-    weights = []
-    for name in _PROJECTIONS:
-        weights.append(np.concatenate([getattr(p, name).kernel.numpy() for p in parted.parts], 1))
-        if parted.parts[0]._use_bias:
-            weights.append(np.concatenate([getattr(p, name).bias.numpy() for p in parted.parts]))
-    weights.append(np.concatenate([p._output_dense.kernel.numpy() for p in parted.parts]))
-    if parted.parts[0]._use_bias:
-        weights.append(parted.parts[0]._output_dense.bias.numpy())
-    return weights
 
 
 def _input_units(layer):

@@ -12,6 +12,8 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
+from towers.op_parallel import joined, plan as op_plan
+
 
 class Checkpointer:
     """Saves and restores a training run in `directory`.
@@ -39,6 +41,11 @@ class Checkpointer:
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.batch_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
                                           name="batch_in_epoch")
+        # A split model is saved as its unsplit twin: its checkpoints restore with any
+        # number of parts, with none, and into join_layers' model.
+        self._twin = joined.JoinedTwin(model, optimizer) if op_plan.is_split(model) else None
+        if self._twin is not None:
+            model, optimizer = self._twin.model, self._twin.optimizer
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                epoch=self.epoch,
                                                batch_in_epoch=self.batch_in_epoch)
@@ -68,6 +75,8 @@ class Checkpointer:
                     f"the checkpoint {path} does not match this model and optimizer "
                     f"({detail}); use another --checkpoint_dir, or delete this one to start "
                     "over. Nothing was overwritten.") from None
+            if self._twin is not None:
+                self._twin.split()
             logging.info("restored %s: epoch %d, batch %d of that epoch", path,
                          int(self.epoch), int(self.batch_in_epoch))
             return path
@@ -89,6 +98,8 @@ class Checkpointer:
             return None
         self.epoch.assign(epoch)
         self.batch_in_epoch.assign(batch_in_epoch)
+        if self._twin is not None:
+            self._twin.join()
         path = self._manager.save()
         self._batches_since_save = 0
         logging.info("saved checkpoint %s", path)
