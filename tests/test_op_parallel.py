@@ -62,7 +62,23 @@ def _text(seed=0):
     return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(pooled))
 
 
+def _einsum(seed=0):
+    """EinsumDense layers: a two-axis projection (5, 1) -> (5, 2, 4), then a relu column ->
+    row pair over the sequence of 5, with ellipsis on the second."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    x = keras.layers.Reshape((reference.NUM_FEATURES, 1))(inputs)
+    x = keras.layers.EinsumDense("abc,cde->abde", (None, 2, 4), bias_axes="de", name="proj")(x)
+    x = keras.layers.Reshape((reference.NUM_FEATURES, 8))(x)
+    x = keras.layers.EinsumDense("abc,cd->abd", (None, 7), bias_axes="d", activation="relu",
+                                 name="up")(x)
+    x = keras.layers.EinsumDense("...d,de->...e", 6, bias_axes="e", name="down")(x)
+    pooled = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(pooled))
+
+
 MLP_PLAN = {"up": "column", "down": "row", "out": 0}
+EINSUM_PLAN = {"proj": "column", "up": "column", "down": "row"}
 TEXT_PLAN = {"table": "vocab", "att": "heads", "up": "column", "down": "row"}
 BRANCH_PLAN = {"left": 1, "right": 2}
 
@@ -114,6 +130,44 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(sum(v for v, _ in parted.values()) - sum(v for v, _ in whole.values()),
                          2 * 6 * 4)
         self.assertLen(parted, 3)  # every part's device holds its share
+
+    def test_column_row_pair_gathers_nothing_between(self):
+        # Megatron's pairing: the row layer takes the column's parts where they are, so
+        # nothing slices the column's output; after a softmax (which mixes units) it must.
+        for activation, slices in (("relu", 0), ("softmax", 1)):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((reference.NUM_FEATURES,))
+            hidden = keras.layers.Dense(8, activation=activation, name="up")(inputs)
+            model = keras.Model(inputs, keras.layers.Dense(3, name="down")(hidden))
+            parted = towers.split_layers(model, {"up": "column", "down": "row"}, PARTS)
+            x = reference.make_batches(4, num_steps=1)[0][0]
+            graph = tf.function(parted).get_concrete_function(tf.constant(x)).graph
+            self.assertLen([op for op in graph.get_operations()
+                            if op.type in ("Split", "SplitV") and "down" in op.name], slices)
+            self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+
+    def test_einsum_splits_cut_the_right_axes(self):
+        model = _einsum()
+        x = reference.make_batches(6, num_steps=1)[0][0]
+        parted = towers.split_layers(model, EINSUM_PLAN, PARTS)
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+        proj, up, down = (parted.get_layer(name) for name in ("proj", "up", "down"))
+        self.assertEqual([p.kernel.shape for p in proj.parts], [(1, 2, 2), (1, 2, 1), (1, 2, 1)])
+        self.assertEqual([p.bias.shape for p in proj.parts], [(2, 2), (2, 1), (2, 1)])
+        self.assertEqual([p.kernel.shape for p in up.parts], [(8, 3), (8, 2), (8, 2)])
+        self.assertEqual([p.kernel.shape for p in down.parts], [(3, 6), (2, 6), (2, 6)])
+        self.assertEqual([p.bias is not None for p in down.parts], [True, False, False])
+        for want, got in zip(model.get_weights(), towers.join_layers(parted).get_weights()):
+            self.assertAllEqual(got, want)
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4, 6))
+        bias_across = keras.Model(inputs, keras.layers.EinsumDense(
+            "abc,cd->abd", (4, 5), bias_axes="b", name="seq")(inputs))
+        with self.assertRaisesRegex(ValueError, "cuts axis 'd', which its bias"):
+            towers.split_layers(bias_across, {"seq": "column"}, PARTS)
+        with self.assertRaisesRegex(ValueError, "needs an input axis the kernel contracts"):
+            towers.split_layers(keras.Model(inputs, keras.layers.EinsumDense(
+                "abc,d->abcd", (4, 6, 2), name="outer")(inputs)), {"outer": "row"}, PARTS)
 
     def test_join_gives_the_original_layers_and_weights_back(self):
         model = _mlp()
@@ -168,7 +222,8 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.product(
         make_model=[("mlp", _mlp, MLP_PLAN, PARTS), ("text", _text, TEXT_PLAN, PARTS),
-                    ("branches", _branches, BRANCH_PLAN, DEVICES[:3])],
+                    ("branches", _branches, BRANCH_PLAN, DEVICES[:3]),
+                    ("einsum", _einsum, EINSUM_PLAN, PARTS)],
         num_towers=[1, 2], optimizer=["sgd", "adam"])
     def test_trains_as_one_device(self, make_model, num_towers, optimizer):
         _, build, plan, parts = make_model
@@ -353,7 +408,7 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("unknown_layer", {"nope": "column"}, "does not have; its layers are"),
-        ("kind_for_another_layer", {"join": "column"}, "splits Dense layers, but 'join' is "
+        ("kind_for_another_layer", {"join": "column"}, "splits Dense or EinsumDense layers, but 'join' is "
                                                        "Concatenate"),
         ("unknown_kind", {"left": "diagonal"}, "is not a kind"),
         ("heads_on_a_dense", {"left": "heads"}, "splits MultiHeadAttention layers, but "

@@ -23,11 +23,6 @@ from towers.data_parallel import split
 
 _tower = threading.local()  # .row: the devices the tower being traced runs its parts on
 
-# The Dense arguments each part takes as they are (units and use_bias are set per form).
-_PART_ARGS = ("kernel_initializer", "bias_initializer", "kernel_regularizer",
-              "bias_regularizer", "kernel_constraint", "bias_constraint")
-
-
 def part_sizes(total, num_parts):
     """Sizes of `num_parts` parts of `total` units (rows, heads): differing by at most one,
     larger first. Raises ValueError for more parts than units."""
@@ -103,105 +98,6 @@ def run_part(devices, j, part, call, *inputs):
         return outputs, gradient
 
     return run(*unique.values())
-
-
-class _Parted(keras.layers.Layer):
-    """A layer of parts, part j built and run under tf.device(devices[j])."""
-
-    def __init__(self, dense_config, devices, activity_regularizer=None, **kwargs):
-        super().__init__(name=dense_config["name"], dtype=dense_config.get("dtype"),
-                         trainable=dense_config.get("trainable", True),
-                         activity_regularizer=activity_regularizer, **kwargs)
-        self.dense_config, self.devices = dict(dense_config), list(devices)
-        self.supports_masking = True  # a mask passes on, as through Dense
-        self.units = dense_config["units"]
-        self.activation = keras.activations.get(dense_config["activation"])
-
-    def _part(self, j, units, use_bias):
-        args = {key: self.dense_config[key] for key in _PART_ARGS if key in self.dense_config}
-        return keras.layers.Dense(units, use_bias=use_bias, name=f"part_{j}",
-                                  dtype=self.dtype_policy, **args)
-
-    def build(self, input_shape):
-        for device, (part, part_shape) in zip(self.devices, self._part_input_shapes(input_shape)):
-            with tf.device(device):
-                part.build(part_shape)
-
-    def get_config(self):
-        return {**super().get_config(), "dense_config": self.dense_config,
-                "devices": self.devices}
-
-
-class ColumnDense(_Parted):
-    """Dense with its output units split: part j computes units [start_j, end_j) on
-    devices[j] from the whole input; the parts' outputs are concatenated."""
-
-    def __init__(self, dense_config, devices, **kwargs):
-        super().__init__(dense_config, devices, **kwargs)
-        self.sizes = part_sizes(self.units, len(self.devices))
-        self.parts = [self._part(j, size, dense_config["use_bias"])
-                      for j, size in enumerate(self.sizes)]
-
-    def _part_input_shapes(self, input_shape):
-        return [(part, input_shape) for part in self.parts]
-
-    def call(self, inputs):
-        outputs = []
-        for j, part in enumerate(self.parts):
-            outputs.append(run_part(self.devices, j, part, part, inputs))  # (..., size_j)
-        # After the gather: an activation may mix units (softmax).
-        return self.activation(ops.concatenate(outputs, axis=-1))  # (..., units)
-
-    def compute_output_shape(self, input_shape):
-        return (*input_shape[:-1], self.units)
-
-    def layout(self):
-        """Per weight of the Dense (kernel, bias): (axis, the parts' variables joined
-        along it)."""
-        weights = [(1, [part.kernel for part in self.parts])]
-        if self.dense_config["use_bias"]:
-            weights.append((0, [part.bias for part in self.parts]))
-        return weights
-
-
-class RowDense(_Parted):
-    """Dense with its input units split: part j multiplies input units [start_j, end_j)
-    by its rows of the kernel on devices[j]; the partial products are summed, then the
-    bias (part 0's) and the activation."""
-
-    def __init__(self, dense_config, devices, input_units, **kwargs):
-        super().__init__(dense_config, devices, **kwargs)
-        self.input_units = input_units
-        self.sizes = part_sizes(input_units, len(self.devices))
-        # Part 0 holds the bias: added once, after the sum.
-        self.parts = [self._part(j, self.units, dense_config["use_bias"] and j == 0)
-                      for j in range(len(self.sizes))]
-
-    def _part_input_shapes(self, input_shape):
-        return [(part, (*input_shape[:-1], size)) for part, size in zip(self.parts, self.sizes)]
-
-    def call(self, inputs):
-        partials, start = [], 0
-        for j, (part, size) in enumerate(zip(self.parts, self.sizes)):
-            # Sliced before the part: it receives, and sends back the gradient of, its slice.
-            partials.append(run_part(self.devices, j, part, part,
-                                     inputs[..., start:start + size]))  # (..., units)
-            start += size
-        return self.activation(ops.sum(ops.stack(partials), axis=0))
-
-    def compute_output_shape(self, input_shape):
-        return (*input_shape[:-1], self.units)
-
-    def get_config(self):
-        return {**super().get_config(), "input_units": self.input_units}
-
-    def layout(self):
-        """Per weight of the Dense: (axis, the parts' kernels joined along it), and the
-        bias (axis None: one variable, part 0's, holds it whole)."""
-        weights = [(0, [part.kernel for part in self.parts])]
-        if self.dense_config["use_bias"]:
-            weights.append((None, [self.parts[0].bias]))
-        return weights
 
 
 class Placed(keras.layers.Layer):

@@ -10,11 +10,12 @@ import numpy as np
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.op_parallel.layers import ColumnDense, HeadsAttention, Placed, RowDense
-from towers.op_parallel.layers import VocabEmbedding, part_sizes
+from towers.op_parallel.dense import DENSE_EQUATION, ColumnDense, RowDense, split_axes
+from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
 
-KINDS = {"column": keras.layers.Dense, "row": keras.layers.Dense,
-         "vocab": keras.layers.Embedding, "heads": keras.layers.MultiHeadAttention}
+_DENSE_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense)
+KINDS = {"column": _DENSE_LAYERS, "row": _DENSE_LAYERS,
+         "vocab": (keras.layers.Embedding,), "heads": (keras.layers.MultiHeadAttention,)}
 PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, HeadsAttention, Placed)
 
 
@@ -42,16 +43,16 @@ def split_layers(model, plan, devices):
         if isinstance(how, int):
             return Placed(_copy(layer), devices, how)
         config = layer.get_config()
-        regularizer = layer.activity_regularizer
-        if how == "column":
-            return ColumnDense(config, devices, activity_regularizer=regularizer)
+        if how in ("column", "row"):
+            form = ColumnDense if how == "column" else RowDense
+            return form(config, type(layer).__name__, devices, _split_size(layer, how)[0],
+                        activity_regularizer=layer.activity_regularizer)
         if how == "vocab":
             return VocabEmbedding(config, devices)
         if how == "heads":
             if config["output_shape"] is None:  # the query's width, which the parts cannot see
                 config["output_shape"] = int(layer._output_dense.kernel.shape[-1])
             return HeadsAttention(config, devices)
-        return RowDense(config, devices, _input_units(layer), activity_regularizer=regularizer)
 
     with tf.device(devices[0]):
         parted = keras.models.clone_model(model, clone_function=clone)
@@ -67,7 +68,7 @@ def join_layers(model):
     full (joined) weights: to export, serve or compare. Variables on the current device."""
     def clone(layer):
         if isinstance(layer, (ColumnDense, RowDense)):
-            return keras.layers.Dense.from_config(layer.dense_config)
+            return getattr(keras.layers, layer.layer_class).from_config(layer.layer_config)
         if isinstance(layer, VocabEmbedding):
             return keras.layers.Embedding.from_config(layer.embedding_config)
         if isinstance(layer, HeadsAttention):
@@ -122,16 +123,12 @@ def _copy(layer):
     return layer.__class__.from_config(layer.get_config())
 
 
-def _input_units(layer):
-    return int(layer.kernel.shape[0])
-
-
 def _split_size(layer, how):
     """(how many units the split `how` divides among the parts, what they are)."""
-    if how == "column":
-        return layer.units, "output units"
-    if how == "row":
-        return _input_units(layer), "input units"
+    if how in ("column", "row"):
+        equation = DENSE_EQUATION if isinstance(layer, keras.layers.Dense) else layer.equation
+        axis = split_axes(equation, None, how).kernel_axis
+        return int(layer.kernel.shape[axis]), "output units" if how == "column" else "input units"
     if how == "heads":
         return layer.num_heads, "heads"
     return layer.input_dim, "rows"
@@ -167,9 +164,15 @@ def _check(model, plan, devices):
         if how not in KINDS:
             raise ValueError(f"plan[{name!r}] = {how!r} is not a kind; use one of "
                              f"{sorted(KINDS)} or a device index.")
-        if type(layer) is not KINDS[how]:
-            raise ValueError(f"plan[{name!r}] = {how!r} splits {KINDS[how].__name__} layers, "
-                             f"but {name!r} is {type(layer).__name__}.")
+        if type(layer) not in KINDS[how]:
+            kinds = " or ".join(kind.__name__ for kind in KINDS[how])
+            raise ValueError(f"plan[{name!r}] = {how!r} splits {kinds} layers, but {name!r} "
+                             f"is {type(layer).__name__}.")
+        if isinstance(layer, keras.layers.EinsumDense):
+            try:
+                split_axes(layer.equation, layer.bias_axes, how)
+            except ValueError as error:
+                raise ValueError(f"plan[{name!r}] = {how!r}: {error}") from None
         if how == "heads" and layer.get_config().get("use_gate"):
             raise ValueError(f"plan[{name!r}] = 'heads': a gated MultiHeadAttention "
                              "(use_gate=True) is not split yet; place it whole instead.")

@@ -1,0 +1,214 @@
+"""Dense and EinsumDense with their output units ("column") or input units ("row")
+split across devices.
+
+A Dense is the EinsumDense "...i,io->...o" with bias on "o", so one description
+serves both: a column split cuts the last output axis that comes from the kernel
+alone, a row split the last input axis the kernel contracts (`SplitAxes`).
+"""
+
+import collections
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from towers.op_parallel.layers import part_sizes, run_part
+
+DENSE_EQUATION = "...i,io->...o"
+
+# Activations computed unit by unit: a column split may apply them to each part apart.
+_ELEMENTWISE = {"linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu",
+                "swish", "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "tanh",
+                "softplus", "softsign", "exponential", "mish", "celu"}
+
+SplitAxes = collections.namedtuple(
+    "SplitAxes", ["kernel_axis", "tensor_axis", "shape_index", "bias_axis"])
+SplitAxes.__doc__ = """Where a split cuts: the kernel's axis; the output's (column) or the
+input's (row) axis, negative where counted from the end; the index of the output axis in
+EinsumDense's output_shape argument (column); the bias's axis (column; None: no bias)."""
+
+
+def split_axes(equation, bias_axes, how):
+    """The SplitAxes of a "column" or "row" split of an EinsumDense `equation`.
+
+    Raises:
+      ValueError: the equation has no axis to split that way, or (column) a bias that
+        does not run along the split axis.
+    """
+    match = re.fullmatch(r"(\.\.\.)?([a-zA-Z]+)(\.\.\.)?,([a-zA-Z]+)->(\.\.\.)?([a-zA-Z]+)"
+                         r"(\.\.\.)?", equation.replace(" ", ""))
+    if match is None:
+        raise ValueError(f"cannot split the EinsumDense equation {equation!r}.")
+    left, inputs, _, kernel, _, outputs, _ = match.groups()
+    if how == "column":
+        letters = [c for c in outputs if c in kernel and c not in inputs]
+        spec, what = outputs, "output axis that comes from the kernel alone"
+    else:
+        letters = [c for c in inputs if c in kernel and c not in outputs]
+        spec, what = inputs, "input axis the kernel contracts"
+    if not letters:
+        raise ValueError(f"a {how!r} split needs an {what}, and {equation!r} has none.")
+    letter = letters[-1]
+    tensor_axis = spec.index(letter) - (len(spec) if left else 0)
+    if how == "row":
+        return SplitAxes(kernel.index(letter), tensor_axis, None, None)
+    shape_index = outputs.index(letter) - (0 if left else 1)
+    bias_axis = None
+    if bias_axes:
+        if letter not in bias_axes:
+            raise ValueError(f"a 'column' split of {equation!r} cuts axis {letter!r}, which its "
+                             f"bias (bias_axes={bias_axes!r}) does not run along.")
+        bias_spec = outputs[min(outputs.index(c) for c in bias_axes):]
+        bias_axis = bias_spec.index(letter)
+    return SplitAxes(kernel.index(letter), tensor_axis, shape_index, bias_axis)
+
+
+def is_elementwise(activation):
+    """Whether `activation` (a Keras activation) is computed unit by unit."""
+    try:
+        return keras.activations.serialize(activation) in _ELEMENTWISE
+    except (ValueError, TypeError):
+        return False
+
+
+class _Parted(keras.layers.Layer):
+    """A Dense or EinsumDense as parts, part j built and run on devices[j].
+
+    layer_config: the layer's get_config(); layer_class: "Dense" or "EinsumDense".
+    """
+
+    def __init__(self, layer_config, layer_class, devices, how, activity_regularizer=None,
+                 **kwargs):
+        super().__init__(name=layer_config["name"], dtype=layer_config.get("dtype"),
+                         trainable=layer_config.get("trainable", True),
+                         activity_regularizer=activity_regularizer, **kwargs)
+        self.layer_config, self.layer_class = dict(layer_config), layer_class
+        self.devices = list(devices)
+        self.supports_masking = True  # a mask passes on, as through Dense
+        self.activation = keras.activations.get(layer_config["activation"])
+        self.dense = layer_class == "Dense"
+        self.axes = split_axes(DENSE_EQUATION if self.dense else layer_config["equation"],
+                               "o" if self.dense else layer_config["bias_axes"], how)
+
+    @property
+    def use_bias(self):
+        return self.layer_config["use_bias"] if self.dense else bool(
+            self.layer_config["bias_axes"])
+
+    def _part(self, j, output_size, use_bias):
+        """Part j: the layer with `output_size` units on its split output axis (None: as
+        the layer's), its own bias or none, no activation (applied where parts meet)."""
+        config = {**self.layer_config, "name": f"part_{j}", "activation": None,
+                  "dtype": self.dtype_policy}
+        if self.dense:
+            config.update(use_bias=use_bias, units=output_size or config["units"])
+        else:
+            config.update(bias_axes=config["bias_axes"] if use_bias else None)
+            if output_size is not None:
+                shape = config["output_shape"]
+                shape = [shape] if isinstance(shape, int) else list(shape)
+                shape[self.axes.shape_index] = output_size
+                config["output_shape"] = shape
+        for key in ("lora_rank", "lora_alpha", "gptq_unpacked_column_size"):
+            config.pop(key, None)
+        return getattr(keras.layers, self.layer_class).from_config(config)
+
+    def build(self, input_shape):
+        for device, part, shape in zip(self.devices, self.parts,
+                                       self._part_input_shapes(input_shape)):
+            with tf.device(device):
+                part.build(shape)
+
+    def compute_output_shape(self, input_shape):
+        return self._whole_output_shape(input_shape)
+
+    def get_config(self):
+        return {**super().get_config(), "layer_config": self.layer_config,
+                "layer_class": self.layer_class, "devices": self.devices}
+
+
+class ColumnDense(_Parted):
+    """Dense or EinsumDense with its output units split: part j computes units
+    [start_j, end_j) of the split axis on devices[j] from the whole input; the parts'
+    outputs are concatenated. A row layer right after takes the parts as they are
+    (Megatron's pairing): nothing is gathered between the two."""
+
+    def __init__(self, layer_config, layer_class, devices, units, **kwargs):
+        super().__init__(layer_config, layer_class, devices, "column", **kwargs)
+        self.units = units
+        self.sizes = part_sizes(units, len(self.devices))
+        self.parts = [self._part(j, size, self.use_bias) for j, size in enumerate(self.sizes)]
+
+    def _part_input_shapes(self, input_shape):
+        return [input_shape] * len(self.parts)
+
+    def _whole_output_shape(self, input_shape):
+        shape = list(self.parts[0].compute_output_shape(input_shape))
+        shape[self.axes.tensor_axis] = self.units
+        return tuple(shape)
+
+    def call(self, inputs):
+        elementwise, outputs = is_elementwise(self.activation), []
+        for j, part in enumerate(self.parts):
+            call = (lambda x, part=part: self.activation(part(x))) if elementwise else part
+            outputs.append(run_part(self.devices, j, part, call, inputs))  # size_j units
+        joined = ops.concatenate(outputs, axis=self.axes.tensor_axis)
+        if not elementwise:
+            return self.activation(joined)  # one that mixes units (softmax) sees them all
+        joined._towers_parts = outputs  # for a row layer next: RowDense.call
+        return joined
+
+    def layout(self):
+        """Per weight of the layer (kernel, bias): (axis, the parts' variables joined
+        along it)."""
+        weights = [(self.axes.kernel_axis, [part.kernel for part in self.parts])]
+        if self.use_bias:
+            weights.append((self.axes.bias_axis, [part.bias for part in self.parts]))
+        return weights
+
+
+class RowDense(_Parted):
+    """Dense or EinsumDense with its input units split: part j multiplies input units
+    [start_j, end_j) of the split axis by its slice of the kernel on devices[j]; the
+    partial products are summed, then the bias (part 0's) and the activation."""
+
+    def __init__(self, layer_config, layer_class, devices, input_units, **kwargs):
+        super().__init__(layer_config, layer_class, devices, "row", **kwargs)
+        self.input_units = input_units
+        self.sizes = part_sizes(input_units, len(self.devices))
+        # Part 0 holds the bias: added once, after the sum.
+        self.parts = [self._part(j, None, self.use_bias and j == 0)
+                      for j in range(len(self.sizes))]
+
+    def _part_input_shapes(self, input_shape):
+        shapes = []
+        for size in self.sizes:
+            shape = list(input_shape)
+            shape[self.axes.tensor_axis] = size
+            shapes.append(tuple(shape))
+        return shapes
+
+    def _whole_output_shape(self, input_shape):
+        return self.parts[0].compute_output_shape(self._part_input_shapes(input_shape)[0])
+
+    def call(self, inputs):
+        pieces = getattr(inputs, "_towers_parts", None)
+        if pieces is None or [p.shape[self.axes.tensor_axis] for p in pieces] != self.sizes:
+            # Sliced before the parts: each receives, and sends back the gradient of, its slice.
+            pieces = tf.split(inputs, self.sizes, axis=self.axes.tensor_axis)
+        partials = [run_part(self.devices, j, part, part, piece)
+                    for j, (part, piece) in enumerate(zip(self.parts, pieces))]
+        return self.activation(ops.sum(ops.stack(partials), axis=0))
+
+    def get_config(self):
+        return {**super().get_config(), "input_units": self.input_units}
+
+    def layout(self):
+        """Per weight of the layer: (axis, the parts' kernels joined along it), and the
+        bias (axis None: one variable, part 0's, holds it whole)."""
+        weights = [(self.axes.kernel_axis, [part.kernel for part in self.parts])]
+        if self.use_bias:
+            weights.append((None, [self.parts[0].bias]))
+        return weights
