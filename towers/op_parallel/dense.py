@@ -10,7 +10,6 @@ import collections
 import re
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import ops
 
