@@ -56,23 +56,27 @@ def global_batches(kind):
 def make_trainer(devices, kind, cluster=None, **options):
     """The same model, loss, optimizer and metric in every process.
 
-    options["pipeline_cuts"], if there, holds indices into model.layers.
+    options["pipeline_cuts"], if there, holds indices into model.layers, and so does
+    options["split_plan"] ({index: how}): the model's layers are then split over the
+    grid's first row (towers.split_layers).
     """
     with tf.device(tf.nest.flatten(devices)[0]):
         model = make_model(kind)
     if "pipeline_cuts" in options:
         options["pipeline_cuts"] = [model.layers[i].name for i in options["pipeline_cuts"]]
+    if "split_plan" in options:
+        plan = {model.layers[int(i)].name: how for i, how in options.pop("split_plan").items()}
+        model = towers.split_layers(model, plan, devices[0])
     return towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
                                devices=devices, metrics=["accuracy"], cluster=cluster,
                                **options)
 
 
 def main(config):
-    num_stages = config.get("num_stages", 1)
-    devices = towers.configure_devices(config["num_towers"] * num_stages, "cpu")
-    if num_stages > 1:  # one row of the grid per tower
-        devices = [devices[t * num_stages:(t + 1) * num_stages]
-                   for t in range(config["num_towers"])]
+    width = config.get("devices_per_tower", 1)  # its stages, or its parts
+    devices = towers.configure_devices(config["num_towers"] * width, "cpu")
+    if width > 1:  # one row of the grid per tower
+        devices = [devices[t * width:(t + 1) * width] for t in range(config["num_towers"])]
     cluster = towers.Cluster(config["worker_hosts"], config["task_index"])
     towers.join_cluster(cluster)
     trainer = make_trainer(devices, config["model"], cluster, **config.get("options", {}))
@@ -88,7 +92,9 @@ def main(config):
     for batch in global_batches(config["model"]):
         part = towers.split_batch(batch, cluster.num_workers)[cluster.task_index]
         losses.append(trainer.train_step(part)["loss"])
-    weights = {f"w{i}": v.numpy() for i, v in enumerate(trainer.model.weights)}
+    model = towers.join_layers(trainer.model) if "split_plan" in config.get(
+        "options", {}) else trainer.model
+    weights = {f"w{i}": v.numpy() for i, v in enumerate(model.weights)}
     np.savez(config["output"], losses=np.array(losses), accuracy=trainer.metrics[0].result(),
              steps=trainer.step, **weights)
 

@@ -124,16 +124,20 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         ("different_tower_counts_xla", "dense", "main", False, (1, 3), {"jit_compile": True}),
         # Each worker a grid of 1 tower x 2 stages, 2 micro-batches (1f1b).
         ("pipeline_stages", "dense", "main", False, (1, 1),
-         {"pipeline_cuts": [0], "micro_batches": 2, "pipeline_schedule": "1f1b"}, 2))
+         {"pipeline_cuts": [0], "micro_batches": 2, "pipeline_schedule": "1f1b"}, 2),
+        # Each worker a grid of 1 tower x 2 parts: the table split by rows, the logits
+        # by columns; sparse rows and dense columns both meet across workers.
+        ("split_layers", "embedding", "main", False, (1, 1),
+         {"split_plan": {0: "vocab", 2: "column"}}, 2))
     def test_two_workers_of_two_towers_match_one_process_of_four(
-            self, model, aggregation, pack, towers_per_worker, more_options=None, num_stages=1,
-            trace_on_chief_first=False):
+            self, model, aggregation, pack, towers_per_worker, more_options=None,
+            devices_per_tower=1, trace_on_chief_first=False):
         options = {"aggregation": aggregation, "pack_gradients": pack, **(more_options or {})}
         hosts, directory = _hosts(2), self.create_tempdir().full_path
         workers = [_started(self, subprocess.Popen(
             [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
                 "worker_hosts": hosts, "task_index": i, "num_towers": towers_per_worker[i],
-                "num_stages": num_stages, "model": model,
+                "devices_per_tower": devices_per_tower, "model": model,
                 "options": options, "trace_on_chief_first": trace_on_chief_first,
                 "output": os.path.join(directory, f"worker{i}.npz")})],
             cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)) for i in range(2)]

@@ -348,6 +348,29 @@ class CheckpointTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(expected.get_weights(), model.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
 
+    def test_loss_scale_and_step_count_move_too(self):
+        directory = self.create_tempdir().full_path
+
+        def trainer_with(parts, seed):
+            model = towers.split_layers(_text(seed), TEXT_PLAN, DEVICES[:parts])
+            optimizer = keras.optimizers.LossScaleOptimizer(reference.OPTIMIZERS["adam"](), 64.0)
+            optimizer.build(model.trainable_variables)
+            return (towers.TowerTrainer(model, reference.make_loss(), optimizer,
+                                        devices=DEVICES[:1]),
+                    towers.Checkpointer(directory, model, optimizer))
+
+        saving, checkpointer = trainer_with(2, seed=0)
+        saving.optimizer.dynamic_scale.assign(8.0)  # as if some steps had overflowed
+        for batch in reference.make_batches(6, num_steps=3):
+            saving.train_step(batch)
+        checkpointer.save(0, 3)
+        restoring, checkpointer = trainer_with(3, seed=1)
+        self.assertIsNotNone(checkpointer.restore())
+        for variable in ("iterations", "dynamic_scale", "step_counter"):
+            self.assertEqual(getattr(restoring.optimizer, variable).numpy(),
+                             getattr(saving.optimizer, variable).numpy(), variable)
+        self.assertEqual(restoring.step, 3)
+
     def test_restores_into_join_layers_model(self):
         parted = towers.split_layers(_text(), TEXT_PLAN, PARTS)
         trainer = towers.TowerTrainer(parted, reference.make_loss(),
@@ -374,17 +397,23 @@ class OptionsTest(tf.test.TestCase, parameterized.TestCase):
         ("global_norm_clipping", dict(clip_global_norm=0.05), TOLERANCE),
         ("fit_3_steps_per_execution", dict(steps_per_execution=3), TOLERANCE),
         # bfloat16 sums in another order: the two agree to bfloat16's precision.
-        ("mixed_bfloat16", dict(policy="mixed_bfloat16"), 2e-2))
+        ("mixed_bfloat16", dict(policy="mixed_bfloat16"), 2e-2),
+        # float16 with dynamic loss scaling, from a scale the first steps do not overflow;
+        # Adam magnifies float16 noise in tiny gradients (the attention query kernel's).
+        ("mixed_float16", dict(policy="mixed_float16", initial_scale=64.0), 1e-2))
     def test_options_work_as_on_the_unsplit_model(self, options, tolerance):
         options = dict(options)
         keras.mixed_precision.set_global_policy(options.pop("policy", "float32"))
+        initial_scale = options.pop("initial_scale", None)
         batches = reference.make_batches(6, num_steps=3)
         weights = []
         for split in (False, True):
             model = towers.split_layers(_text(), TEXT_PLAN, PARTS) if split else _text()
-            trainer = towers.TowerTrainer(model, reference.make_loss(),
-                                          reference.OPTIMIZERS["adam"](), devices=DEVICES[:2],
-                                          **options)
+            optimizer = reference.OPTIMIZERS["adam"]()
+            if initial_scale is not None:
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale)
+            trainer = towers.TowerTrainer(model, reference.make_loss(), optimizer,
+                                          devices=DEVICES[:2], **options)
             if "steps_per_execution" in options:
                 arrays = [np.concatenate(parts) for parts in zip(*batches)]
                 trainer.fit(tf.data.Dataset.from_tensor_slices(tuple(arrays)).batch(6),

@@ -57,10 +57,11 @@ class JoinedTwin:
                 else:
                     plan.write_split(parted, [_numpy(twin) for twin in twins],
                                      lambda w, value: _assign(variable(w, parted_slots), value))
-        # What belongs to no weight: the step count, a loss scale.
-        parted_own = _own_variables(self._optimizer, self._parted)
-        for name, twin in _own_variables(self.optimizer, self.model).items():
-            source, target = (parted_own[name], twin) if to_twin else (twin, parted_own[name])
+        # What belongs to no weight (the step count, a loss scale): the twin's optimizer
+        # is of the same class and config, so it holds them in the same order.
+        for parted_own, twin in zip(_own_variables(self._optimizer, self._parted),
+                                    _own_variables(self.optimizer, self.model)):
+            source, target = (parted_own, twin) if to_twin else (twin, parted_own)
             target.assign(source)
 
 
@@ -90,7 +91,7 @@ def _slot_kinds(layer, slots):
 
 
 def _own_variables(optimizer, model):
-    """{name: variable} of the optimizer's variables that are no weight's slot."""
+    """The optimizer's variables that are no weight's slot, in its order."""
     prefixes = tuple(_slot_prefix(weight) for weight in model.trainable_weights)
-    return {variable.name: variable for variable in optimizer.variables
-            if not variable.name.startswith(prefixes)}
+    return [variable for variable in optimizer.variables
+            if not variable.name.startswith(prefixes)]
