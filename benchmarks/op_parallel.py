@@ -5,8 +5,11 @@ of a transformer block split into T parts, against the unsplit block.
 
 The block's embedding is split by rows (vocab), its attention by heads, its
 feed-forward pair as column -> row (towers.split_layers), part j on device j;
-one tower, Adam. Writes DIR/results.json and DIR/results.md. The work is in
-benchmarks/harness/op_parallel.py; this file only reads the flags.
+one tower, Adam. Then the --embedding_rows embedding step, looked up where the
+table lives, on 1 and --embedding_towers towers, against plain Keras on one
+device and against copying the table to every tower. Writes DIR/results.json
+and DIR/results.md. The work is in benchmarks/harness/op_parallel.py; this file
+only reads the flags.
 """
 
 import os
@@ -30,6 +33,11 @@ GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64, "Sequences per
                                          lower_bound=1)
 STEPS = flags.DEFINE_integer("steps", 50, "Timed steps per T.", lower_bound=1)
 ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.", lower_bound=1)
+EMBEDDING_ROWS = flags.DEFINE_integer("embedding_rows", 1_000_000,
+                                      "Rows of the embedding step's table; 0 skips it.",
+                                      lower_bound=0)
+EMBEDDING_TOWERS = flags.DEFINE_integer("embedding_towers", 4, "Towers of the embedding step.",
+                                        lower_bound=1)
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results/op_parallel",
                                  "Where results.json and results.md go.")
 
@@ -37,11 +45,12 @@ OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results/op_parallel",
 def main(argv):
     del argv
     parts = [int(p) for p in PARTS.value]
-    devices = towers.configure_devices(max(parts))
+    devices = towers.configure_devices(max(parts + [EMBEDDING_TOWERS.value]))
     results = op_parallel.run_op_parallel_benchmark(
         parts, devices, OUTPUT_DIR.value, vocab=VOCAB.value, width=WIDTH.value,
         heads=HEADS.value, hidden=HIDDEN.value, global_batch_size=GLOBAL_BATCH_SIZE.value,
-        steps=STEPS.value, rounds=ROUNDS.value)
+        steps=STEPS.value, rounds=ROUNDS.value, embedding_rows=EMBEDDING_ROWS.value,
+        embedding_towers=EMBEDDING_TOWERS.value)
     print(op_parallel.markdown(results))
 
 

@@ -122,14 +122,25 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
             variable = slot.path.split("/")[-1].rsplit("_", 1)[0]
             owner = next(d for p, d in devices.items() if p.replace("/", "_") == variable)
             self.assertEqual(_device_of(slot), owner, slot.path)
+
+    def test_benchmark_bytes_per_device_and_per_step(self):
         results = op_parallel.run_op_parallel_benchmark(
             [1, 3], DEVICES, self.create_tempdir().full_path, vocab=30, width=6, heads=3,
-            hidden=9, length=4, global_batch_size=5, steps=1, rounds=1)
+            hidden=9, length=4, global_batch_size=5, steps=1, rounds=1, embedding_rows=50,
+            embedding_towers=2)
+        self.assertEqual([(row["mode"], row["towers"]) for row in results["embedding"]["rows"]],
+                         [("keras_one_device", 1), ("towers_table", 1), ("towers_table", 2),
+                          ("towers_copy", 2)])
         whole, parted = (row["bytes_per_device"] for row in results["rows"])
         # The same weights, plus the zero output biases of attention parts 1 and 2.
         self.assertEqual(sum(v for v, _ in parted.values()) - sum(v for v, _ in whole.values()),
                          2 * 6 * 4)
         self.assertLen(parted, 3)  # every part's device holds its share
+        # Measured as TensorFlow sends them: each split's activations and their gradients,
+        # the learning rate to each part's variables, nothing else (no gradient through
+        # the main device on its way to the update, no gather in a column -> row pair).
+        self.assertEqual({row["kind"]: row["measured"] for row in results["bytes"]},
+                         {row["kind"]: row["formula"] for row in results["bytes"]})
 
     def test_column_row_pair_gathers_nothing_between(self):
         # Megatron's pairing: the row layer takes the column's parts where they are, so

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.debug.lib import debug_events_reader  # no public reader
 from tensorflow.python.eager import context  # graph collection has no public switch
+from tensorflow.python.framework import op_def_registry  # whether an op type is stateful
 
 import towers
 
@@ -99,6 +100,14 @@ def _recorded_runs(dump_root):
     return runs
 
 
+def _is_stateful(op_type):
+    """Whether ops of `op_type` have effects beyond their outputs (a variable update)."""
+    try:
+        return op_def_registry.get(op_type).is_stateful
+    except AttributeError:  # a function's name, not an op's
+        return False
+
+
 def _tensor(name):
     """An input as a tensor name: 'op' -> 'op:0', 'op:1' as it is."""
     return name if ":" in name else name + ":0"
@@ -132,6 +141,7 @@ class _Partitions:
         self.recorded = {_node_name(tensor): runs for tensor, runs in self.measured.items()}
         self.switches = [node for node in self.nodes.values() if node.op == "Switch"]
         self.times_live = {}  # (predicate, port) -> how often that port was live
+        self.live = None  # names of the ops that ran for the function's effects (_live)
 
     def transfers(self):
         """(source, destination, tensor, dtype, shape, bytes) of each transfer."""
@@ -145,17 +155,39 @@ class _Partitions:
                 yield source, destination, send.input[0], dtype, shape, size
 
     def _used(self, tensor):
-        """Whether an op reads `tensor`, directly or through Identity ops; tfdbg's ops and
-        the probe's results do not count (the probe's results are placed on its default
-        device; a function called plainly leaves them where they were made)."""
+        """Whether a live op (_live) reads `tensor`, directly or through Identity ops;
+        tfdbg's ops and the probe's results do not count (the probe's results are placed
+        on its default device; a function called plainly leaves them where they were made)."""
         for reader in self.readers[_node_name(tensor)]:
             for port, name in enumerate(reader.input):  # data inputs come first
                 if (_tensor(name) != tensor or reader.op.startswith("Debug")
                         or reader.op == "_Retval"):
                     continue
-                if reader.op not in ("Identity", "IdentityN") or self._used(f"{reader.name}:{port}"):
+                if reader.op in ("Identity", "IdentityN"):
+                    if self._used(f"{reader.name}:{port}"):
+                        return True
+                elif reader.name in self._live():
                     return True
         return False
+
+    def _live(self):
+        """Names of the ops the function's results and effects need: its _Retvals and
+        stateful ops (variable updates), the ops they read, and across devices the _Send
+        of each _Recv read. What only tfdbg reads (an op grappler would have pruned, kept
+        alive by a summary of it) is not among them."""
+        if self.live is None:
+            stack = [node for node in self.nodes.values() if node.op == "_Retval" or (
+                _is_stateful(node.op) and not node.op.startswith("Debug"))]
+            self.live = set()
+            while stack:
+                node = stack.pop()
+                if node.name in self.live or node.op.startswith("Debug"):
+                    continue  # tfdbg's ops run on control edges it adds: they need nothing
+                self.live.add(node.name)
+                stack.extend(self.nodes[_node_name(name)] for name in node.input)
+                if node.op in _RECEIVES:
+                    stack.append(self.sends[node.attr["tensor_name"].s])
+        return self.live
 
     def runs(self, tensor):
         """(shape, bytes) of `tensor` each time it was computed and live."""

@@ -195,7 +195,11 @@ def update_on_variable_devices(optimizer):
     has no public option to place it with its variable; so the one
     per-variable hook, update_step, is wrapped (in the inner optimizer of a
     LossScaleOptimizer). Without it, every stage's weights and slots would be
-    read onto one device to be updated.
+    read onto one device to be updated. And Keras's TensorFlow optimizer first
+    sums the gradients over the replicas of a tf.distribute strategy: with none,
+    that is one IdentityN of all of them, on the caller's device, which would
+    copy every stage's gradients there and back; the towers have summed them
+    already, so that step is skipped.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     update_step = inner.update_step
@@ -208,6 +212,7 @@ def update_on_variable_devices(optimizer):
 
     update_on_device.on_variable_device = True
     inner.update_step = update_on_device
+    inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
 
 
 def _move_variable(variable, device):

@@ -97,7 +97,8 @@ def run_part(devices, j, part, call, *inputs):
 
         return outputs, gradient
 
-    return run(*unique.values())
+    with tf.device(device):  # where custom_gradient's IdentityN, and so the outputs, are
+        return run(*unique.values())
 
 
 class Placed(keras.layers.Layer):
