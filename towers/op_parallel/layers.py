@@ -4,6 +4,7 @@ A part is one device's piece of a split layer (a tower's piece of the batch is a
 shard). Sizes need not divide: parts differ by at most one, larger first, as
 shards do (`part_sizes`). Each form computes exactly what the layer it replaces
 computes; only where each multiply runs, and so where each variable lives, moves.
+Dense and EinsumDense's forms are in dense.py.
 
 Part j's variables live on devices[j]; it runs there too, except inside
 `tower_row(row)`, where it runs on row[j]: tower i of a grid runs its parts on
@@ -22,6 +23,7 @@ from keras.src.backend.common import stateless_scope
 from towers.data_parallel import split
 
 _tower = threading.local()  # .row: the devices the tower being traced runs its parts on
+
 
 def part_sizes(total, num_parts):
     """Sizes of `num_parts` parts of `total` units (rows, heads): differing by at most one,
