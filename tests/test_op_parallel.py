@@ -456,12 +456,16 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
         ("vocab_on_a_dense", {"left": "vocab"}, "splits Embedding layers, but 'left' is Dense"),
         ("index_out_of_range", {"left": 3}, "is not a device index: there are 3 devices"),
         ("more_parts_than_units", {"left": "column"}, "splits 4 output units into 5 parts"),
-        ("empty_plan", {}, "plan must be a non-empty dict"))
+        ("empty_plan", {}, "plan must be a non-empty dict"),
+        ("lora", {"left": "column"}, "has LoRA or is quantized"))
     def test_one_line_value_error(self, plan, message):
         devices = DEVICES + ["/device:CPU:0"] if "more_parts" in self._testMethodName else \
             DEVICES[:3]
+        model = _branches()
+        if "lora" in self._testMethodName:
+            model.get_layer("left").enable_lora(2)
         with self.assertRaisesRegex(ValueError, message) as caught:
-            towers.split_layers(_branches(), plan, devices)
+            towers.split_layers(model, plan, devices)
         self.assertNotIn("\n", str(caught.exception))
 
     def test_subclassed_model_is_refused(self):

@@ -110,8 +110,6 @@ class _Parted(keras.layers.Layer):
                 shape = [shape] if isinstance(shape, int) else list(shape)
                 shape[self.axes.shape_index] = output_size
                 config["output_shape"] = shape
-        for key in ("lora_rank", "lora_alpha", "gptq_unpacked_column_size"):
-            config.pop(key, None)
         return getattr(keras.layers, self.layer_class).from_config(config)
 
     def build(self, input_shape):

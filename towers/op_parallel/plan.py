@@ -173,6 +173,10 @@ def _check(model, plan, devices):
                 split_axes(layer.equation, layer.bias_axes, how)
             except ValueError as error:
                 raise ValueError(f"plan[{name!r}] = {how!r}: {error}") from None
+        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+            raise ValueError(f"plan[{name!r}] = {how!r}: layer {name!r} has LoRA or is "
+                             "quantized, which split layers do not carry; split the layer "
+                             "before enabling LoRA or quantizing, or place it whole.")
         if how == "heads" and layer.get_config().get("use_gate"):
             raise ValueError(f"plan[{name!r}] = 'heads': a gated MultiHeadAttention "
                              "(use_gate=True) is not split yet; place it whole instead.")
