@@ -63,6 +63,20 @@ class AverageGradientsTest(tf.test.TestCase, parameterized.TestCase):
         mean = towers.average_gradients(self.grads, device="/device:CPU:2")
         self.assertTrue(mean[0].device.endswith("CPU:2"))
 
+    def test_no_device_keeps_the_callers_in_a_traced_step(self):
+        # A tower's micro-batch sums (device None) stay on the tower: tf.device(None)
+        # would clear the scope and leave them to the placer's device 0.
+        from towers.data_parallel import aggregate
+
+        @tf.function
+        def on_a_tower(a, b):
+            with tf.device("/device:CPU:3"):
+                return aggregate.sum_gradients([[a], [b]])[0]
+
+        graph = on_a_tower.get_concrete_function(tf.TensorSpec([2]), tf.TensorSpec([2])).graph
+        self.assertEqual([op.device.split("device:")[-1] for op in graph.get_operations()
+                          if op.type == "AddN"], ["CPU:3"])
+
     def test_gather_copies_to_main_device(self):
         from towers.data_parallel import aggregate
         with tf.device("/device:CPU:3"):

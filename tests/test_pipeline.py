@@ -9,8 +9,9 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from benchmarks.harness import transfers
 from tests import reference
-from towers.data_parallel import tower
+from towers.data_parallel import step as step_lib, tower
 from towers.model_parallel import schedule, stages as stages_lib
 from towers.training.checkpoint import Checkpointer
 
@@ -293,6 +294,32 @@ class PipelinePlacementTest(tf.test.TestCase):
                 for slot in own:
                     self.assertEqual(towers.devices.canonical_name(slot.value.device), device,
                                      slot.path)
+
+    def test_a_step_moves_only_what_crosses_the_cut(self):
+        # Measured as TensorFlow sends them (benchmarks/harness/transfers.py): per
+        # micro-batch of 4 rows the 6 activations per row at the cut and their
+        # gradients (float32), the labels (int64) and sample weights the last stage's
+        # loss reads, and stage 0's scalar share of the regularisation; once, the
+        # batch's row count and the learning rate to stage 1's 2 variables. Nothing of
+        # the gradients: each stage's micro-batch sums and its update stay on its device.
+        with tf.device(CPU[0]):
+            model = reference.make_model()
+        trainer = towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+                                      devices=[CPU[:2]], pipeline_cuts=[model.layers[0].name],
+                                      micro_batches=2)
+        batch = reference.make_batches(8, num_steps=1)[0]
+        trainer.train_step(batch)
+
+        @tf.function
+        def step(batch):
+            result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
+            step_lib.apply_update(trainer.optimizer, result.grads,
+                                  trainer.model.trainable_variables, trainer.setup.main_device)
+            return result.loss
+
+        per_micro_batch = 4 * (2 * 6 * 4 + 8 + 4) + 4
+        self.assertEqual(transfers.bytes_between_devices(step, batch)["total"],
+                         2 * per_micro_batch + 4 + 2 * 4)
 
     def test_each_stage_lives_on_its_main_device(self):
         with tf.device(CPU[0]):  # built on one device, as users build models

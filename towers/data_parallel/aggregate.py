@@ -1,5 +1,6 @@
 """Steps 5 and 6: gathering the towers' gradients on the main device and averaging them."""
 
+import contextlib
 import numbers
 
 import tensorflow as tf
@@ -15,7 +16,7 @@ def gather(tower_values, device):
     Returns:
       the same nested lists, every tensor now on `device`.
     """
-    with tf.device(device):
+    with _placed(device):
         return [[_copy(value) for value in values] for values in tower_values]
 
 
@@ -53,7 +54,7 @@ def average_gradients(tower_grads, weights=None, device=None):
       mean stays tf.IndexedSlices (indices concatenated, values scaled).
     """
     _check_tower_grads(tower_grads)
-    with tf.device(device):
+    with _placed(device):
         fractions = _weight_fractions(weights, len(tower_grads))
         return sum_gradients([[None if grad is None else scale(grad, fraction)
                                for grad in grads]
@@ -74,7 +75,7 @@ def sum_gradients(tower_grads, device=None):
       concatenated, repeated rows adding up when applied).
     """
     _check_tower_grads(tower_grads)
-    with tf.device(device):
+    with _placed(device):
         return [_sum(per_variable) for per_variable in zip(*tower_grads)]
 
 
@@ -86,7 +87,7 @@ def average_state(tower_states, weights=None, device=None):
     A variable that no tower changed stays None.
     """
     _check_tower_grads(tower_states)
-    with tf.device(device):
+    with _placed(device):
         fractions = _weight_fractions(weights, len(tower_states))
         return [_weighted_mean(values, fractions) if _is_float(values[0]) else _copy(values[0])
                 for values in zip(*tower_states)]
@@ -185,3 +186,9 @@ def to_dense(grad):
         return grad
     # unsorted_segment_sum adds repeated rows, as the sparse update would.
     return tf.math.unsorted_segment_sum(grad.values, grad.indices, grad.dense_shape[0])
+
+
+def _placed(device):
+    """tf.device(device), or the current device scope for None: tf.device(None) would
+    clear it, leaving the ops to TensorFlow's placer (device 0)."""
+    return contextlib.nullcontext() if device is None else tf.device(device)
