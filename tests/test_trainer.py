@@ -9,7 +9,9 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from benchmarks.harness import transfers
 from tests import reference
+from towers.data_parallel import step as step_lib
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -178,6 +180,36 @@ class ImportTest(tf.test.TestCase):
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("pip install towers[cpu]", result.stderr.splitlines()[-1])
+
+
+
+class StepBytesTest(tf.test.TestCase, parameterized.TestCase):
+    """What a 2-tower step moves between devices, measured as TensorFlow sends it
+    (benchmarks/harness/transfers.py): the classic algorithm's traffic and no more."""
+
+    @parameterized.named_parameters(
+        ("main", {}), ("accumulated", {"accum_steps": 2}),
+        ("replicated", {"variable_placement": "replicated"}), ("packed", {"pack_gradients": True}))
+    def test_each_weight_out_once_each_gradient_back_once(self, options):
+        with tf.device(DEVICES[0]):
+            model = reference.make_model()  # 5 -> 6 -> 3: 57 floats, 228 bytes
+        trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                      reference.OPTIMIZERS["sgd"](), devices=DEVICES[:2],
+                                      **options)
+        batch = reference.make_batches(8, num_steps=1)[0]
+        trainer.train_step(batch)
+
+        @tf.function
+        def step(batch):
+            result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
+            step_lib.apply_update(trainer.optimizer, result.grads,
+                                  trainer.model.trainable_variables, trainer.setup.main_device)
+            return result.loss
+
+        moved = transfers.bytes_between_devices(step, batch)["by_pair"]
+        shard = 4 * (5 * 4 + 8 + 4)  # tower 1's 4 rows: features, int64 labels, weights
+        self.assertEqual(moved, {(DEVICES[0], DEVICES[1]): 228 + shard,
+                                 (DEVICES[1], DEVICES[0]): 228 + 4})  # gradients, loss part
 
 
 if __name__ == "__main__":

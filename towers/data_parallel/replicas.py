@@ -37,7 +37,7 @@ class Replicas:
     def __init__(self, model, devices):
         self._variables = model.trainable_variables + model.non_trainable_variables
         self._num_trainable = len(model.trainable_variables)
-        self._copies = []
+        self._copies, self._devices = [], list(devices)
         for i, device in enumerate(devices):
             with tf.device(device):
                 self._copies.append([tf.Variable(v.value, trainable=False,
@@ -48,7 +48,10 @@ class Replicas:
         """Step 2, replicated: (weights, state) of tower `tower_index`, its copies first
         written from the model's values, then read on it."""
         values = []
-        for copy, variable in zip(self._copies[tower_index], self._variables):
-            copy.assign(variable.value)  # ordered before the read: the same resource
-            values.append(copy.read_value())
+        # On the tower: read_value's Identity would otherwise go where the placer puts
+        # an op without a device (device 0), and the copy with it.
+        with tf.device(self._devices[tower_index]):
+            for copy, variable in zip(self._copies[tower_index], self._variables):
+                copy.assign(variable.value)  # ordered before the read: the same resource
+                values.append(copy.read_value())
         return values[:self._num_trainable], values[self._num_trainable:]
