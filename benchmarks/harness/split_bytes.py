@@ -30,8 +30,9 @@ def split_model(kind, width, hidden, heads, vocab, length):
     else:
         inputs = keras.Input((length, width))
         x = keras.layers.Dense(width, name="before")(inputs)
-        if kind == "column":
-            x = keras.layers.Dense(hidden, activation="relu", name="split")(x)
+        if kind == "column":  # with L2 on the kernel: each part's penalty computed there
+            x = keras.layers.Dense(hidden, activation="relu", name="split",
+                                   kernel_regularizer=keras.regularizers.L2(1e-4))(x)
         elif kind == "row":
             x = keras.layers.Dense(width, name="split")(x)
         elif kind == "column_row":
@@ -62,8 +63,9 @@ def formula_bytes(kind, num_parts, rows, width, hidden, ids=None, vocab=None,
 def _activation_bytes(kind, num_parts, rows, width, hidden, ids, vocab):
     others = num_parts - 1
     first = op_layers.part_sizes(hidden if kind == "column" else width, num_parts)[0]
-    if kind == "column":   # the input to each other part and its gradient back; their units
-        return FLOAT * 2 * rows * (others * width + hidden - first)
+    if kind == "column":   # the input to each other part and its gradient back; their
+        # units and their gradient; the kernel's L2 penalty, a scalar, back
+        return FLOAT * (2 * rows * (others * width + hidden - first) + others)
     if kind == "row":      # the input slices and their gradients; the partial sums, both ways
         return FLOAT * 2 * rows * (width - first + others * width)
     if kind in ("column_row", "heads"):  # the input to, and the output from, each other part

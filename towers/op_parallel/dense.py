@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from towers.op_parallel.layers import part_sizes, run_part
+from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 DENSE_EQUATION = "...i,io->...o"
 
@@ -115,8 +115,7 @@ class _Parted(keras.layers.Layer):
     def build(self, input_shape):
         for device, part, shape in zip(self.devices, self.parts,
                                        self._part_input_shapes(input_shape)):
-            with tf.device(device):
-                part.build(shape)
+            build_part(part, device, shape)
 
     def compute_output_shape(self, input_shape):
         return self._whole_output_shape(input_shape)

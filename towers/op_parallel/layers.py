@@ -50,6 +50,31 @@ def part_device(devices, j):
     return devices[j] if row is None else row[j]
 
 
+def build_part(part, device, *shapes):
+    """Builds `part` on `device`, and moves its weights' regularizers into a penalty of
+    its own that run_part computes beside the part's work: Keras would compute them on
+    the tower, reading each weight there and adding the penalty's gradient to the
+    part's there, a weight's round trip per step."""
+    with tf.device(device):
+        part.build(*shapes)
+    penalties = []
+    for i, weight in enumerate(part.trainable_weights):
+        if weight.regularizer is not None:
+            penalties.append((i, weight.regularizer))
+            weight.regularizer = None
+    part.penalties = tuple(penalties)  # (index into trainable_weights, regularizer)
+
+
+def _penalty(part, value):
+    """The sum of `part`'s weight penalties (build_part), `value(weight)` the weight's
+    value; None for a part without any."""
+    if not getattr(part, "penalties", ()):
+        return None
+    weights = part.trainable_weights
+    return tf.add_n([tf.cast(regularizer(value(weights[i])), tf.float32)
+                     for i, regularizer in part.penalties])
+
+
 def run_part(devices, j, part, call, *inputs):
     """call(*inputs), the work of part j (`part`: the layer holding its variables), with
     its forward and its backward on part_device(devices, j).
@@ -63,11 +88,19 @@ def run_part(devices, j, part, call, *inputs):
     """
     device = part_device(devices, j)
     scope = stateless_scope.get_stateless_scope()
+
+    def value(weight):  # what the part reads for `weight`: the tower's copy, or itself
+        mapped = None if scope is None else scope.get_current_value(weight)
+        return weight if mapped is None else mapped
+
     if scope is not None and any(isinstance(scope.get_current_value(v), tf.Variable)
                                  for v in part.trainable_weights):
         # A table looked up where it lives (op_parallel.tables): its read, and so the
         # gradient's rows, are where it lives already; a custom gradient would read it whole.
         with tf.device(device):
+            penalty = _penalty(part, value)
+            if penalty is not None:
+                part.add_loss(penalty)
             return call(*inputs)
     weights = [] if scope is None else [
         w for w in (scope.get_current_value(v) for v in part.trainable_weights) if w is not None]
@@ -84,6 +117,9 @@ def run_part(devices, j, part, call, *inputs):
             tape.watch([a for a in args if a.dtype.is_floating])
             outputs = call(*tf.nest.pack_sequence_as(
                 inputs, [args[position[id(t)]] for t in flat_inputs]))
+            penalty = _penalty(part, value)
+            if penalty is not None:  # its gradient joins the part's here, on the part
+                outputs = (outputs, penalty)
         flat_outputs = tf.nest.flatten(outputs)
 
         def gradient(*output_grads, variables=None):
@@ -100,7 +136,11 @@ def run_part(devices, j, part, call, *inputs):
         return outputs, gradient
 
     with tf.device(device):  # where custom_gradient's IdentityN, and so the outputs, are
-        return run(*unique.values())
+        outputs = run(*unique.values())
+    if getattr(part, "penalties", ()):
+        outputs, penalty = outputs
+        part.add_loss(penalty)
+    return outputs
 
 
 class Placed(keras.layers.Layer):
@@ -113,8 +153,7 @@ class Placed(keras.layers.Layer):
         self.parts = {index: layer}  # part index -> the layer holding its variables
 
     def build(self, input_shape):
-        with tf.device(self.devices[self.index]):
-            self.layer.build(input_shape)
+        build_part(self.layer, self.devices[self.index], input_shape)
 
     def call(self, inputs, **kwargs):
         return run_part(self.devices, self.index, self.layer,
@@ -156,8 +195,7 @@ class VocabEmbedding(keras.layers.Layer):
 
     def build(self, input_shape):
         for device, part in zip(self.devices, self.parts):
-            with tf.device(device):
-                part.build(input_shape)
+            build_part(part, device, input_shape)
 
     def call(self, inputs):
         ids = tf.reshape(tf.cast(inputs, tf.int32), [-1])                       # (N,)
@@ -210,8 +248,7 @@ class HeadsAttention(keras.layers.Layer):
 
     def build(self, query_shape, value_shape, key_shape=None):
         for j, (device, part) in enumerate(zip(self.devices, self.parts)):
-            with tf.device(device):
-                part.build(query_shape, value_shape, key_shape)
+            build_part(part, device, query_shape, value_shape, key_shape)
             if j > 0 and part._use_bias:
                 part._output_dense.bias.assign(ops.zeros_like(part._output_dense.bias))
                 part._output_dense.bias.trainable = False
