@@ -91,10 +91,14 @@ class PartGrid(stages_lib.VariableGroups):
         return layers_lib.tower_row(self.rows[tower_index][1:])
 
 
-def check_split_model(model, pipeline_cuts, variable_placement):
+def check_split_model(model, pipeline_cuts, variable_placement, jit_compile):
     """Refuses, in one line, what split layers cannot be combined with yet."""
     if not is_split(model):
         return
+    if jit_compile:
+        raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
+                         "tower for one device, and a split layer's parts run on several; "
+                         "pass jit_compile=False.")
     if pipeline_cuts is not None:
         raise ValueError(
             "pipeline_cuts cannot be combined with split layers yet (a grid of towers x "

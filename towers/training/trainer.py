@@ -6,16 +6,15 @@ import functools
 import keras
 import tensorflow as tf
 
-from towers import devices as devices_lib, errors
-from towers.data_parallel import exchange, losses, split
+from towers import errors
+from towers.data_parallel import losses, split
 from towers.data_parallel.options import TowerOptions
-from towers.data_parallel.step import StepSetup
 from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
-from towers.op_parallel import grid as op_grid, plan as op_plan
+from towers.op_parallel import grid as op_grid
 from towers.training import compiled, compiled_steps, executions, first_batch, loop
-from towers.training import metrics as metrics_lib, prefetch
+from towers.training import metrics as metrics_lib, placement, prefetch
 
 
 class TowerTrainer:
@@ -83,39 +82,22 @@ class TowerTrainer:
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        devices = devices_lib.default_devices() if devices is None else list(devices)
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        variable_placement)
-        op_grid.check_split_model(model, self.pipeline_cuts, variable_placement)
-        devices, part_rows = op_grid.tower_and_part_devices(model, devices)
-        grid = devices_lib.device_grid(
-            devices, None if self.pipeline_cuts is None else len(self.pipeline_cuts) + 1)
-        self.devices = [row[0] for row in grid] if self.pipeline_cuts is None else grid
-        self.main_device = devices_lib.canonical_name(main_device or grid[0][0])
-        # Stage k's main device: where its variables live and its gradients meet.
-        stage_devices = [self.main_device] + list(grid[0][1:])
-        self.setup = StepSetup(None, grid, stage_devices, self.options, cluster=cluster)
-        if part_rows is not None:
-            self.setup.parts = op_grid.PartGrid(model, self.devices, part_rows, self.main_device)
-        devices_lib.check_devices_exist(sum(self.setup.column_grid, []) + [self.main_device])
-        # A split layer's part columns are not checked: where towers share a part's
-        # device, its gradients are summed there, with nothing to exchange.
-        for k in range(len(stage_devices)):
-            exchange.check_aggregation(aggregation, [row[k] for row in grid])
+        op_grid.check_split_model(model, self.pipeline_cuts, variable_placement, jit_compile)
+        self.setup, self.devices = placement.step_setup(model, devices, main_device,
+                                                        self.pipeline_cuts, self.options, cluster)
+        self.main_device = self.setup.main_device
         self.steps_per_execution = executions.check_steps_per_execution(steps_per_execution)
         self.prefetch_to_devices = prefetch.resolve(prefetch_to_devices, self.input_devices)
         self.jit_compile = bool(jit_compile)
-        if self.jit_compile and op_plan.is_split(model):
-            raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
-                             "tower for one device, and a split layer's parts run on several; "
-                             "pass jit_compile=False.")
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
         self.stop_requested = None
         if cluster is not None:
             with tf.device(cluster_lib.HOST_DEVICE):
                 self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
-        self.num_towers = len(grid)
+        self.num_towers = len(self.setup.grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metrics = metrics_lib.resolve(metrics)
         self._skipped_steps = 0
