@@ -346,7 +346,7 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
     def test_bad_cluster_flags(self, flag_values, message):
         with flagsaver.flagsaver(**flag_values):
             with self.assertRaisesRegex(ValueError, message):
-                train._cluster()
+                train.train()  # refused before any work
 
     def test_launcher_gives_each_worker_its_own_gpus(self):
         with mock.patch.dict(os.environ):

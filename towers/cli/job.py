@@ -1,0 +1,249 @@
+"""The job towers-train runs, from plain values: the data, the model (split or cut
+as asked), the trainer, fit, evaluation and the final metrics.
+
+cli/train.py reads the flags into a Job; nothing here reads a flag, so a job can
+be run (and tested) without parsing any. Error messages name the flags, as the
+command line's user knows them.
+"""
+
+import dataclasses
+import json
+import math
+from typing import Optional
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+import towers
+from towers.cli import data as data_lib, model_spec, models, plans
+from towers.multi_worker import cluster as cluster_lib
+from towers.training.checkpoint import Checkpointer
+
+DEFAULT_EPOCHS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What towers-train was asked to do: one field per flag, named as the flag, with the
+    flag's value (docs/api.md section 8 says what each means)."""
+    # The data and the model.
+    dataset: str
+    data_npz: Optional[str]
+    model: str
+    seed: int
+    deterministic: bool
+    mixed_precision: str
+    # How long, how fast.
+    global_batch_size: int
+    epochs: Optional[int]
+    steps: Optional[int]
+    optimizer: str
+    learning_rate: float
+    clip_global_norm: Optional[float]
+    # The devices and the step.
+    num_towers: int
+    device_type: str
+    aggregation: str
+    pack_gradients: bool
+    variable_placement: str
+    accum_steps: int
+    steps_per_execution: int
+    jit_compile: bool
+    prefetch_to_devices: str
+    intra_op_threads: int
+    inter_op_threads: int
+    # Pipeline stages and split layers.
+    pipeline_stages: int
+    micro_batches: int
+    pipeline_schedule: str
+    tensor_parallel: int
+    split_plan: Optional[list]
+    # What is written.
+    checkpoint_dir: Optional[str]
+    checkpoint_every: int
+    log_dir: Optional[str]
+    output_json: Optional[str]
+    # Several workers.
+    worker_hosts: Optional[list]
+    task_index: Optional[int]
+    peer_timeout_s: float
+    startup_timeout_s: float
+
+    @classmethod
+    def field_names(cls):
+        return [field.name for field in dataclasses.fields(cls)]
+
+
+def run(job):
+    """Runs the whole `job` (a Job); returns the final metrics."""
+    try:  # before anything starts TensorFlow's runtime, which fixes them
+        towers.devices.size_thread_pools(job.intra_op_threads, job.inter_op_threads)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None
+    cluster = _cluster(job)
+    _check_pipeline_flags(job)
+    _check_model_flag(job)
+    num_stages = job.pipeline_stages
+    num_parts = job.tensor_parallel
+    width = max(num_stages, num_parts)  # devices per tower: one per stage, or per part
+    devices = towers.configure_devices(job.num_towers * width, job.device_type)
+    # Tower t runs its stages or parts on devices[t*W:(t+1)*W], one row of the grid per
+    # tower; with neither, a flat list with one device per tower.
+    tower_devices = devices[:job.num_towers] if width == 1 else [
+        devices[t * width:(t + 1) * width] for t in range(job.num_towers)]
+    if cluster is not None:
+        towers.join_cluster(cluster)
+        # What decides which examples each step reads; the trainer checks the rest.
+        data_flags = ("dataset", "data_npz", "global_batch_size", "epochs", "steps", "seed")
+        cluster_lib.check_same(cluster, {f"--{name}": getattr(job, name) for name in data_flags})
+    is_chief = cluster is None or cluster.is_chief
+    worker_index, num_workers = (0, 1) if cluster is None else (cluster.task_index,
+                                                                cluster.num_workers)
+    keras.utils.set_random_seed(job.seed)
+    if job.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    num_towers = job.num_towers * num_workers
+    if job.global_batch_size < num_towers:
+        logging.warning("--global_batch_size=%d is smaller than the %d towers: some towers "
+                        "get empty shards and idle.", job.global_batch_size, num_towers)
+    elif job.global_batch_size < num_towers * job.micro_batches:
+        logging.warning("--global_batch_size=%d gives each of the %d towers fewer examples "
+                        "than --micro_batches=%d: some micro-batches are empty.",
+                        job.global_batch_size, num_towers, job.micro_batches)
+    keras.mixed_precision.set_global_policy(
+        "float32" if job.mixed_precision == "none" else job.mixed_precision)
+    data = data_lib.load_data("npz" if job.data_npz else job.dataset,
+                              data_npz=job.data_npz, seed=job.seed)
+    with tf.device(devices[0]):  # the main device holds the variables
+        try:
+            model = model_spec.load_model(job.model, data.input_shape, data.num_classes,
+                                          seed=job.seed)
+        except ValueError as error:
+            raise ValueError(f"--model: {error}") from None
+    cuts = models.cuts_for_stages(model, num_stages)
+    plan = _split_plan(job, model)
+    if plan:
+        model = towers.split_layers(model, plan, devices[:num_parts])
+    optimizer = (keras.optimizers.Adam(job.learning_rate) if job.optimizer == "adam"
+                 else keras.optimizers.SGD(job.learning_rate, momentum=0.9))
+    trainer = towers.TowerTrainer(
+        model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer,
+        devices=tower_devices, metrics=["accuracy"], aggregation=job.aggregation,
+        pack_gradients=job.pack_gradients, variable_placement=job.variable_placement,
+        accum_steps=job.accum_steps, pipeline_cuts=cuts or None,
+        steps_per_execution=job.steps_per_execution, jit_compile=job.jit_compile,
+        prefetch_to_devices={"auto": "auto", "on": True,
+                             "off": False}[job.prefetch_to_devices],
+        micro_batches=job.micro_batches, pipeline_schedule=job.pipeline_schedule,
+        clip_global_norm=job.clip_global_norm or None, cluster=cluster)
+    checkpointer = None
+    if job.checkpoint_dir:
+        with tf.device(devices[0]):  # the slots must exist to be restored
+            trainer.optimizer.build(model.trainable_variables)
+        checkpointer = Checkpointer(job.checkpoint_dir, model, trainer.optimizer,
+                                    every_steps=job.checkpoint_every, writer=is_chief)
+        # Restoring compares variable shapes only; this also compares which model it is.
+        model_spec.claim_checkpoint_dir(job.checkpoint_dir, job.model,
+                                        writer=is_chief)
+
+    steps_per_epoch = data_lib.steps_per_epoch(data, job.global_batch_size)
+    epochs = (math.ceil(job.steps / steps_per_epoch) if job.steps
+              else job.epochs or DEFAULT_EPOCHS)
+    test_batches = data_lib.eval_dataset(data, job.global_batch_size)
+    history = trainer.fit(
+        lambda epoch: data_lib.train_dataset(data, job.global_batch_size, epoch,
+                                             seed=job.seed, worker_index=worker_index,
+                                             num_workers=num_workers),
+        epochs=epochs, steps_per_epoch=steps_per_epoch, validation_data=test_batches,
+        max_steps=job.steps, checkpointer=checkpointer, log_dir=job.log_dir or None)
+
+    final = trainer.evaluate(test_batches)
+    results = {
+        "eval_accuracy": final["accuracy"],
+        "eval_loss": final["loss"],
+        "train_loss": (history.history["loss"][-1] if history.epoch  # else a finished run resumed
+                       else trainer.evaluate(data_lib.train_dataset(
+                           data, job.global_batch_size, 0, seed=job.seed))["loss"]),
+        "steps": trainer.step,
+        "examples_per_sec": history.history["examples_per_sec"][-1] if history.epoch else 0.0,
+        "num_towers": trainer.num_towers,
+        "num_workers": num_workers,
+        "devices": tower_devices,
+        "dataset": data.name,
+        "model": job.model,
+        "global_batch_size": job.global_batch_size,
+        "aggregation": job.aggregation,
+        "variable_placement": job.variable_placement,
+        "accum_steps": job.accum_steps,
+        "steps_per_execution": job.steps_per_execution,
+        "jit_compile": job.jit_compile,
+        "prefetch_to_devices": trainer.prefetch_to_devices,
+        "mixed_precision": job.mixed_precision,
+        "pipeline_stages": num_stages,
+        "micro_batches": job.micro_batches,
+        "pipeline_schedule": job.pipeline_schedule,
+        "pipeline_cuts": cuts,
+        "tensor_parallel": num_parts,
+        "split_plan": plan,
+    }
+    if job.output_json and is_chief:
+        with open(job.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def _split_plan(job, model):
+    """The op-parallel plan of --split_plan, else the built-in model's default for
+    --tensor_parallel > 1; {} for none."""
+    try:
+        if job.split_plan:
+            return plans.parse(job.split_plan)
+        return plans.default(model, job.model) if job.tensor_parallel > 1 else {}
+    except ValueError as error:
+        name = ("split_plan" if job.split_plan
+                else f"tensor_parallel={job.tensor_parallel}")
+        raise ValueError(f"--{name}: {error}") from None
+
+
+def _check_pipeline_flags(job):
+    """Refuses, before any work, flag combinations the pipeline cannot run."""
+    if job.accum_steps > 1 and job.micro_batches > 1:
+        raise ValueError(
+            f"--accum_steps={job.accum_steps} and "
+            f"--micro_batches={job.micro_batches} both "
+            "split each tower's shard into micro-batches run one after another; set only one "
+            "of them (--micro_batches with --pipeline_stages).")
+    if (job.tensor_parallel > 1 or job.split_plan) and job.pipeline_stages != 1:
+        raise ValueError(f"--pipeline_stages={job.pipeline_stages} cannot be combined with "
+                         "split layers yet (a grid of towers x stages x parts); use "
+                         "--pipeline_stages=1 or no split.")
+    if job.pipeline_stages == 1:
+        return
+    if job.variable_placement == "replicated":
+        raise ValueError(
+            f"--pipeline_stages={job.pipeline_stages} cannot be combined with "
+            "--variable_placement=replicated: each stage's variables live on one device, "
+            "which all towers read; use --variable_placement=main.")
+
+
+def _check_model_flag(job):
+    """Refuses, before any work, a --model of none of the three forms."""
+    try:
+        model_spec.form_of(job.model)
+    except ValueError as error:
+        raise ValueError(f"--model: {error}") from None
+
+
+def _cluster(job):
+    """The Cluster from --worker_hosts/--task_index, else from TF_CONFIG; None for one process."""
+    timeouts = {"peer_timeout_s": job.peer_timeout_s,
+                "startup_timeout_s": job.startup_timeout_s}
+    if job.worker_hosts is None:
+        if job.task_index is not None:
+            raise ValueError("--task_index needs --worker_hosts (or use TF_CONFIG alone).")
+        return towers.cluster_from_tf_config(**timeouts)
+    if job.task_index is None:
+        raise ValueError("--worker_hosts needs --task_index: this worker's position in it, "
+                         "0 for the chief.")
+    return towers.Cluster(tuple(job.worker_hosts), job.task_index, **timeouts)
