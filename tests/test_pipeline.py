@@ -11,7 +11,7 @@ from absl.testing import parameterized
 import towers
 from benchmarks.harness import transfers
 from tests import reference
-from towers.data_parallel import step as step_lib, tower
+from towers.data_parallel import tower
 from towers.model_parallel import schedule, stages as stages_lib
 from towers.training.checkpoint import Checkpointer
 
@@ -309,16 +309,8 @@ class PipelinePlacementTest(tf.test.TestCase):
                                       micro_batches=2)
         batch = reference.make_batches(8, num_steps=1)[0]
         trainer.train_step(batch)
-
-        @tf.function
-        def step(batch):
-            result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
-            step_lib.apply_update(trainer.optimizer, result.grads,
-                                  trainer.model.trainable_variables, trainer.setup.main_device)
-            return result.loss
-
         per_micro_batch = 4 * (2 * 6 * 4 + 8 + 4) + 4
-        self.assertEqual(transfers.bytes_between_devices(step, batch)["total"],
+        self.assertEqual(transfers.trainer_step_bytes(trainer, batch)["total"],
                          2 * per_micro_batch + 4 + 2 * 4)
 
     def test_each_stage_lives_on_its_main_device(self):

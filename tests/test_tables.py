@@ -67,7 +67,7 @@ class TableLookupTest(tf.test.TestCase, parameterized.TestCase):
         self.assertCountEqual(table.indices.numpy(), batch[0].ravel())  # each id, once per use
 
     def test_bytes_into_a_tower_do_not_grow_with_the_vocabulary(self):
-        # What enters tower 1's device in steps 1-6 (measured as TensorFlow sends it):
+        # What enters tower 1's device in a step (measured as TensorFlow sends it):
         # the same for a 50- and a 5000-row table when rows are looked up where the table
         # lives; the table's growth, whole, when it is copied.
         entering = {}
@@ -78,8 +78,7 @@ class TableLookupTest(tf.test.TestCase, parameterized.TestCase):
                     reference.OPTIMIZERS["sgd"](), devices=DEVICES[:2], embedding_lookup=lookup)
                 batch = _batches((6,), vocab)[0]
                 trainer.train_step(batch)  # sets the trainer up
-                moved = transfers.bytes_between_devices(tf.function(
-                    lambda b, t=trainer: step.run_towers(t.setup, t.loss, b).grads), batch)
+                moved = transfers.trainer_step_bytes(trainer, batch)
                 entering[lookup, vocab] = sum(size for (_, to), size in moved["by_pair"].items()
                                               if to == DEVICES[1])
         self.assertEqual(entering["table", 50], entering["table", 5000])

@@ -11,7 +11,6 @@ from absl.testing import parameterized
 import towers
 from benchmarks.harness import transfers
 from tests import reference
-from towers.data_parallel import step as step_lib
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -198,15 +197,7 @@ class StepBytesTest(tf.test.TestCase, parameterized.TestCase):
                                       **options)
         batch = reference.make_batches(8, num_steps=1)[0]
         trainer.train_step(batch)
-
-        @tf.function
-        def step(batch):
-            result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
-            step_lib.apply_update(trainer.optimizer, result.grads,
-                                  trainer.model.trainable_variables, trainer.setup.main_device)
-            return result.loss
-
-        moved = transfers.bytes_between_devices(step, batch)["by_pair"]
+        moved = transfers.trainer_step_bytes(trainer, batch)["by_pair"]
         shard = 4 * (5 * 4 + 8 + 4)  # tower 1's 4 rows: features, int64 labels, weights
         self.assertEqual(moved, {(DEVICES[0], DEVICES[1]): 228 + shard,
                                  (DEVICES[1], DEVICES[0]): 228 + 4})  # gradients, loss part

@@ -13,7 +13,6 @@ import tensorflow as tf
 
 import towers
 from benchmarks.harness import transfers
-from towers.data_parallel import step as step_lib
 from towers.op_parallel import layers as op_layers
 
 FLOAT, INT = 4, 4  # bytes of a float32, of an int32 id
@@ -97,8 +96,7 @@ def measure_splits(devices, parts, *, width=64, hidden=256, heads=4, vocab=20000
                 keras.optimizers.SGD(0.1), devices=devices[:1])
             batch = (ids if kind == "vocab" else tokens, labels)
             trainer.train_step(batch)  # sets the trainer up
-            moved = transfers.bytes_between_devices(tf.function(
-                lambda b, t=trainer: _step(t, b)), batch)
+            moved = transfers.trainer_step_bytes(trainer, batch)
             elsewhere = sum(towers.devices.canonical_name(v.value.device) != devices[0]
                             for v in trainer.model.trainable_variables)
             rows.append({"kind": kind, "parts": num_parts, "measured": moved["total"],
@@ -107,15 +105,6 @@ def measure_splits(devices, parts, *, width=64, hidden=256, heads=4, vocab=20000
                          "by_pair": {f"{src}->{dst}": size
                                      for (src, dst), size in moved["by_pair"].items()}})
     return rows
-
-
-def _step(trainer, batch):
-    """Steps 1-7 as the trainer's step runs them (the update consumes the gradients where
-    their variables live); returns the loss."""
-    result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
-    step_lib.apply_update(trainer.optimizer, result.grads, trainer.model.trainable_variables,
-                          trainer.setup.main_device)
-    return result.loss
 
 
 def draw(rows, path):

@@ -22,6 +22,7 @@ from tensorflow.python.eager import context  # graph collection has no public sw
 from tensorflow.python.framework import op_def_registry  # whether an op type is stateful
 
 import towers
+from towers.data_parallel import step as step_lib
 
 _SENDS = ("_Send", "_HostSend")
 _RECEIVES = ("_Recv", "_HostRecv")
@@ -86,6 +87,19 @@ def bytes_between_devices(function, *args):
     for source, destination, *_, size in tensors:
         by_pair[source, destination] += size
     return {"total": sum(by_pair.values()), "by_pair": dict(by_pair), "tensors": tensors}
+
+
+def trainer_step_bytes(trainer, batch):
+    """bytes_between_devices of one step of `trainer` (set up by a first train_step) on
+    `batch`: steps 1-6 (run_towers) and the update, as its compiled step runs them."""
+    @tf.function
+    def step(batch):
+        result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
+        step_lib.apply_update(trainer.optimizer, result.grads,
+                              trainer.model.trainable_variables, trainer.setup.main_device)
+        return result.loss
+
+    return bytes_between_devices(step, batch)
 
 
 def _recorded_runs(dump_root):
