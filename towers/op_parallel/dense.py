@@ -117,9 +117,6 @@ class _Parted(keras.layers.Layer):
                                        self._part_input_shapes(input_shape)):
             build_part(part, device, shape)
 
-    def compute_output_shape(self, input_shape):
-        return self._whole_output_shape(input_shape)
-
     def get_config(self):
         return {**super().get_config(), "layer_config": self.layer_config,
                 "layer_class": self.layer_class, "devices": self.devices}
@@ -140,7 +137,7 @@ class ColumnDense(_Parted):
     def _part_input_shapes(self, input_shape):
         return [input_shape] * len(self.parts)
 
-    def _whole_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape):
         shape = list(self.parts[0].compute_output_shape(input_shape))
         shape[self.axes.tensor_axis] = self.units
         return tuple(shape)
@@ -186,7 +183,7 @@ class RowDense(_Parted):
             shapes.append(tuple(shape))
         return shapes
 
-    def _whole_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape):
         return self.parts[0].compute_output_shape(self._part_input_shapes(input_shape)[0])
 
     def call(self, inputs):

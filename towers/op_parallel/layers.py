@@ -88,13 +88,16 @@ def run_part(devices, j, part, call, *inputs):
     """
     device = part_device(devices, j)
     scope = stateless_scope.get_stateless_scope()
+    # Per weight, what a stateless call maps it to (the tower's copy), or None.
+    mapped = [None if scope is None else scope.get_current_value(weight)
+              for weight in part.trainable_weights]
+    reads = {id(weight): weight if value is None else value
+             for weight, value in zip(part.trainable_weights, mapped)}
 
-    def value(weight):  # what the part reads for `weight`: the tower's copy, or itself
-        mapped = None if scope is None else scope.get_current_value(weight)
-        return weight if mapped is None else mapped
+    def value(weight):  # what the part reads for `weight`
+        return reads[id(weight)]
 
-    if scope is not None and any(isinstance(scope.get_current_value(v), tf.Variable)
-                                 for v in part.trainable_weights):
+    if any(isinstance(value, tf.Variable) for value in mapped):
         # A table looked up where it lives (op_parallel.tables): its read, and so the
         # gradient's rows, are where it lives already; a custom gradient would read it whole.
         with tf.device(device):
@@ -102,8 +105,7 @@ def run_part(devices, j, part, call, *inputs):
             if penalty is not None:
                 part.add_loss(penalty)
             return call(*inputs)
-    weights = [] if scope is None else [
-        w for w in (scope.get_current_value(v) for v in part.trainable_weights) if w is not None]
+    weights = [value for value in mapped if value is not None]
     # Each tensor is one input of the op, however often it is passed (self-attention's
     # query and value): a gradient per input, or the tape would count it twice.
     flat_inputs, unique = tf.nest.flatten(inputs), {}

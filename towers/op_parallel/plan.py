@@ -1,7 +1,7 @@
 """split_layers: a model with the layers a plan names replaced by their parallel forms;
 join_layers: the model back with the original layer types and the full weights.
 
-A plan is {layer name: how}: "column" or "row" (Dense), "vocab" (Embedding),
+A plan is {layer name: how}: "column" or "row" (Dense, EinsumDense), "vocab" (Embedding),
 "heads" (MultiHeadAttention), or an int j (the whole layer on devices[j]).
 """
 
