@@ -145,7 +145,8 @@ class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
         optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
         metric = keras.metrics.SparseCategoricalAccuracy()
         for i in range(0, SIZE, BATCH):  # accuracy of each batch before its update
-            metric.update_state(y[i:i + BATCH], model(x[i:i + BATCH]), w[i:i + BATCH])
+            # `metrics`, as keras.Model.compile's, are not sample-weighted.
+            metric.update_state(y[i:i + BATCH], model(x[i:i + BATCH]))
             reference.single_device_weights(model, optimizer, reference.make_loss(),
                                             [(x[i:i + BATCH], y[i:i + BATCH], w[i:i + BATCH])])
         self.assertAllClose(logs["accuracy"], [metric.result()], atol=1e-6)

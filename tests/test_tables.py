@@ -61,7 +61,7 @@ class TableLookupTest(tf.test.TestCase, parameterized.TestCase):
         batch = _batches((6,))[0]
         trainer.train_step(batch)  # sets the trainer up
         grads = tf.function(lambda b: step.run_towers(
-            trainer.setup, trainer.loss, b).grads)(batch[:2])
+            trainer.setup, trainer.objective, b).grads)(batch[:2])
         table = grads[0]
         self.assertIsInstance(table, tf.IndexedSlices)
         self.assertCountEqual(table.indices.numpy(), batch[0].ravel())  # each id, once per use

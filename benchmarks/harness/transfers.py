@@ -94,7 +94,7 @@ def trainer_step_bytes(trainer, batch):
     `batch`: steps 1-6 (run_towers) and the update, as its compiled step runs them."""
     @tf.function
     def step(batch):
-        result = step_lib.run_towers(trainer.setup, trainer.loss, batch)
+        result = step_lib.run_towers(trainer.setup, trainer.objective, batch)
         step_lib.apply_update(trainer.optimizer, result.grads,
                               trainer.model.trainable_variables, trainer.setup.main_device)
         return result.loss

@@ -15,24 +15,34 @@ from towers.data_parallel import losses, split
 
 
 def predict(stages, weights, state, x, rows, row, may_be_empty=True):
-    """Step 3 without gradients, stage by stage along `row`: (y_pred, regularization).
+    """Step 3 without gradients, stage by stage along `row`: (outputs, regularization).
 
     weights, state: in model order, each on its stage's device. x: `rows`
-    examples (an int or int32 scalar); may_be_empty as run_tower's. y_pred and
-    the regularisation (the sum over stages, a float32 scalar; 0 for no rows)
-    are on row[-1].
+    examples (an int or int32 scalar); may_be_empty as run_tower's. outputs
+    ((y_pred, masks), as `forward`'s) and the regularisation (the sum over
+    stages, a float32 scalar; 0 for no rows or none) are on row[-1].
     """
     values, regularization = x, []
     for k, device in enumerate(row):
         with tf.device(device):
-            values = values if k == 0 else [tf.identity(t) for t in tf.nest.flatten(values)]
+            values = values if k == 0 else cross_cut(values)
             values, _, stage_regularization = unless_empty(
                 rows, functools.partial(forward, stages.models[k], training=False),
                 stages.select(weights, k), stages.select(state, k, trainable=False), values,
                 may_be_empty)
-            regularization.append(stage_regularization)
+            if stage_regularization is not None:
+                regularization.append(stage_regularization)
     with tf.device(row[-1]):
-        return values, tf.add_n([tf.identity(r) for r in regularization])
+        return values, tf.add_n([tf.identity(r) for r in regularization] or [tf.constant(0.0)])
+
+
+def cross_cut(outputs):
+    """What crosses a pipeline cut: a stage's (outputs, masks) copied to the current
+    device, as the flat list the next stage takes, each mask attached again (a copy
+    drops it, and a layer after the cut that only passes a mask on needs it)."""
+    values, masks = outputs
+    copies = [tf.identity(t) for t in tf.nest.flatten(values)]
+    return losses.with_masks((copies, {i: tf.identity(m) for i, m in masks.items()}))
 
 
 def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
@@ -52,8 +62,9 @@ def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
         tf.cond (it costs a few percent of a small model's step).
 
     Returns:
-      forward_fn's result; for no rows, y_pred with 0 rows shaped like a real
-      one (unknown dims 0), the state as it was and a regularisation of 0.
+      forward_fn's result; for no rows, outputs with 0 rows shaped like real
+      ones (unknown dims 0), the state as it was and a regularisation of 0
+      (None where the model has none).
     """
     if not may_be_empty or isinstance(rows, int) and rows > 0:
         return forward_fn(weights, state, x)
@@ -69,10 +80,10 @@ def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
         return traced[0]
 
     def skip():  # traced after run, so it knows run's structure
-        y_pred, new_state, _ = traced[0]
-        return (tf.nest.map_structure(_no_rows, y_pred),
+        outputs, new_state, regularization = traced[0]
+        return (tf.nest.map_structure(_no_rows, outputs),
                 [None if new is None else old for new, old in zip(new_state, state)],
-                tf.constant(0.0))
+                None if regularization is None else tf.constant(0.0))
 
     return tf.cond(tf.greater(rows, 0), run, skip)
 
@@ -86,32 +97,41 @@ def forward(model, weights, state, x, training):
     """Step 3: the model's forward pass on the current device, writing no variable.
 
     Returns:
-      (y_pred, new_state, regularization): outputs; the new non-trainable
-      values (None where the layer did not change them); the sum of the model's
-      regularisation losses, a float32 scalar (0 when it has none).
+      (outputs, new_state, regularization): outputs = (y_pred, masks), the
+      model's outputs and the Keras masks they carry ({index in
+      tf.nest.flatten(y_pred): bool mask}, {} for none: a mask would not survive
+      the copies and concatenations ahead); the new non-trainable values (None
+      where the layer did not change them); the sum of the model's
+      regularisation losses, a float32 scalar, or None where it has none.
     """
     kwargs = {"training": training} if _accepts_training(model) else {}
     y_pred, new_state, extra_losses = model.stateless_call(
         weights, state, x, return_losses=True, **kwargs)
     new_state = [new if new is not old else None for new, old in zip(new_state, state)]
     regularization = tf.add_n([tf.cast(l, tf.float32) for l in extra_losses]
-                              ) if extra_losses else tf.constant(0.0)
-    return y_pred, new_state, regularization
+                              ) if extra_losses else None
+    return (y_pred, losses.output_masks(y_pred)), new_state, regularization
 
 
-def shard_loss(loss, shard, y_pred, regularization, rows, batch_rows):
-    """A shard's part of the batch's loss, a float32 scalar: its per-example losses
-    (sample-weighted) summed, over the batch's rows, plus the regularisation times
-    rows / batch_rows.
+def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
+    """A shard's part of the batch's loss, and its loss terms (losses.Term).
 
-    Adding up the parts of a batch's shards gives the batch's mean loss plus
-    the regularisation counted once, which is what one device computes (Keras's
-    sum_over_batch_size). An empty shard's part is 0.
+    part: a float32 scalar, or None where there is nothing to it: the sum of the
+    terms whose denominator is known, each over the batch's (Keras's
+    "sum_over_batch_size": rows x values per row) and times its loss weight,
+    plus the regularisation times rows / batch_rows. Adding up the parts of a
+    batch's shards gives its mean loss plus the regularisation counted once,
+    which is what one device computes. An empty shard's part is 0. The terms
+    whose denominator is counted (a Keras mask) are not in it: denominators.py
+    scales them once every shard is counted.
     """
     _, y, sample_weight = split.unpack_batch(shard)
-    per_example = losses.per_example_loss(loss, y, y_pred, sample_weight)
-    return (tf.math.divide_no_nan(tf.reduce_sum(per_example), batch_rows)
-            + regularization * batch_share(rows, batch_rows))
+    terms = objective.terms(y, outputs, sample_weight)
+    parts = [weight * tf.math.divide_no_nan(term.sum, batch_rows * term.per_row)
+             for term, weight in zip(terms, objective.weights) if term.per_row is not None]
+    if regularization is not None:
+        parts.append(regularization * batch_share(rows, batch_rows))
+    return (tf.add_n(parts) if parts else None), terms
 
 
 def batch_share(rows, batch_rows):
@@ -120,7 +140,7 @@ def batch_share(rows, batch_rows):
 
 
 def concat_rows(parts):
-    """Concatenates a list of (nested) outputs along dim 0.
+    """Concatenates a list of (nested) outputs along dim 0 (outputs' masks too).
 
     The first part holds the most rows (split_batch's order). An empty part
     (unless_empty's) has 0 for the dims it could not know, so where those are

@@ -1,54 +1,186 @@
-"""Per-example losses: the part of step 3 that turns predictions into numbers to average."""
+"""Step 3's losses: what keras.Model.compile takes as `loss` and `loss_weights`, per shard.
+
+Keras's loss of a batch is, per loss term (one per output that has a loss),
+sum(loss values x sample weight x mask) / denominator, weighted by its
+loss_weight, the terms added. A shard can compute its share of every sum but
+not always the denominator:
+- without a mask (Keras's "sum_over_batch_size"), it is the batch's rows times
+  the values per row: known before the forward, so each tower pre-weights its
+  share (its gradients then only need adding up, steps 5-6);
+- with a Keras mask on the output it is the batch's unmasked entries (and with
+  reduction="mean_with_sample_weight" the sum of the weights): *counted*, known
+  only once every tower has run its forward (towers.data_parallel.denominators).
+`Objective` resolves the forms exactly as compile does, with Keras's own
+CompileLoss (towers.compat), and gives each shard a `Term` per loss term.
+"""
+
+import collections
 
 import keras
 import tensorflow as tf
 
-# Keras reductions whose meaning is "mean over the examples of the batch", which
-# is what every tower step computes over the global batch.
-_MEAN_REDUCTIONS = ("sum_over_batch_size", None, "none")
+from towers import compat
+
+# Reductions whose meaning is "mean over the batch's entries": Keras's default,
+# and None/"none", which towers averages the same way (a per-example loss).
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", None, "none")
+_WEIGHTS_MEAN = "mean_with_sample_weight"
+_AUTO_NAMES = ("crossentropy", "ce")  # compile picks binary / categorical / sparse by shape
+
+Term = collections.namedtuple("Term", ["sum", "units", "per_row"])
+Term.__doc__ = """One loss term on one shard (or micro-batch), float32 scalars.
+
+sum: the sum of its loss values times their sample weights and mask (0/1).
+units: the shard's share of the term's denominator: Keras's loss of a batch is
+  sum over the batch's shards of `sum` / sum of `units`.
+per_row: units per row where the denominator follows the rows (known before
+  the forward: rows x per_row), else None (counted: a mask, or the weights).
+"""
 
 
-def check_loss(loss):
-    """Raises ValueError unless `loss` is a Keras loss with a mean reduction or a callable."""
+class Objective:
+    """A model's loss as keras.Model.compile defines it, computed shard by shard.
+
+    Attributes:
+      names: the log name of each loss term ("cls_loss", ...) where there are
+        several (Keras logs each), else [] (the one term is "loss"). Known
+        after the first call of `terms`.
+      weights: per term its loss_weight (1.0 where none was given).
+    """
+
+    def __init__(self, loss, loss_weights=None, output_names=None):
+        """Checks `loss` and `loss_weights` (each form keras.Model.compile takes).
+
+        Raises:
+          ValueError: one line saying which entry is wrong and what would do.
+        """
+        for entry in tf.nest.flatten(loss):
+            _check_loss(entry)
+        if loss_weights is not None and not all(
+                _is_number(w) or w is None for w in tf.nest.flatten(loss_weights)):
+            raise ValueError(f"loss_weights must be a number, or a list or dict of numbers "
+                             f"(one per output with a loss), got {loss_weights!r}.")
+        if isinstance(loss, (list, tuple, dict)) and not tf.nest.flatten(loss):
+            raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
+        self._recorded = None
+        self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
+
+    @property
+    def names(self):
+        terms = self._keras.flat_losses or []
+        return [f"{term.name}_loss" for term in terms] if len(terms) > 1 else []
+
+    @property
+    def weights(self):
+        return [1.0 if term.loss_weights is None else float(term.loss_weights)
+                for term in self._keras.flat_losses]
+
+    def terms(self, y_true, outputs, sample_weight=None):
+        """Each loss term of one shard: a list of Term, in Keras's order of the terms.
+
+        Args:
+          y_true: the shard's targets, any structure keras.Model.fit takes.
+          outputs: (y_pred, masks) as forward.forward returns them: the model's
+            outputs and their Keras masks, {index in tf.nest.flatten(y_pred): mask}.
+          sample_weight: None, weights of shape (n,) or (n, ...), or one per output.
+
+        Raises:
+          ValueError: targets or losses that do not fit the outputs, in one line.
+        """
+        y_pred = with_masks(outputs)
+        self._recorded = []
+        try:
+            self._keras(y_true, y_pred, sample_weight)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"the loss does not fit the model's outputs: {error}") from None
+        terms, self._recorded = self._recorded, None
+        return terms
+
+    def _record(self, loss, y_true, y_pred, sample_weight):
+        self._recorded.append(term(loss, y_true, y_pred, sample_weight))
+        return tf.zeros([])  # Keras adds these up; the terms are what counts
+
+
+def term(loss, y_true, y_pred, sample_weight=None):
+    """One loss term of a shard as a Term: Keras's Loss.__call__ up to its reduction.
+
+    The mask is the one Keras attaches to y_pred, combined with one the loss's
+    values may carry; Keras's "sum_over_batch_size" with a mask divides by the
+    batch's unmasked entries, which `units` counts (scaled as Keras scales them
+    where the values and the mask differ in size).
+    """
+    in_mask = compat.keras_mask(y_pred)
+    y_pred = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_pred)
+    y_true = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_true)
+    values = _checked_losses(loss.call(y_true, y_pred), y_pred)
+    out_mask = compat.keras_mask(values)
+    masks = [tf.cast(m, tf.bool) for m in (in_mask, out_mask) if m is not None]
+    mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    weight = None if sample_weight is None else tf.cast(sample_weight, tf.float32)
+    if mask is not None:
+        weight = _times(tf.cast(mask, tf.float32), weight)
+    if weight is not None:
+        weight = _along_rows(weight, values)
+        values = values * weight
+    per_row = tf.cast(tf.reduce_prod(tf.shape(values)[1:]), tf.float32)
+    rows = tf.cast(tf.shape(values)[0], tf.float32)
+    total = tf.reduce_sum(values)
+    if loss.reduction == _WEIGHTS_MEAN and weight is not None:
+        return Term(total, tf.reduce_sum(weight), None)
+    if mask is None:
+        return Term(total, rows * per_row, per_row)
+    # Keras weighs each unmasked entry total / valid (mask entries over unmasked
+    # ones) and divides by the values' size: size x valid / total per shard, summed.
+    mask_size = tf.cast(tf.size(mask), tf.float32)
+    valid = tf.reduce_sum(tf.cast(mask, tf.float32))
+    return Term(total, tf.math.divide_no_nan(rows * per_row * valid, mask_size), None)
+
+
+def with_masks(outputs):
+    """y_pred of (y_pred, masks) with each mask attached as Keras attaches it."""
+    y_pred, masks = outputs
+    leaves = tf.nest.flatten(y_pred)
+    for index, mask in masks.items():
+        compat.set_keras_mask(leaves[index], mask)
+    return y_pred
+
+
+def output_masks(y_pred):
+    """{index in tf.nest.flatten(y_pred): the Keras mask of that output} for masked ones."""
+    masks = [compat.keras_mask(t) for t in tf.nest.flatten(y_pred)]
+    return {i: mask for i, mask in enumerate(masks) if mask is not None}
+
+
+def _check_loss(loss):
+    """Raises ValueError unless `loss` is one loss compile takes, with a mean reduction."""
+    if loss is None:
+        return
     if isinstance(loss, keras.losses.Loss):
-        if loss.reduction not in _MEAN_REDUCTIONS:
+        if loss.reduction not in _MEAN_REDUCTIONS + (_WEIGHTS_MEAN,):
             raise ValueError(
                 f"loss {loss.name!r} has reduction={loss.reduction!r}; towers averages "
-                "per-example losses over the global batch, as Keras's default "
+                "losses over the global batch, as Keras's default "
                 "reduction='sum_over_batch_size' does. Build the loss with that reduction.")
+    elif isinstance(loss, str):
+        if loss.lower() not in _AUTO_NAMES and not _known_loss(loss):
+            raise ValueError(f"loss {loss!r} is not a Keras loss name; pass e.g. "
+                             "'sparse_categorical_crossentropy' or a keras.losses.Loss.")
     elif not callable(loss):
         raise ValueError(
-            f"loss must be a keras.losses.Loss or a callable(y_true, y_pred) returning "
-            f"per-example losses, got {type(loss).__name__}.")
+            f"loss must be a keras.losses.Loss, a loss name or a callable(y_true, y_pred) "
+            f"returning per-example losses, or a list or dict of them (one per output), "
+            f"got {type(loss).__name__}.")
 
 
-def per_example_loss(loss, y_true, y_pred, sample_weight=None):
-    """The loss of each example, sample-weighted.
+def _known_loss(name):
+    try:
+        return keras.losses.get(name) is not None
+    except ValueError:
+        return False
 
-    Args:
-      loss: a keras.losses.Loss (its reduction is not applied) or a
-        callable(y_true, y_pred) returning losses of shape (n,) or (n, ...).
-      y_true, y_pred: targets and model outputs for n examples.
-      sample_weight: None, or weights of shape (n,) or broadcastable to the losses.
 
-    Returns:
-      float32 Tensor of shape (n,); extra loss dimensions (time steps, say) are
-      averaged, so the batch mean equals Keras's 'sum_over_batch_size'.
-
-    Raises:
-      ValueError: the loss returns a scalar, a non-float, or a wrong batch size.
-    """
-    if isinstance(loss, keras.losses.Loss):
-        y_pred = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_pred)
-        values = loss.call(y_true, y_pred)
-    else:
-        values = loss(y_true, y_pred)
-    values = _checked_losses(values, y_pred)
-    if sample_weight is not None:
-        values *= _broadcast_weight(tf.cast(sample_weight, tf.float32), values)
-    if values.shape.rank > 1:
-        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-    return values
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _checked_losses(values, y_pred):
@@ -77,13 +209,23 @@ def _checked_losses(values, y_pred):
         raise ValueError(
             f"{name} returned a fixed shape {tuple(values.shape)} that does not follow "
             "the batch size; it must return one loss per example, shape (batch,).")
-    return tf.cast(values, tf.float32)
+    mask = compat.keras_mask(values)
+    values = tf.cast(values, tf.float32)
+    if mask is not None:
+        compat.set_keras_mask(values, mask)
+    return values
 
 
-def _broadcast_weight(weight, values):
-    """Sample weights reshaped to broadcast against `values` along dim 0."""
-    while weight.shape.rank > values.shape.rank and weight.shape[-1] == 1:
-        weight = tf.squeeze(weight, -1)
+def _times(mask, weight):
+    """A 0/1 float mask times the sample weights, ranks matched as Keras matches them."""
+    return mask if weight is None else mask * _along_rows(weight, mask)
+
+
+def _along_rows(weight, values):
+    """`weight` shaped to multiply `values` as Keras does (squeeze_or_expand_to_same_rank);
+    where Keras would refuse a weight of lower rank (one weight per row of per-token
+    values), it is broadcast along the row instead."""
+    values, weight = compat.same_rank(values, weight)
     while weight.shape.rank < values.shape.rank:
         weight = tf.expand_dims(weight, -1)
     return weight

@@ -11,21 +11,24 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, exchange, forward, replicas as replicas_lib, split
-from towers.data_parallel import tower
+from towers.data_parallel import aggregate, denominators, exchange, forward, losses
+from towers.data_parallel import replicas as replicas_lib, split, tower
 from towers.data_parallel.options import TowerOptions
 from towers.model_parallel import stages as stages_lib
 
-TowerResult = collections.namedtuple("TowerResult",
-                                     ["grads", "loss", "state", "y_pred", "examples"])
+TowerResult = collections.namedtuple(
+    "TowerResult", ["grads", "loss", "state", "y_pred", "examples", "term_losses"])
 TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main device.
 
 grads: mean gradient per model.trainable_variables entry (None where unused),
   times the loss scale if one was given.
-loss: scalar float32, mean loss over the global batch plus regularisation.
+loss: scalar float32, the batch's loss as Keras computes it (each loss term's
+  mean over the batch, weighted and added) plus regularisation.
 state: new value per model.non_trainable_variables entry (None where unchanged).
-y_pred: model outputs for the whole batch, rows in batch order.
+y_pred: (outputs, masks) for the whole batch, rows in batch order (forward.forward's).
 examples: float32 scalar, the number of examples in the batch.
+term_losses: per loss term its unweighted mean (Keras's "<output>_loss" logs),
+  or [] for a loss of one term.
 
 With a cluster, all but y_pred are the global batch's, the same on every worker.
 """
@@ -44,7 +47,9 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
 
     Args:
       model: a built keras.Model.
-      loss: a keras.losses.Loss or callable(y_true, y_pred) -> per-example losses.
+      loss: what keras.Model.compile takes as `loss` (a keras.losses.Loss, a
+        name, a callable(y_true, y_pred) -> per-example losses, or a list or
+        dict of them per output), or a losses.Objective.
       batch: (x, y) or (x, y, sample_weight), dim 0 = global batch, or its
         split.Shards (one per device).
       devices: tower device names, one shard each.
@@ -63,6 +68,8 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
     setup = StepSetup(stages_lib.Stages(model), [[d] for d in devices],
                       [main_device or devices[0]], options, cluster=cluster)
+    if not isinstance(loss, losses.Objective):
+        loss = losses.Objective(loss, output_names=getattr(model, "output_names", None))
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)
     assign_state(model, result.state)
     return result.grads, {"loss": result.loss}
@@ -139,10 +146,11 @@ class StepSetup:
         return contextlib.nullcontext() if self.parts is None else self.parts.scope(tower_index)
 
 
-def run_towers(setup, loss, batch, loss_scale=None, may_be_empty=True):
+def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
 
     `setup`: a StepSetup (the devices, the model's stages, the options).
+    `objective`: a losses.Objective, the loss as keras.Model.compile takes it.
     `batch`: (x, y[, sample_weight]), or its split.Shards, one per tower (the
     input pipeline did step 1: prefetch.ShardIterator).
     `loss_scale`: None, or a float32 scalar every tower multiplies its loss by.
@@ -159,8 +167,10 @@ def run_towers(setup, loss, batch, loss_scale=None, may_be_empty=True):
     for i, shard in enumerate(shards):
         with tf.name_scope(f"tower_{i}"):
             tower_weights, tower_state = read_weights(setup, weights, state, i)   # 2
-            outputs.append(run_tower(setup, loss, shard, shard_sizes[i], batch_rows,  # 3, 4
+            outputs.append(run_tower(setup, objective, shard, shard_sizes[i], batch_rows,  # 3, 4
                                      tower_weights, tower_state, i, loss_scale, may_be_empty))
+    outputs, term_losses = denominators.fold_counted(                              # 4, 6
+        outputs, objective, batch_rows, setup.cluster, setup.main_device)  # masked terms
     grads, state, columns = [], [], setup.columns
     for k, column_device in enumerate(setup.column_devices):
         column = [row[k] for row in setup.column_grid]
@@ -174,14 +184,14 @@ def run_towers(setup, loss, batch, loss_scale=None, may_be_empty=True):
             loss=tf.add_n([o.loss for o in outputs]),  # the towers' parts of the batch's loss
             state=columns.merge(state, trainable=False),
             y_pred=forward.concat_rows([o.y_pred for o in outputs]),
-            examples=batch_rows)
+            examples=batch_rows, term_losses=term_losses)
     if setup.cluster is None:
         return result
     return across_workers(result, setup.cluster, setup.main_device,                # 6
                           options.state_policy)
 
 
-def run_tower(setup, loss, shard, rows, batch_rows, weights, state, i, loss_scale,
+def run_tower(setup, objective, shard, rows, batch_rows, weights, state, i, loss_scale,
               may_be_empty):
     """Steps 3-4 on tower i: tower.run_tower, or its XLA-compiled form (jit_compile)."""
     row, tower_index = setup.grid[i], setup.first_tower + i
@@ -189,7 +199,7 @@ def run_tower(setup, loss, shard, rows, batch_rows, weights, state, i, loss_scal
         return setup.compiled_tower(shard, rows, batch_rows, weights, state, row,
                                     tf.constant(tower_index), loss_scale, may_be_empty)
     with setup.tower_scope(i):
-        return tower.run_tower(setup.stages, loss, shard, rows, batch_rows, weights, state,
+        return tower.run_tower(setup.stages, objective, shard, rows, batch_rows, weights, state,
                                row, tower_index, setup.options.micro_batches,
                                setup.options.pipeline_schedule, loss_scale,
                                setup.densify, may_be_empty=may_be_empty)
@@ -233,22 +243,25 @@ def merge_state(tower_states, shard_sizes, device, state_policy):
 def across_workers(result, cluster, main_device, state_policy):
     """Step 6 across workers: this worker's TowerResult -> the global batch's.
 
-    Gradients, loss and (state_policy "mean") state are averaged weighted by
-    each worker's example count; with "first_tower" the state is the chief's.
-    y_pred stays this worker's own rows.
+    Gradients, loss, loss terms and (state_policy "mean") state are averaged
+    weighted by each worker's example count; with "first_tower" the state is the
+    chief's. y_pred stays this worker's own rows.
     """
-    shared = list(result.grads) + [result.loss]
+    num_grads, num_terms = len(result.grads), len(result.term_losses)
+    shared = list(result.grads) + [result.loss] + list(result.term_losses)
     if state_policy == "mean":
         shared += list(result.state)
     merged, examples = exchange.mean_across_workers(shared, result.examples, cluster,
                                                     main_device)
-    grads, loss, state = merged[:len(result.grads)], merged[len(result.grads)], result.state
+    grads, loss, state = merged[:num_grads], merged[num_grads], result.state
+    term_losses = merged[num_grads + 1:num_grads + 1 + num_terms]
     if state_policy == "mean":
-        state = merged[len(result.grads) + 1:]
+        state = merged[num_grads + 1 + num_terms:]
     else:
         state, _ = exchange.mean_across_workers(state, float(cluster.is_chief), cluster,
                                                 main_device)
-    return result._replace(grads=grads, loss=loss, state=state, examples=examples)
+    return result._replace(grads=grads, loss=loss, state=state, examples=examples,
+                           term_losses=term_losses)
 
 
 def clip_gradients(grads, clip_global_norm, loss_scale=None):

@@ -11,27 +11,33 @@ import functools
 
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, split
-from towers.data_parallel.forward import batch_share, concat_rows, forward, shard_loss
-from towers.data_parallel.forward import unless_empty
+from towers.data_parallel import aggregate, losses, split
+from towers.data_parallel.forward import batch_share, concat_rows, cross_cut, forward
+from towers.data_parallel.forward import shard_loss, unless_empty
 from towers.model_parallel import schedule
 
-TowerOutput = collections.namedtuple("TowerOutput", ["grads", "loss", "state", "y_pred"])
+TowerOutput = collections.namedtuple(
+    "TowerOutput", ["grads", "loss", "state", "y_pred", "terms", "term_grads"])
 TowerOutput.__doc__ = """What one tower computed, on that tower.
 
 grads: per trainable variable, d(part * loss_scale)/d(weight), None where unused.
 loss: float32 scalar, `part`: the shard's part of the batch's loss, its mean loss
-    plus regularisation times rows / the batch's rows (unscaled). Summed over
-    the towers, the grads are the batch's mean gradient and the losses its loss.
+    plus regularisation times rows / the batch's rows (unscaled); the terms whose
+    denominator is counted are not in it (see term_grads).
 state: per non-trainable variable, its new value, None where unchanged.
-y_pred: model outputs for the shard's rows.
+y_pred: (outputs, masks) for the shard's rows, as forward.forward returns them.
+terms: per loss term of the objective, its losses.Term over the shard's rows.
+term_grads: per term whose denominator is counted (a Keras mask), in term order,
+    the gradients of weight * its sum * loss_scale; denominators.fold_counted
+    scales them by the batch's count and adds them to grads. Then, summed over
+    the towers, the grads are the batch's mean gradient and the losses its loss.
 """
 
 # Keras names the state variable of every keras.random.SeedGenerator this way.
 _SEED_STATE_SUFFIX = "seed_generator_state"
 
 
-def run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_index,
+def run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
               micro_batches=1, schedule_name="1f1b", loss_scale=None, densify=None,
               forwards=None, may_be_empty=True):
     """Steps 3-4 on one tower: its shard's micro-batches forward and back through the stages.
@@ -45,10 +51,13 @@ def run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_
     so the micro-batches' and the towers' gradients only need adding up.
     Non-trainable state flows from one micro-batch to the next (an empty
     micro-batch leaves it as it was). With one stage this is gradient
-    accumulation (accum_steps).
+    accumulation (accum_steps). A loss term whose denominator is counted (a
+    Keras mask) gets a backward of its own from the last stage back, its
+    gradients scaled once every tower is counted (TowerOutput.term_grads).
 
     Args:
       stages: a stages.Stages; one stage = the whole model.
+      objective: a losses.Objective (the loss, as compile takes it).
       shard: this tower's (x, y[, sample_weight]), `rows` rows (may be 0).
       rows: the shard's rows, an int or int32 scalar.
       batch_rows: the rows of the batch the gradients are the mean over (this
@@ -75,7 +84,7 @@ def run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_
     forwards = forwards or [functools.partial(forward, model, training=True)
                             for model in stages.models]
     flight = _Flight(stages, shard, rows, batch_rows, weights,
-                     _offset_seeds(stages.model, state, tower_index), micro_batches, loss,
+                     _offset_seeds(stages.model, state, tower_index), micro_batches, objective,
                      loss_scale, forwards, may_be_empty)
     previous = [[] for _ in row]  # per stage: what its last action produced
     for action in schedule.build_order(
@@ -90,21 +99,29 @@ def run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_
     for k, device in enumerate(row):
         with tf.device(device):
             per_stage.append(flight.stage_gradients(k))
-    grads = stages.merge(per_stage)
+    grads = [stages.merge(group) for group in zip(*per_stage)]  # per group: model order
     if densify is not None:
-        grads = [aggregate.to_dense(g) if dense else g for g, dense in zip(grads, densify)]
+        grads = [[aggregate.to_dense(g) if dense else g for g, dense in zip(group, densify)]
+                 for group in grads]
     with tf.device(row[-1]):
-        tower_loss, y_pred = flight.loss_and_outputs()
-    return TowerOutput(grads, tower_loss, stages.merge(flight.changed, trainable=False), y_pred)
+        tower_loss, y_pred, terms = flight.loss_and_outputs()
+    return TowerOutput(grads[0], tower_loss, stages.merge(flight.changed, trainable=False),
+                       y_pred, terms, grads[1:])
 
 
 class _Flight:
-    """What is in flight on one tower during a step: every micro-batch's tensors per stage."""
+    """What is in flight on one tower during a step: every micro-batch's tensors per stage.
 
-    def __init__(self, stages, shard, rows, batch_rows, weights, state, micro_batches, loss,
-                 loss_scale, forwards, may_be_empty):
-        self.stages, self.loss, self.loss_scale, self.forwards = stages, loss, loss_scale, forwards
-        self.may_be_empty = may_be_empty
+    Its backwards come in groups: group 0 starts from the parts of the loss whose
+    denominator is known (and the regularisation), group 1 + c from the c-th
+    counted term; each has its own gradients, and its own gradients of a stage's
+    outputs sent back to the stage before. Without counted terms there is one.
+    """
+
+    def __init__(self, stages, shard, rows, batch_rows, weights, state, micro_batches,
+                 objective, loss_scale, forwards, may_be_empty):
+        self.stages, self.objective = stages, objective
+        self.loss_scale, self.forwards, self.may_be_empty = loss_scale, forwards, may_be_empty
         self.micro, self.sizes = [shard], [rows]
         if micro_batches > 1:
             sizes = split.shard_sizes(rows, micro_batches)
@@ -113,14 +130,16 @@ class _Flight:
         self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
         self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
         self.changed = [[None] * len(s) for s in self.state]
+        self.num_groups = 1  # 1 + the counted terms, known at the last stage's forward
         shape = (stages.num_stages, len(self.micro))
         # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
-        # where not differentiable), what it returned, what its backward starts
-        # from, its part of the batch's loss (unscaled), its weight gradients,
-        # and the gradients of what it returned (sent back by the next stage).
-        self.tapes, self.inputs, self.outputs, self.targets = (_table(shape) for _ in range(4))
-        self.parts, self.grads, self.cotangents = (_table(shape) for _ in range(3))
-        self.y_pred = [None] * len(self.micro)
+        # where not differentiable), what it returned and their Keras masks, per
+        # group what its backward starts from (None: nothing here), its part of the
+        # batch's loss (unscaled), per group its weight gradients and the gradients
+        # of what it returned (sent back by the next stage).
+        self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
+        self.targets, self.parts, self.grads, self.cotangents = (_table(shape) for _ in range(4))
+        self.y_pred, self.terms = [None] * len(self.micro), [None] * len(self.micro)
 
     def forward(self, k, m):
         """Stage k's forward on micro-batch m (step 3), recorded for its backward."""
@@ -128,64 +147,87 @@ class _Flight:
         if k == 0:
             inputs, watched = self.micro[m][0], []
         else:  # the copy to this stage's device: what crosses the cut
-            inputs = [tf.identity(t) for t in self.outputs[k - 1][m]]
+            inputs = cross_cut((self.outputs[k - 1][m], self.masks[k - 1][m]))
             watched = [t if t.dtype.is_floating else None for t in inputs]
-        with tf.GradientTape() as tape:
+        # Persistent: each group's backward reads the tape (in a traced step that
+        # costs nothing at run time; the tape is dropped after the backwards).
+        with tf.GradientTape(persistent=True) as tape:
             tape.watch(self.weights[k] + [t for t in watched if t is not None])
             outputs, new_state, regularization = unless_empty(
                 self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs,
                 self.may_be_empty)
+            counted = []
             if last:
                 self.y_pred[m] = outputs
-                part = shard_loss(self.loss, self.micro[m], outputs, regularization,
-                                  self.sizes[m], self.batch_rows)
+                part, self.terms[m] = shard_loss(self.objective, self.micro[m], outputs,
+                                                 regularization, self.sizes[m], self.batch_rows)
+                counted = [weight * term.sum for term, weight
+                           in zip(self.terms[m], self.objective.weights) if term.per_row is None]
+                self.num_groups = 1 + len(counted)
             else:
-                outputs = tf.nest.flatten(outputs)
-                part = regularization * batch_share(self.sizes[m], self.batch_rows)
-            target = part if self.loss_scale is None else part * self.loss_scale
-        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, target
+                outputs, self.masks[k][m] = tf.nest.flatten(outputs[0]), outputs[1]
+                part = (None if regularization is None
+                        else regularization * batch_share(self.sizes[m], self.batch_rows))
+            targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
+                       for t in [part] + counted]
+        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, targets
         self.outputs[k][m], self.parts[k][m] = outputs, part
         for i, new in enumerate(new_state):
             if new is not None:
                 self.state[k][i] = self.changed[k][i] = new
-        return tf.nest.flatten(outputs) + [target]
+        return tf.nest.flatten(outputs) + [t for t in targets if t is not None]
 
     def backward(self, k, m):
-        """Stage k's backward on micro-batch m (step 4): weight and input gradients."""
-        targets, output_gradients = [self.targets[k][m]], None
-        if k < self.stages.num_stages - 1:
-            output_gradients = [tf.ones_like(targets[0])]
-            for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m]):
-                if cotangent is not None:
-                    targets.append(output)
-                    output_gradients.append(tf.identity(cotangent))  # to this stage's device
+        """Stage k's backward on micro-batch m (step 4), group by group: weight and input
+        gradients."""
         watched = self.inputs[k][m]
         sources = self.weights[k] + [t for t in watched if t is not None]
-        gradients = self.tapes[k][m].gradient(targets, sources, output_gradients=output_gradients)
-        self.tapes[k][m] = None  # the activations of (k, m) may now be freed
-        self.grads[k][m] = gradients[:len(self.weights[k])]
-        input_grads = iter(gradients[len(self.weights[k]):])
-        sent = []  # the gradients of this stage's inputs, for the stage before it
+        sent, self.grads[k][m] = [], []  # sent: input gradients, for the stage before
         if k > 0:
-            self.cotangents[k - 1][m] = [None if t is None else _dense_or_none(next(input_grads))
-                                         for t in watched]
-            sent = [c for c in self.cotangents[k - 1][m] if c is not None]
-        return [aggregate.dense_part(g) for g in self.grads[k][m] if g is not None] + sent
+            self.cotangents[k - 1][m] = []
+        for g in range(self.num_groups):
+            targets, output_gradients = [], []
+            local = self.targets[k][m][g] if g < len(self.targets[k][m]) else None
+            if local is not None:
+                targets, output_gradients = [local], [tf.ones_like(local)]
+            if k < self.stages.num_stages - 1:
+                for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m][g]):
+                    if cotangent is not None:
+                        targets.append(output)
+                        output_gradients.append(tf.identity(cotangent))  # to this device
+            gradients = (self.tapes[k][m].gradient(targets, sources,
+                                                   output_gradients=output_gradients)
+                         if targets else [None] * len(sources))
+            self.grads[k][m].append(gradients[:len(self.weights[k])])
+            if k > 0:
+                input_grads = iter(gradients[len(self.weights[k]):])
+                cotangents = [None if t is None else _dense_or_none(next(input_grads))
+                              for t in watched]
+                self.cotangents[k - 1][m].append(cotangents)
+                sent += [c for c in cotangents if c is not None]
+        self.tapes[k][m] = None  # the activations of (k, m) may now be freed
+        return [aggregate.dense_part(g) for group in self.grads[k][m] for g in group
+                if g is not None] + sent
 
     def stage_gradients(self, k):
-        """Stage k's gradients of the shard's part of the loss: its micro-batches' sum."""
+        """Stage k's gradients per group: its micro-batches' sums."""
+        per_micro_batch = self.grads[k]
         if len(self.micro) == 1:
-            return self.grads[k][0]
-        return aggregate.sum_gradients(self.grads[k])
+            return per_micro_batch[0]
+        return [aggregate.sum_gradients(list(group)) for group in zip(*per_micro_batch)]
 
     def loss_and_outputs(self):
-        """The shard's part of the batch's loss (every stage's, every micro-batch's), and
-        its outputs."""
-        parts = [part for stage_parts in self.parts for part in stage_parts]
-        if len(parts) == 1:
-            return parts[0], self.y_pred[0]
-        loss = tf.add_n([tf.identity(part) for part in parts])  # here, on the last stage
-        return loss, self.y_pred[0] if len(self.micro) == 1 else concat_rows(self.y_pred)
+        """The shard's part of the batch's loss (every stage's, every micro-batch's), its
+        outputs, and its loss terms (each the micro-batches' sum)."""
+        parts = [part for stage_parts in self.parts for part in stage_parts if part is not None]
+        loss = (tf.constant(0.0) if not parts else parts[0] if len(parts) == 1
+                else tf.add_n([tf.identity(part) for part in parts]))  # here, on the last stage
+        if len(self.micro) == 1:
+            return loss, self.y_pred[0], self.terms[0]
+        terms = [losses.Term(tf.add_n([t.sum for t in per_micro]),
+                             tf.add_n([t.units for t in per_micro]), per_micro[0].per_row)
+                 for per_micro in zip(*self.terms)]
+        return loss, concat_rows(self.y_pred), terms
 
 
 def _dense_or_none(grad):
@@ -197,7 +239,7 @@ def _table(shape):
     return [[None] * columns for _ in range(rows)]
 
 
-def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
+def compiled_tower(stages, objective, micro_batches, schedule_name, densify):
     """run_tower with XLA: fn(shard, rows, batch_rows, weights, state, row, tower_index,
     loss_scale, may_be_empty) -> TowerOutput.
 
@@ -219,7 +261,7 @@ def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
     if stages.num_stages > 1:
         forwards = [tf.function(functools.partial(forward, model, training=True),
                                 jit_compile=True) for model in stages.models]
-        return functools.partial(_run_stages_compiled, stages, loss, micro_batches,
+        return functools.partial(_run_stages_compiled, stages, objective, micro_batches,
                                  schedule_name, densify, forwards)
 
     @tf.function(jit_compile=True)
@@ -228,7 +270,7 @@ def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
         # The rows from the shard's shape, which XLA knows: it needs split sizes it can
         # fold to constants. (It does not fold unless_empty's cond away: a cnn ran 20x
         # slower with it, so full batches get the variant without, as outside XLA.)
-        return run_tower(stages, loss, shard, split.batch_size(shard), batch_rows, weights,
+        return run_tower(stages, objective, shard, split.batch_size(shard), batch_rows, weights,
                          state, [None], tower_index, micro_batches, schedule_name, loss_scale,
                          densify, may_be_empty=may_be_empty)
 
@@ -242,15 +284,15 @@ def compiled_tower(stages, loss, micro_batches, schedule_name, densify):
     return run_on_its_device
 
 
-def _run_stages_compiled(stages, loss, micro_batches, schedule_name, densify, forwards, shard,
-                         rows, batch_rows, weights, state, row, tower_index, loss_scale,
+def _run_stages_compiled(stages, objective, micro_batches, schedule_name, densify, forwards,
+                         shard, rows, batch_rows, weights, state, row, tower_index, loss_scale,
                          may_be_empty):
     """compiled_tower's function for pipeline stages: run_tower with XLA forwards."""
-    return run_tower(stages, loss, shard, rows, batch_rows, weights, state, row, tower_index,
+    return run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
                      micro_batches, schedule_name, loss_scale, densify, forwards, may_be_empty)
 
 
-def choose_dense_gradients(model, loss, shard, sparse_policy):
+def choose_dense_gradients(model, objective, shard, sparse_policy):
     """One bool per trainable variable: densify its sparse gradient on the tower?
 
     "keep": never; "dense": always; a float threshold: where the gradient of
@@ -263,10 +305,13 @@ def choose_dense_gradients(model, loss, shard, sparse_policy):
     weights = [v.value for v in variables]
     with tf.GradientTape() as tape:
         tape.watch(weights)
-        y_pred, _, regularization = forward(
+        outputs, _, regularization = forward(
             model, weights, [v.value for v in model.non_trainable_variables], shard[0], True)
         rows = split.batch_size(shard)
-        value = shard_loss(loss, shard, y_pred, regularization, rows, tf.cast(rows, tf.float32))
+        part, terms = shard_loss(objective, shard, outputs, regularization, rows,
+                                 tf.cast(rows, tf.float32))
+        # Every term, counted or not: only which rows the gradients touch matters here.
+        value = tf.add_n([term.sum for term in terms] + ([] if part is None else [part]))
     return [isinstance(g, tf.IndexedSlices)
             and int(tf.shape(g.values)[0]) > sparse_policy * int(g.dense_shape[0])
             for g in tape.gradient(value, weights)]

@@ -115,7 +115,9 @@ def run_part(devices, j, part, call, *inputs):
 
     @tf.custom_gradient
     def run(*args):
-        with tf.device(device), tf.GradientTape() as tape:
+        # Persistent: a step may differentiate a part more than once (a masked loss term
+        # has a backward of its own, tower.run_tower); in a traced step that costs nothing.
+        with tf.device(device), tf.GradientTape(persistent=True) as tape:
             tape.watch([a for a in args if a.dtype.is_floating])
             outputs = call(*tf.nest.pack_sequence_as(
                 inputs, [args[position[id(t)]] for t in flat_inputs]))

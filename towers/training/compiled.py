@@ -39,11 +39,11 @@ class CompiledFunctions:
         signature = _signature(batch)
         return None if signature is None else self._known.get((kind, signature))
 
-    def for_batch(self, kind, batch, step, packed):
+    def for_batch(self, kind, batch, step):
         """The key of `kind`'s function for `batch` (checked Tensors, or split.Shards of
         them), traced now if its structure is new.
 
-        step: fn(batch) -> a dict of scalar logs when `packed`, else any result.
+        step: fn(batch) -> a dict of scalar logs (packed: one read per call).
         """
         is_shards = isinstance(batch, split.Shards)
         spec = tf.nest.map_structure(
@@ -54,7 +54,7 @@ class CompiledFunctions:
             if is_shards:  # the one argument comes as a list: Shards again inside
                 step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(
-                self._packed(key, step) if packed else step, input_signature=[spec])
+                self._packed(key, step), input_signature=[spec])
             self._graphs[key] = self._functions[key].get_concrete_function()
         signature = _signature(batch)
         if signature is not None:
@@ -67,12 +67,9 @@ class CompiledFunctions:
             self._functions[key] = tf.function(self._packed(key, function))
 
     def call(self, key, *args):
-        """Calls the function of `key`; a packed one's logs come back as Python floats."""
+        """Calls the function of `key`; its logs come back as Python floats."""
         # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
-        result = self._graphs.get(key, self._functions[key])(*args)
-        if key not in self._log_names:
-            return result
-        values = result.numpy()  # the call's one device-to-host read
+        values = self._graphs.get(key, self._functions[key])(*args).numpy()  # one read
         return dict(zip(self._log_names[key], values.tolist()))
 
     def _packed(self, key, function):

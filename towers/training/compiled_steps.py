@@ -1,6 +1,6 @@
 """The bodies TowerTrainer compiles: the train step (steps 1-7) and the eval step.
 
-Each takes the trainer and reads only its public attributes (model, loss,
+Each takes the trainer and reads only its public attributes (model, objective,
 optimizer, metrics, setup, cluster, stop_requested); call them inside a
 tf.function. `train_step` is the contract executions' in-graph loop builds on:
 its logs say what a caller needs to decide whether to go on.
@@ -13,7 +13,6 @@ from towers.data_parallel import aggregate, collectives, forward, losses, split
 from towers.data_parallel.step import apply_update, assign_state, copy_weights
 from towers.data_parallel.step import clip_gradients, run_towers
 from towers.multi_worker import cluster as cluster_lib
-from towers.training import metrics as metrics_lib
 
 EMPTY_BATCH = "the batch is empty (batch size 0); give at least one example."
 
@@ -24,8 +23,10 @@ def train_step(trainer, batch, may_be_empty):
     `may_be_empty`: whether a micro-batch of a tower may have no rows (False only
     where the batch is known to fill every one: fills_every_micro_batch).
 
-    Returns logs, scalar Tensors: "loss" (the batch's mean, + regularisation),
-    "examples" (the batch's rows; with a cluster every worker's), "finite"
+    Returns logs, scalar Tensors: "loss" (the batch's, as Keras computes it, +
+    regularisation), each loss term's ("cls_loss", ...) where there are several,
+    "examples" (the rows the logs cover: the batch's, with a cluster every
+    worker's; 0 for a step that is not finite, which enters no log), "finite"
     (loss and gradients finite, or with loss scaling the loss), "applied"
     (whether the optimizer applied the step), each metric's result, and with a
     cluster "stop_requested", with loss scaling "loss_scale".
@@ -73,7 +74,7 @@ def loss_scale(optimizer):
 
 def _train_step(trainer, batch, may_be_empty):
     setup, scale = trainer.setup, loss_scale(trainer.optimizer)
-    result = run_towers(setup, trainer.loss, batch, scale, may_be_empty)           # 1-6
+    result = run_towers(setup, trainer.objective, batch, scale, may_be_empty)      # 1-6
     with tf.device(setup.main_device):
         grads = clip_gradients(result.grads, setup.options.clip_global_norm, scale)
         grads_finite = aggregate.all_finite(grads)
@@ -87,8 +88,8 @@ def _train_step(trainer, batch, may_be_empty):
         assign_state(trainer.model, result.state, when=grads_finite)
         return grads_finite
 
-    metric_logs = metrics_lib.update(trainer.metrics, batch, result.y_pred, setup.main_device,
-                                      trainer.cluster)
+    metric_logs = trainer.metrics.update(batch, result.y_pred, setup.main_device,
+                                         trainer.cluster, keep_if=finite)
     exchanged = list(metric_logs.values())
     if trainer.cluster is not None:
         # A stop signal to any worker stops every worker after this same step.
@@ -100,8 +101,10 @@ def _train_step(trainer, batch, may_be_empty):
     # before the update, so a worker lost during the step leaves the weights alone.
     with tf.control_dependencies(exchanged):
         applied = tf.cond(finite, apply, lambda: tf.constant(False))
-    logs = {"loss": result.loss, "finite": finite, "applied": applied,
-            "examples": result.examples, **metric_logs}
+    with tf.device(setup.main_device):
+        logged_examples = tf.where(finite, result.examples, 0.0)
+    logs = {"loss": result.loss, **dict(zip(trainer.objective.names, result.term_losses)),
+            "finite": finite, "applied": applied, "examples": logged_examples, **metric_logs}
     if trainer.cluster is not None:
         logs["stop_requested"] = stop_requested
     if scale is not None:
@@ -110,28 +113,36 @@ def _train_step(trainer, batch, may_be_empty):
 
 
 def eval_step(trainer, batch, may_be_empty):
-    """(sum of the per-example losses, rows, regularisation) of `batch`, on the main
-    device; the metrics updated with the towers' outputs. No variable changes."""
-    setup = trainer.setup
+    """The loss of `batch` as train_step computes it, on the main device, without
+    gradients: logs {"loss", each loss term's, "examples", the metrics' results}
+    as scalar Tensors, the metrics updated with the towers' outputs. No other
+    variable changes."""
+    setup, objective = trainer.setup, trainer.objective
     shards, shard_sizes, rows = split.shards_of(batch, len(setup.grid))
     weights = [v.value for v in trainer.model.trainable_variables]
     state = [v.value for v in trainer.model.non_trainable_variables]
-    loss_sums, outputs, regularizations = [], [], []
+    terms, outputs, regularizations = [], [], []
     for i, (row, shard) in enumerate(zip(setup.grid, shards)):
         with tf.name_scope(f"tower_{i}"):
             tower_weights, tower_state = copy_weights(setup, weights, state, i)
             with setup.tower_scope(i):
-                y_pred, regularization = forward.predict(setup.stages, tower_weights,
-                                                         tower_state, shard[0], shard_sizes[i],
-                                                         row, may_be_empty)
+                tower_outputs, regularization = forward.predict(
+                    setup.stages, tower_weights, tower_state, shard[0], shard_sizes[i], row,
+                    may_be_empty)
             with tf.device(row[-1]):
                 _, y, sample_weight = split.unpack_batch(shard)
-                loss_sums.append(tf.reduce_sum(
-                    losses.per_example_loss(trainer.loss, y, y_pred, sample_weight)))
-            outputs.append(y_pred)
+                terms.append(objective.terms(y, tower_outputs, sample_weight))
+            outputs.append(tower_outputs)
             regularizations.append(regularization)
     with tf.device(setup.main_device):
-        metrics_lib.update(trainer.metrics, batch, forward.concat_rows(outputs),
-                            setup.main_device)
+        term_losses = [tf.math.divide_no_nan(tf.add_n([t.sum for t in per_tower]),
+                                             tf.add_n([t.units for t in per_tower]))
+                       for per_tower in zip(*terms)]
+        metric_logs = trainer.metrics.update(batch, forward.concat_rows(outputs),
+                                             setup.main_device)
         # Tower 0 holds the batch's first rows; an empty tower skips its regularisation.
-        return tf.add_n(loss_sums), tf.cast(rows, tf.float32), regularizations[0]
+        loss = tf.add_n([weight * value for weight, value in zip(objective.weights, term_losses)]
+                        + [regularizations[0]])
+        examples = tf.cast(rows, tf.float32)
+        return {"loss": loss, **dict(zip(objective.names, term_losses)), "examples": examples,
+                **metric_logs}

@@ -17,12 +17,17 @@ def compiled_loop(trainer, iterator, num_steps):
     """Up to num_steps of the trainer's compiled step, in a tf.while_loop over `iterator`.
 
     Call it inside a tf.function. Returns the logs trainer.train_steps reads:
-    loss (mean over the examples), steps, examples, skipped, nonfinite and the
-    metric results, all Tensors; with a cluster, examples are every worker's
-    and stop_requested ends the loop after the step every worker sees it in.
+    loss (the mean over the examples in the logs) and each loss term's (the mean
+    over the steps in the logs, as Keras's per-output trackers read), steps,
+    examples and logged_steps (those in the logs: a step that is not finite
+    enters none), skipped, nonfinite and the metric results, all Tensors; with a
+    cluster, examples are every worker's and stop_requested ends the loop after
+    the step every worker sees it in.
     """
-    steps, skipped = tf.constant(0), tf.constant(0)
-    examples, loss_sum, nonfinite = tf.constant(0.0), tf.constant(0.0), tf.constant(False)
+    names = trainer.objective.names
+    steps, skipped, logged_steps = tf.constant(0), tf.constant(0), tf.constant(0.0)
+    examples, nonfinite = tf.constant(0.0), tf.constant(False)
+    loss_sum, sums = tf.constant(0.0), {name: tf.constant(0.0) for name in names}
     stop_requested = tf.constant(False)
     for _ in tf.range(num_steps):
         has_batch, get_batch = prefetch.get_next_as_optional(iterator, trainer.input_devices)
@@ -30,8 +35,11 @@ def compiled_loop(trainer, iterator, num_steps):
             break
         batch = get_batch()
         logs = compiled_steps.train_step_any_rows(trainer, batch)
-        size = logs["examples"]
-        steps, examples, loss_sum = steps + 1, examples + size, loss_sum + logs["loss"] * size
+        size = logs["examples"]  # 0 for a step that is not finite (its loss may be NaN)
+        logged = tf.cast(size > 0, tf.float32)
+        steps, examples, logged_steps = steps + 1, examples + size, logged_steps + logged
+        loss_sum += tf.math.multiply_no_nan(logs["loss"], size)
+        sums = {name: sums[name] + tf.math.multiply_no_nan(logs[name], logged) for name in names}
         skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
         if trainer.options.on_nonfinite == "raise" and not logs["finite"]:
             nonfinite = tf.constant(True)
@@ -39,9 +47,10 @@ def compiled_loop(trainer, iterator, num_steps):
         if trainer.cluster is not None and logs["stop_requested"]:
             stop_requested = tf.constant(True)
             break
-    logs = {"loss": tf.math.divide_no_nan(loss_sum, examples), "steps": steps,
-            "examples": examples, "skipped": skipped, "nonfinite": nonfinite,
-            **{metric.name: metric.result() for metric in trainer.metrics}}
+    logs = {"loss": tf.math.divide_no_nan(loss_sum, examples),
+            **{name: tf.math.divide_no_nan(sums[name], logged_steps) for name in names},
+            "steps": steps, "examples": examples, "logged_steps": logged_steps,
+            "skipped": skipped, "nonfinite": nonfinite, **trainer.metrics.results()}
     if trainer.cluster is not None:
         logs["stop_requested"] = stop_requested
     if compiled_steps.loss_scale(trainer.optimizer) is not None:
@@ -76,8 +85,9 @@ class EpochSteps:
     def run(self, before_step, limit):
         """Runs the next execution of at most `limit` steps (an int, see _limit).
 
-        Calls before_step() first. Returns (logs, steps run, examples), or None
-        when the epoch's batches or `limit` ran out.
+        Calls before_step() first. Returns (logs, steps run, steps in the logs),
+        the logs with "examples" (those they cover), or None when the epoch's
+        batches or `limit` ran out.
         """
         if limit == 0:
             return None
@@ -86,14 +96,14 @@ class EpochSteps:
             logs = self._trainer.train_steps(self._iterator, limit)
             if not logs["steps"]:
                 return None
-            return logs, logs.pop("steps"), int(logs.pop("examples"))
+            return logs, logs.pop("steps"), int(logs.pop("logged_steps"))
         batch = next(self._iterator, None)
         if batch is None:
             return None
         before_step()
+        # With a cluster the batch is this worker's part; its "examples" count them all.
         logs = self._trainer.train_step(batch)
-        # With a cluster the batch is this worker's part; the step counts them all.
-        return logs, 1, int(logs.pop("examples"))
+        return logs, 1, int(logs["examples"] > 0)
 
 
 def limit(trainer, batch_index, steps_per_epoch, max_steps):

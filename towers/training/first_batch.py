@@ -11,7 +11,6 @@ from towers.data_parallel.replicas import Replicas
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import plan as op_plan, tables as op_tables
-from towers.training import metrics as metrics_lib
 
 
 def set_up(trainer, batch):
@@ -28,12 +27,16 @@ def set_up(trainer, batch):
     with tf.device(setup.main_device):
         try:
             y_pred = trainer.model(x, training=False)
-            losses.per_example_loss(trainer.loss, y, y_pred, sample_weight)
+            outputs = (y_pred, losses.output_masks(y_pred))
+            trainer.objective.terms(y, outputs, sample_weight)  # resolves the loss's forms
         except (tf.errors.OpError, TypeError) as error:
             raise ValueError(
                 f"the model or the loss failed on the first example of the batch: "
                 f"{errors.root_cause(error)}. Check that x matches the model's inputs and y "
                 "its outputs.") from None
+        except ValueError as error:  # Keras's own checks of the loss's forms: several lines
+            raise ValueError(" ".join(str(error).split())) from None
+        trainer.metrics.build(y, outputs)
         check_model(trainer)
         if not trainer.optimizer.built:
             trainer.optimizer.build(trainer.model.trainable_variables)
@@ -43,12 +46,11 @@ def set_up(trainer, batch):
             tables = op_tables.look_up_where_they_live(trainer.model)
             setup.tables = tables if any(tables) else None
         setup.densify = tower.choose_dense_gradients(
-            trainer.model, trainer.loss, first_shard, setup.options.sparse_policy)
+            trainer.model, trainer.objective, first_shard, setup.options.sparse_policy)
         if trainer.jit_compile:
             setup.compiled_tower = tower.compiled_tower(
-                setup.stages, trainer.loss, setup.options.micro_batches,
+                setup.stages, trainer.objective, setup.options.micro_batches,
                 setup.options.pipeline_schedule, setup.densify)
-    metrics_lib.build(trainer.metrics, y, y_pred)
     if trainer.cluster is not None:
         setup.first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,

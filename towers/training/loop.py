@@ -12,11 +12,12 @@ import tensorflow as tf
 from absl import logging
 
 from towers.errors import Preempted
-from towers.training import callbacks as callbacks_lib, executions
-from towers.training import metrics as metrics_lib, preemption
+from towers.training import callbacks as callbacks_lib, class_weights, executions
+from towers.training import preemption
 
 def evaluate(trainer, data, callbacks=None):
-    """Mean loss over every example of `data` (+ regularisation) and the metrics.
+    """The loss over every example of `data` (+ regularisation), each loss term's, and the
+    metrics, as keras.Model.evaluate computes them (each batch's loss weighed by its rows).
 
     `data`: one batch as a tuple (x, y[, sample_weight]), a tf.data.Dataset or
     any iterable of such batches. `callbacks`: None or a
@@ -24,25 +25,25 @@ def evaluate(trainer, data, callbacks=None):
     keras.Model.evaluate calls them.
     """
     callbacks = callbacks or keras.callbacks.CallbackList()
-    metrics_lib.reset(trainer.metrics)
+    trainer.metrics.reset()
     callbacks.on_test_begin()
     batches = [data] if isinstance(data, tuple) else data
-    loss_sum, examples, regularization, logs = 0.0, 0.0, 0.0, {}
+    means, logs = _LossMeans(trainer.objective), {}
     for index, batch in enumerate(batches):
         callbacks.on_test_batch_begin(index)
-        batch_loss_sum, batch_examples, regularization = trainer.eval_step(batch)
-        loss_sum += float(batch_loss_sum)
-        examples += float(batch_examples)
-        logs = _metric_logs(trainer, loss_sum / max(examples, 1.0) + float(regularization))
+        batch_logs = trainer.eval_step(batch)
+        means.add(batch_logs, steps=1)
+        logs = _logs(trainer, means, batch_logs)
         callbacks.on_test_batch_end(index, logs)
-    if not examples:
+    if not means.examples:
         raise ValueError("evaluate got no batches; pass a batch or a non-empty dataset.")
     callbacks.on_test_end(logs)
     return logs
 
 
 def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
-        max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None):
+        max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None,
+        class_weight=None):
     """Runs epochs of tower steps; returns a keras.callbacks.History.
 
     Args:
@@ -63,6 +64,9 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
       callbacks: keras.callbacks.Callback objects, called as keras.Model.fit
         calls them (see callbacks.py); a keras.callbacks.ProgbarLogger among
         them replaces the trainer's own progress output.
+      class_weight: None, or {class index: weight}: each training batch's sample
+        weights from its labels, as keras.Model.fit makes them (one output only,
+        not with sample weights; validation is not weighted).
 
     The logs the callbacks and the History see are Keras's: "loss" (the mean
     over the epoch's examples so far) and the metrics, then "val_" ones; the
@@ -70,6 +74,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     began), and "loss_scale" with loss scaling.
     """
     _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
+    dataset = class_weights.weighted(dataset, class_weight)
     epoch, skip = 0, 0
     if checkpointer is not None and checkpointer.restore():
         epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
@@ -83,12 +88,12 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     epoch_logs = None
     with preemption.StopSignals() as signals:
         while epoch < epochs and not _reached(trainer, max_steps):
-            metrics_lib.reset(trainer.metrics)
+            trainer.metrics.reset()
             callbacks.on_epoch_begin(epoch)
             steps = executions.EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip,
                                            shared_iterator)
             progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
-            start, loss_sum, examples, batch_index, logs = time.perf_counter(), 0.0, 0, skip, {}
+            start, means, batch_index, logs = time.perf_counter(), _LossMeans(trainer.objective), skip, {}
             broke_off = False
 
             def before_step():
@@ -98,16 +103,15 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
 
             while (execution := steps.run(before_step, executions.limit(
                     trainer, batch_index, steps_per_epoch, max_steps))) is not None:
-                logs, ran, size = execution
+                logs, ran, logged_steps = execution
                 batch_index += ran
-                loss_sum, examples = loss_sum + logs["loss"] * size, examples + size
-                logs["examples_per_sec"] = examples / (time.perf_counter() - start)
+                means.add(logs, logged_steps)
+                logs["examples_per_sec"] = means.examples / (time.perf_counter() - start)
                 progress.update(batch_index, logs)
                 summaries.train(trainer, logs)
                 if saver is not None:
                     saver.batch_done(epoch, batch_index, ran)
-                callbacks.on_train_batch_end(batch_index - 1,
-                                             _metric_logs(trainer, loss_sum / examples, logs))
+                callbacks.on_train_batch_end(batch_index - 1, _logs(trainer, means, logs))
                 if logs.pop("stop_requested", signals.received):
                     _stop(trainer, checkpointer, saver, signals,
                           _next_position(epoch, batch_index, steps_per_epoch))
@@ -121,7 +125,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                 logging.warning("epoch %d got no batches: the dataset ran out; stopping.",
                                 epoch + 1)
                 break
-            epoch_logs = _metric_logs(trainer, loss_sum / examples)
+            epoch_logs = _logs(trainer, means)
             epoch_logs.update({name: logs[name] for name in ("examples_per_sec", "loss_scale")
                                if name in logs})
             if validation_data is not None:
@@ -154,15 +158,42 @@ def _stop(trainer, checkpointer, saver, signals, position):
                     "worker", trainer.step, None if checkpointer is None else checkpointer.directory)
 
 
-def _metric_logs(trainer, loss, step_logs=None):
-    """Keras's logs: the mean loss so far, then each metric's result, as floats.
+def _logs(trainer, means, step_logs=None):
+    """Keras's logs: the loss means so far (_LossMeans), then each metric's result, as floats.
 
     step_logs: the logs of the step just run, which hold the metric results
     already (read with the step's one device-to-host read); None = read them.
     """
     if step_logs is None:
-        step_logs = {m.name: float(m.result()) for m in trainer.metrics}
-    return {"loss": float(loss), **{m.name: step_logs[m.name] for m in trainer.metrics}}
+        step_logs = {name: float(value) for name, value in trainer.metrics.results().items()}
+    return {**means.means(), **{name: step_logs[name] for name in trainer.metrics.names}}
+
+
+class _LossMeans:
+    """Running means of the loss logs as Keras's trackers keep them: "loss" over the
+    examples in the logs (each call's value weighed by its "examples"), each loss
+    term's ("cls_loss", ...) over the steps in the logs (Keras weighs those by the
+    batch's static size, which its traced step does not know: each batch counts
+    once). A step that was not finite is in neither, so it adds nothing."""
+
+    def __init__(self, objective):
+        self._objective, self._sums, self.examples, self._steps = objective, {}, 0, 0
+
+    def add(self, logs, steps):
+        """Adds one call's logs (its "examples" popped) of `steps` logged steps."""
+        examples = int(logs.pop("examples"))
+        if examples:
+            self._sums["loss"] = self._sums.get("loss", 0.0) + logs["loss"] * examples
+            for name in self._objective.names:
+                self._sums[name] = self._sums.get(name, 0.0) + logs[name] * steps
+            self.examples, self._steps = self.examples + examples, self._steps + steps
+
+    def means(self):
+        """{name: mean}; 0 while nothing has entered the logs (as a Keras Mean reads)."""
+        means = {"loss": self._sums.get("loss", 0.0) / max(self.examples, 1)}
+        for name in self._objective.names:
+            means[name] = self._sums.get(name, 0.0) / max(self._steps, 1)
+        return means
 
 
 class _Progress:

@@ -1,77 +1,123 @@
-"""Keras metrics on the towers' outputs: checked, built on the first batch, updated
-on the main device every step (summed across workers with a cluster)."""
+"""The trainer's metrics, as keras.Model.compile takes them: checked, built on the first
+batch, updated on the main device every step (summed across workers with a cluster)."""
 
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import exchange, split
+from towers import compat
+from towers.data_parallel import exchange, losses, split
 
-_ACCURACY_NAMES = ("accuracy", "acc")
-
-
-def resolve(metrics):
-    """Checks `metrics`: keras.metrics.Metric objects, or "accuracy" (resolved on first batch)."""
-    resolved = []
-    for metric in metrics:
-        if isinstance(metric, keras.metrics.Metric) or metric in _ACCURACY_NAMES:
-            resolved.append(metric)
-        elif isinstance(metric, str) and isinstance(_get_metric(metric), keras.metrics.Metric):
-            resolved.append(_get_metric(metric))
-        else:
-            raise ValueError(
-                f"metric {metric!r} is not a keras.metrics.Metric object or a known metric "
-                "name; pass e.g. 'accuracy' or keras.metrics.SparseCategoricalAccuracy().")
-    return resolved
+_ALIASES = ("accuracy", "acc")  # compile picks binary, categorical or sparse by shape
 
 
-def build(metrics, y, y_pred):
-    """Replaces "accuracy" in `metrics` (in place) by the accuracy that fits y and y_pred."""
-    for i, metric in enumerate(metrics):
-        if isinstance(metric, str):
-            metrics[i] = _accuracy_for(y, y_pred)
+class Metrics:
+    """`metrics` and `weighted_metrics` in every form keras.Model.compile takes them
+    (a list for the outputs together, a list or dict per output, names or objects),
+    computed by Keras's own container with Keras's names ("accuracy",
+    "cls_accuracy", ...): `metrics` see masks but not sample weights,
+    `weighted_metrics` both.
 
-
-def update(metrics, batch, y_pred, device, cluster=None):
-    """Updates every metric with the whole batch on `device`; returns their results.
-
-    With a cluster (`batch` is this worker's part) the workers' updates are
-    added up, so every worker holds the global batch's metrics. That is
-    right for metrics whose state variables are sums (counts, totals,
-    confusion matrices), as Keras's built-in metrics are.
+    Attributes:
+      names: the names of the results, in order (known after `build`).
+      variables: every metric's state variables (after `build`).
     """
-    variables = [v for metric in metrics for v in metric.variables] if cluster else []
-    before = [tf.identity(v.value) for v in variables]  # .value is the variable itself
-    with tf.device(device):
-        y, sample_weight = split.targets(batch)
-        for metric in metrics:
-            metric.update_state(y, y_pred, sample_weight=sample_weight)
-        if variables:
-            added = exchange.sum_across_workers(
-                [v.value - old for v, old in zip(variables, before)], cluster, device)
-            for variable, old, update in zip(variables, before, added):
-                variable.assign(old + update)
-        return {metric.name: metric.result() for metric in metrics}
+
+    def __init__(self, metrics=(), weighted_metrics=None, output_names=None):
+        """Raises ValueError, in one line, for a form or a name compile would not take."""
+        for argument, given in (("metrics", metrics), ("weighted_metrics", weighted_metrics)):
+            if given is None:
+                continue
+            if not isinstance(given, (list, tuple, dict)):
+                raise ValueError(
+                    f"{argument} must be a list (or a dict by output name) of metrics, as "
+                    f"keras.Model.compile takes it, got {given!r}; e.g. {argument}=['accuracy'].")
+            for metric in tf.nest.flatten(given):
+                _check_metric(argument, metric)
+        self._keras = compat.CompileMetrics(metrics or None, weighted_metrics,
+                                            output_names=output_names)
+        self.names = []
+
+    @property
+    def variables(self):
+        return self._keras.variables
+
+    # A sequence of the Keras metric objects (after build), as the trainer's metrics
+    # were before compile's forms: trainer.metrics[0].result().
+    def __iter__(self):
+        return iter(self._keras.metrics)
+
+    def __len__(self):
+        return len(self._keras.metrics)
+
+    def __getitem__(self, index):
+        return self._keras.metrics[index]
+
+    def build(self, y, outputs):
+        """Builds every metric for targets `y` and (y_pred, masks) `outputs`; eagerly, on
+        the device the metrics' variables should live on.
+
+        Raises:
+          ValueError: a metric that does not fit the model's outputs, in one line.
+        """
+        try:
+            self._keras.build(y, losses.with_masks(outputs))
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(
+                f"the metrics do not fit the model's outputs: {str(error).splitlines()[0]}"
+            ) from None
+        self.names = list(self._keras.result())
+        self._keras.reset_state()  # a metric object given with a state of its own starts afresh
+
+    def update(self, batch, outputs, device, cluster=None, keep_if=None):
+        """Updates every metric with the whole batch on `device`; returns their results.
+
+        outputs: (y_pred, masks) of the batch's rows, forward.forward's form.
+        keep_if: None, or a bool scalar: where False, the metrics stay as they
+          were (a step whose loss or gradients are not finite enters no log).
+
+        With a cluster (`batch` is this worker's part) the workers' updates are
+        added up, so every worker holds the global batch's metrics. That is
+        right for metrics whose state variables are sums (counts, totals,
+        confusion matrices), as Keras's built-in metrics are.
+        """
+        variables = self.variables if cluster is not None or keep_if is not None else []
+        before = [tf.identity(v.value) for v in variables]  # .value is the variable itself
+        with tf.device(device):
+            y, sample_weight = split.targets(batch)
+            self._keras.update_state(y, losses.with_masks(outputs), sample_weight)
+            values = [tf.identity(v.value) for v in variables]
+            if cluster is not None and variables:
+                added = exchange.sum_across_workers(
+                    [value - old for value, old in zip(values, before)], cluster, device)
+                values = [old + update for old, update in zip(before, added)]
+            for variable, old, value in zip(variables, before, values):
+                variable.assign(value if keep_if is None else tf.where(keep_if, value, old))
+            return self.results()
+
+    def results(self):
+        """{name: result Tensor} of every metric."""
+        if not self.names:
+            return {}
+        return dict(self._keras.result())
+
+    def reset(self):
+        """Resets every metric's state."""
+        self._keras.reset_state()
 
 
-def _accuracy_for(y, y_pred):
-    """Binary, categorical (one-hot y) or sparse categorical accuracy, as Keras's compile picks."""
-    y_pred, y = tf.nest.flatten(y_pred)[0], tf.nest.flatten(y)[0]
-    if y_pred.shape.rank < 2 or y_pred.shape[-1] == 1:
-        return keras.metrics.BinaryAccuracy(name="accuracy")
-    if y.shape.rank == y_pred.shape.rank and y.shape[-1] == y_pred.shape[-1]:
-        return keras.metrics.CategoricalAccuracy(name="accuracy")
-    return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+def _check_metric(argument, metric):
+    if metric is None or isinstance(metric, keras.metrics.Metric) or (
+            callable(metric) and not isinstance(metric, str)):
+        return
+    if isinstance(metric, str) and (metric.lower() in _ALIASES or _known_metric(metric)):
+        return
+    raise ValueError(
+        f"{argument} entry {metric!r} is not a keras.metrics.Metric, a metric function or "
+        "a known metric name; pass e.g. 'accuracy' or keras.metrics.SparseCategoricalAccuracy().")
 
 
-def _get_metric(name):
+def _known_metric(name):
     try:
-        return keras.metrics.get(name)
+        return keras.metrics.get(name) is not None
     except ValueError:
-        return None
-
-
-def reset(metrics):
-    """Resets every built metric (an unbuilt \"accuracy\" has nothing to reset)."""
-    for metric in metrics:
-        if isinstance(metric, keras.metrics.Metric):
-            metric.reset_state()
+        return False

@@ -22,6 +22,8 @@ class TowerTrainer:
 
     Attributes:
       model, loss: as given.
+      objective: the loss as computed (a losses.Objective): `loss` and
+        `loss_weights` in every form keras.Model.compile takes them.
       optimizer: as given, wrapped in keras.optimizers.LossScaleOptimizer when
         the model computes in float16 (a mixed_float16 policy) and it is not one.
       devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"]; with
@@ -36,7 +38,9 @@ class TowerTrainer:
       options: a TowerOptions (aggregation, pack_gradients, variable_placement,
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
         micro_batches, pipeline_schedule, embedding_lookup).
-      metrics: Keras metrics updated on every train and evaluation batch.
+      metrics: a metrics.Metrics: `metrics` and `weighted_metrics` in every form
+        keras.Model.compile takes them, updated on every train and evaluation
+        batch; indexing or iterating it gives the Keras metric objects.
       jit_compile: whether each tower's forward and backward (all its
         micro-batches) is compiled by XLA as one computation on its device
         (with pipeline stages: each stage's, per micro-batch, on its device);
@@ -58,7 +62,8 @@ class TowerTrainer:
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
-                 metrics=(), aggregation="main", pack_gradients=False,
+                 metrics=(), weighted_metrics=None, loss_weights=None,
+                 aggregation="main", pack_gradients=False,
                  variable_placement="main", accum_steps=1, clip_global_norm=None,
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
@@ -66,7 +71,9 @@ class TowerTrainer:
                  prefetch_to_devices="auto", embedding_lookup="table"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
-        losses.check_loss(loss)
+        output_names = getattr(model, "output_names", None)
+        self.objective = losses.Objective(loss, loss_weights, output_names)
+        self.metrics = metrics_lib.Metrics(metrics, weighted_metrics, output_names)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
@@ -99,7 +106,6 @@ class TowerTrainer:
                 self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
         self.num_towers = len(self.setup.grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
-        self.metrics = metrics_lib.resolve(metrics)
         self._skipped_steps = 0
         self._compiled = compiled.CompiledFunctions()
         if len(self.setup.column_devices) > 1:
@@ -131,10 +137,12 @@ class TowerTrainer:
             per tower, from shard_iterator.
 
         Returns:
-          {"loss": mean loss over the batch (+ regularisation), "examples": the
-           batch's rows, metric results..., "skipped_steps": steps skipped so far
-           (non-finite, or a float16 overflow that lowered the loss scale),
-           "loss_scale" with loss scaling}.
+          {"loss": the batch's loss as keras.Model.train_on_batch computes it
+           (+ regularisation), each loss term's ("cls_loss", ...) where the loss
+           has several, "examples": the batch's rows (0 for a step skipped as not
+           finite, which enters no log and no metric), metric results...,
+           "skipped_steps": steps skipped so far (non-finite, or a float16
+           overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
         With a cluster, `batch` is this worker's part of the global batch (it
         may be empty), "loss", "examples" are the global batch's, and
@@ -177,9 +185,11 @@ class TowerTrainer:
         up, as train_step does. `iterator` may be a shard_iterator.
 
         Returns:
-          logs as train_step's, over the steps run: "loss" is their mean over
-          their examples (the metrics run on, as ever), plus "steps" (how many
-          ran, 0 when the data had ended) and "examples".
+          logs as train_step's, over the steps run: "loss" (and each loss
+          term's) is their mean over their examples (the metrics run on, as
+          ever), plus "steps" (how many ran, 0 when the data had ended),
+          "examples" and "logged_steps" (those of the steps in the logs: each
+          loss term's log is the mean over the steps, as Keras's reads).
 
         Raises:
           NonFiniteError: on_nonfinite="raise" and a step was not finite; the
@@ -189,7 +199,8 @@ class TowerTrainer:
             batch = next(iterator, None)
             if batch is None:
                 return {"steps": 0}
-            return {**self.train_step(batch), "steps": 1}
+            logs = self.train_step(batch)
+            return {**logs, "steps": 1, "logged_steps": float(logs["examples"] > 0)}
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
@@ -217,20 +228,23 @@ class TowerTrainer:
         return loop.evaluate(self, data)
 
     def fit(self, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
-            max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None):
+            max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None,
+            class_weight=None):
         """Trains for `epochs` epochs over `dataset`; returns a keras.callbacks.History.
 
         See towers.training.loop.fit for every argument: `dataset` may be a callable
         epoch -> batches, `checkpointer` resumes and saves, `log_dir` gets
-        TensorBoard summaries, `callbacks` are Keras callbacks.
+        TensorBoard summaries, `callbacks` are Keras callbacks, `class_weight`
+        weighs the batches' rows by their labels as keras.Model.fit does.
         """
         return loop.fit(self, dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                         validation_data=validation_data, max_steps=max_steps,
                         checkpointer=checkpointer, log_dir=log_dir, verbose=verbose,
-                        callbacks=callbacks)
+                        callbacks=callbacks, class_weight=class_weight)
 
     def eval_step(self, batch):
-        """Sum of per-example losses, example count and regularisation for one batch."""
+        """One evaluation batch: its logs as train_step computes them, without a step
+        ("loss", each loss term's, "examples", the metrics' results), as floats."""
         batch, key = self._prepare(batch, "eval")
         return self._call(key, batch)
 
@@ -283,8 +297,7 @@ class TowerTrainer:
         step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
         may_be_empty = variant != kind
         return batch, self._compiled.for_batch(variant, batch,
-                                               lambda batch: step(self, batch, may_be_empty),
-                                               packed=kind == "train")
+                                               lambda batch: step(self, batch, may_be_empty))
 
     def _variant(self, kind, batch):
         """`kind`, or `kind`_with_empty_parts for a batch (Tensors) that leaves a micro-batch

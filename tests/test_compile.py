@@ -1,0 +1,274 @@
+"""What keras.Model.compile and fit accept, against Keras itself on one device.
+
+Each test trains the same model with `model.compile(...)` + `train_on_batch` (or
+`fit`, `evaluate`) on one device, and with TowerTrainer over towers, micro-batches,
+pipeline stages or split layers, and compares the weights and the logs by name:
+masked sequences (a Keras mask on the outputs), per-output losses in dicts and
+lists with loss_weights and per-output metrics, sample and class weights.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+TOLERANCE = 1e-5
+VOCABULARY, TOKENS, TAGS, CLASSES = 20, 6, 5, 3
+
+
+def _sce():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _tokens(rows, rng):
+    """Token ids (rows, TOKENS), each row padded with 0 after a length of 1..TOKENS."""
+    x = rng.integers(1, VOCABULARY, (rows, TOKENS))
+    lengths = rng.integers(1, TOKENS + 1, rows)
+    x[np.arange(TOKENS)[None] >= lengths[:, None]] = 0
+    return x.astype("int32")
+
+
+def _encoder(kind, inputs):
+    """Token ids -> masked (batch, TOKENS, 8) features: an LSTM or self-attention."""
+    h = keras.layers.Embedding(VOCABULARY, 8, mask_zero=True, name="embedding")(inputs)
+    if kind == "lstm":
+        return keras.layers.LSTM(8, return_sequences=True, unroll=True, name="encoder")(h)
+    return keras.layers.MultiHeadAttention(2, 4, name="encoder")(h, h)
+
+
+def masked_model(kind, labels):
+    """A padded-sequence model: per-token tags (the output carries the mask) or one class
+    per sequence (the mask consumed by a pooling LSTM or average)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((TOKENS,), dtype="int32")
+    h = _encoder(kind, inputs)
+    if labels == "sequence":
+        h = (keras.layers.LSTM(8, unroll=True, name="pool") if kind == "lstm"
+             else keras.layers.GlobalAveragePooling1D(name="pool"))(h)
+    return keras.Model(inputs, keras.layers.Dense(TAGS if labels == "tokens" else CLASSES,
+                                                  name="head")(h))
+
+
+def two_heads_model():
+    """Per-token tags (masked) and a class per sequence (not masked, L2-regularised): a
+    loss term counted over the batch's tokens beside one over its rows."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((TOKENS,), dtype="int32")
+    h = _encoder("lstm", inputs)
+    tags = keras.layers.Dense(TAGS, name="tags")(h)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    cls = keras.layers.Dense(CLASSES, kernel_regularizer=keras.regularizers.L2(0.01),
+                             name="cls")(pooled)
+    return keras.Model(inputs, {"tags": tags, "cls": cls})
+
+
+def _batches(rows, labels, steps=3, token_weights=False, seed=1):
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(steps):
+        x = _tokens(rows, rng)
+        tags = rng.integers(0, TAGS, (rows, TOKENS))
+        classes = rng.integers(0, CLASSES, rows)
+        y = {"tokens": tags, "sequence": classes, "both": {"tags": tags, "cls": classes}}[labels]
+        batch = (x, y)
+        if token_weights:
+            batch += (rng.uniform(0.5, 2.0, (rows, TOKENS)).astype("float32"),)
+        batches.append(batch)
+    return batches
+
+
+def _keras_logs(model, batches, **compile_args):
+    """Compiles `model` on one device, trains on `batches`; the logs of each step."""
+    model.compile(optimizer=keras.optimizers.SGD(0.5), **compile_args)
+    return [model.train_on_batch(*batch, return_dict=True) for batch in batches]
+
+
+class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
+
+    def assert_same_training(self, keras_model, keras_logs, trainer, batches,
+                             joined=lambda model: model):
+        """Trains `trainer` on `batches`, each step's logs and the weights against Keras's
+        (`joined(trainer.model)`'s: a split model joined again)."""
+        for batch, expected in zip(batches, keras_logs):
+            trainer.metrics.reset()  # train_on_batch's logs are the batch's own
+            logs = trainer.train_step(batch)
+            for name, value in expected.items():
+                self.assertAllClose(logs[name], value, atol=TOLERANCE, msg=name)
+        for want, got in zip(keras_model.get_weights(), joined(trainer.model).get_weights()):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
+    @parameterized.named_parameters(
+        ("lstm_tokens", "lstm", "tokens", 3, {}),
+        ("attention_tokens_token_weights", "attention", "tokens", 3, {}, True),
+        ("lstm_sequence", "lstm", "sequence", 2, {}),
+        ("attention_sequence", "attention", "sequence", 3, {}),
+        ("lstm_tokens_micro_batches", "lstm", "tokens", 2, {"accum_steps": 3}, True),
+        ("lstm_tokens_pipeline", "lstm", "tokens", 2,
+         {"pipeline_cuts": ["embedding"], "micro_batches": 2}),
+    )
+    def test_masked_sequences_equal_keras(self, kind, labels, num_towers, options,
+                                          token_weights=False):
+        batches = _batches(7, labels, token_weights=token_weights)
+        keras_model = masked_model(kind, labels)
+        keras_logs = _keras_logs(keras_model, batches, loss=_sce(), metrics=["accuracy"])
+        devices = DEVICES[:num_towers]
+        if "pipeline_cuts" in options:
+            devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
+        trainer = towers.TowerTrainer(masked_model(kind, labels), _sce(),
+                                      keras.optimizers.SGD(0.5), devices=devices,
+                                      metrics=["accuracy"], **options)
+        self.assert_same_training(keras_model, keras_logs, trainer, batches)
+
+    @parameterized.named_parameters(
+        ("one_tower", 1, {}),
+        ("three_towers", 3, {}),
+        ("micro_batches", 3, {"accum_steps": 2}),
+        ("pipeline_gpipe", 2, {"pipeline_cuts": ["encoder"], "micro_batches": 2}),
+        ("pipeline_1f1b", 2, {"pipeline_cuts": ["encoder"], "micro_batches": 3,
+                              "pipeline_schedule": "1f1b"}),
+    )
+    def test_dict_losses_with_a_masked_output_equal_keras(self, num_towers, options):
+        batches = _batches(7, "both")
+        compile_args = dict(loss={"tags": _sce(), "cls": _sce()},
+                            loss_weights={"tags": 1.0, "cls": 0.3},
+                            metrics={"tags": ["accuracy"], "cls": ["accuracy"]})
+        keras_model = two_heads_model()
+        keras_logs = _keras_logs(keras_model, batches, **compile_args)
+        self.assertIn("tags_loss", keras_logs[0])
+        devices = DEVICES[:num_towers]
+        if "pipeline_cuts" in options:
+            devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
+        trainer = towers.TowerTrainer(two_heads_model(), optimizer=keras.optimizers.SGD(0.5),
+                                      devices=devices, **compile_args, **options)
+        self.assert_same_training(keras_model, keras_logs, trainer, batches)
+
+    def test_split_layers_with_a_masked_output_equal_keras(self):
+        batches = _batches(7, "both")
+        compile_args = dict(loss={"tags": _sce(), "cls": _sce()}, loss_weights=[0.5, 2.0],
+                            metrics={"tags": ["accuracy"]})
+        keras_model = two_heads_model()
+        keras_logs = _keras_logs(keras_model, batches, **compile_args)
+        parted = towers.split_layers(two_heads_model(), {"tags": "column"}, DEVICES[:2])
+        trainer = towers.TowerTrainer(parted, optimizer=keras.optimizers.SGD(0.5),
+                                      devices=[DEVICES[:2], DEVICES[2:]], **compile_args)
+        self.assert_same_training(keras_model, keras_logs, trainer, batches,
+                                  towers.join_layers)
+
+    def test_list_losses_names_and_per_output_metrics_equal_keras(self):
+        def model():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((4,))
+            h = keras.layers.Dense(6, activation="relu", name="d1")(inputs)
+            return keras.Model(inputs, [keras.layers.Dense(CLASSES, name="cls")(h),
+                                        keras.layers.Dense(2, name="reg")(h)])
+
+        rng = np.random.default_rng(3)
+        batches = [(rng.normal(size=(7, 4)).astype("float32"),
+                    [rng.integers(0, CLASSES, 7), rng.normal(size=(7, 2)).astype("float32")])
+                   for _ in range(3)]
+        compile_args = dict(loss=["sparse_categorical_crossentropy", "mse"],
+                            loss_weights=[1.0, 0.5], metrics=[["accuracy"], ["mae", "mse"]])
+        keras_model = model()
+        keras_logs = _keras_logs(keras_model, batches, **compile_args)
+        self.assertEqual(sorted(keras_logs[0]), ["cls_accuracy", "cls_loss", "loss", "reg_loss",
+                                                 "reg_mae", "reg_mse"])
+        trainer = towers.TowerTrainer(model(), optimizer=keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3], **compile_args)
+        self.assert_same_training(keras_model, keras_logs, trainer, batches)
+
+    def test_fit_and_evaluate_logs_equal_keras(self):
+        # Per-output losses and metrics over an epoch and in evaluate: each batch's loss
+        # weighed by its rows, as Keras's trackers weigh them.
+        batches = _batches(5, "both", steps=4)
+        data = tf.data.Dataset.from_tensor_slices(
+            (np.concatenate([b[0] for b in batches]),
+             {name: np.concatenate([b[1][name] for b in batches]) for name in ("tags", "cls")}))
+        train, test = data.take(14).batch(5), data.skip(14).batch(4)  # 5, 5, 4 and 4, 2
+        def compile_args():
+            return dict(loss={"tags": _sce(), "cls": _sce()},
+                        metrics={"tags": ["accuracy"], "cls": ["accuracy"]},
+                        weighted_metrics={"cls": [keras.metrics.SparseCategoricalAccuracy(
+                            name="weighted_acc")]})
+
+        keras_model = two_heads_model()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), **compile_args())
+        expected = keras_model.fit(train, epochs=2, validation_data=test, verbose=0).history
+        trainer = towers.TowerTrainer(two_heads_model(), optimizer=keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3], **compile_args())
+        history = trainer.fit(train, epochs=2, validation_data=test, verbose=False).history
+        for name, values in expected.items():
+            self.assertAllClose(history[name], values, atol=TOLERANCE, msg=name)
+        evaluated = trainer.evaluate(test)
+        for name, value in keras_model.evaluate(test, return_dict=True, verbose=0).items():
+            self.assertAllClose(evaluated[name], value, atol=TOLERANCE, msg=name)
+
+    def test_class_weight_equals_keras_fit(self):
+        batches = _batches(7, "sequence", steps=2)
+        data = tf.data.Dataset.from_tensor_slices(
+            (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])))
+        class_weight = {0: 0.5, 1: 2.0, 2: 1.5}
+        keras_model = masked_model("lstm", "sequence")
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce(),
+                            metrics=["accuracy"])
+        expected = keras_model.fit(data.batch(7), class_weight=class_weight, verbose=0).history
+        for steps_per_execution in (1, 2):
+            trainer = towers.TowerTrainer(masked_model("lstm", "sequence"), _sce(),
+                                          keras.optimizers.SGD(0.5), devices=DEVICES[:3],
+                                          metrics=["accuracy"],
+                                          steps_per_execution=steps_per_execution)
+            history = trainer.fit(data.batch(7), class_weight=class_weight,
+                                  verbose=False).history
+            for name, values in expected.items():
+                self.assertAllClose(history[name], values, atol=TOLERANCE, msg=name)
+            for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+                self.assertAllClose(want, got, atol=TOLERANCE)
+
+
+class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
+    """What compile refuses is refused in one line, before anything is applied."""
+
+    @parameterized.named_parameters(
+        ("sum_reduction", dict(loss=keras.losses.MeanSquaredError(reduction="sum")),
+         "reduction='sum'"),
+        ("unknown_loss_name", dict(loss="no_such_loss"), "not a Keras loss name"),
+        ("loss_not_callable", dict(loss=3), "got int"),
+        ("weights_not_numbers", dict(loss="mse", loss_weights={"cls": "big"}), "loss_weights"),
+        ("metrics_a_string", dict(loss="mse", metrics="accuracy"), r"metrics=\['accuracy'\]"),
+        ("unknown_metric", dict(loss="mse", metrics=["no_such_metric"]), "no_such_metric"),
+    )
+    def test_bad_forms_refused_at_construction(self, arguments, message):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        with self.assertRaisesRegex(ValueError, message):
+            towers.TowerTrainer(model, optimizer=keras.optimizers.SGD(), devices=DEVICES[:2],
+                                **arguments)
+
+    @parameterized.named_parameters(
+        ("loss_for_an_output_that_is_not_there", dict(loss={"tags": _sce(), "nope": _sce()})),
+        ("metrics_for_an_output_that_is_not_there",
+         dict(loss={"tags": _sce(), "cls": _sce()}, metrics={"nope": ["accuracy"]})),
+        ("too_many_loss_weights", dict(loss=[_sce(), _sce()], loss_weights=[1.0, 2.0, 3.0])),
+    )
+    def test_forms_that_do_not_fit_the_outputs_refused_at_the_first_step(self, arguments):
+        trainer = towers.TowerTrainer(two_heads_model(), optimizer=keras.optimizers.SGD(),
+                                      devices=DEVICES[:2], **arguments)
+        before = [w.copy() for w in trainer.model.get_weights()]
+        with self.assertRaises(ValueError) as refused:
+            trainer.train_step(_batches(4, "both", steps=1)[0])
+        self.assertNotIn("\n", str(refused.exception))
+        for want, got in zip(before, trainer.model.get_weights()):
+            self.assertAllEqual(want, got)
+
+    def test_class_weight_refused_where_keras_refuses_it(self):
+        trainer = towers.TowerTrainer(two_heads_model(), {"tags": _sce(), "cls": _sce()},
+                                      keras.optimizers.SGD(), devices=DEVICES[:2])
+        with self.assertRaisesRegex(ValueError, "single output"):
+            trainer.fit(_batches(4, "both", steps=1), class_weight={0: 1.0}, verbose=False)
+        trainer = towers.TowerTrainer(masked_model("lstm", "sequence"), _sce(),
+                                      keras.optimizers.SGD(), devices=DEVICES[:2])
+        with self.assertRaisesRegex(ValueError, "sample_weight"):
+            trainer.fit(_batches(4, "sequence", steps=1, token_weights=True),
+                        class_weight={0: 1.0}, verbose=False)
+        self.assertEqual(trainer.step, 0)
