@@ -183,6 +183,7 @@ def train():
 def run():
     """Entry point of the towers-train console script and of `python -m towers.train`."""
     _help_describes_this_module()
+    _help_flags_exit_0()
     app.run(main)
 
 
@@ -196,6 +197,29 @@ def _help_describes_this_module():
     for flag in flags.FLAGS.get_key_flags_for_module(__name__):
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     sys.modules["__main__"].__doc__ = __doc__
+
+
+class _ExitsZeroAfterHelp:
+    """For absl's help flag classes, which print the help and exit with status 1."""
+
+    def parse(self, argument):
+        try:
+            super().parse(argument)
+        except SystemExit:  # raised only once the help is printed
+            raise SystemExit(0) from None
+
+
+def _help_flags_exit_0():
+    """Replaces absl's --help, --helpshort and --helpfull with ones that exit 0.
+
+    Asking for help is a success: scripts and package checks run `towers-train --help` to
+    see that it is installed. app.run defines absl's own only if they are not there yet.
+    """
+    app.define_help_flags()
+    for absl_class in (app.HelpFlag, app.HelpshortFlag, app.HelpfullFlag):
+        help_flag = type(absl_class.__name__, (_ExitsZeroAfterHelp, absl_class), {})()
+        help_flag.allow_override = True  # takes absl's flag's names, --help and -?
+        flags.DEFINE_flag(help_flag, module_name=app.__name__)
 
 
 if __name__ == "__main__":
