@@ -190,9 +190,9 @@ def run():
 def _help_describes_this_module():
     """Makes --help and --helpshort print this module's docstring and key flags.
 
-    absl's short help prints the docstring of __main__ and the key flags of the module it
-    calls main, named by sys.argv[0]; in both ways of starting the program that is a shim
-    which only calls run() (towers/train.py, or the script pip writes for towers-train).
+    absl's short help prints __main__'s docstring and the key flags of the module named by
+    sys.argv[0]; in both ways of starting the program that module is a shim which only calls
+    run() (towers/train.py, or the script pip writes for towers-train).
     """
     for flag in flags.FLAGS.get_key_flags_for_module(__name__):
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
