@@ -6,9 +6,10 @@ Rerunning the same command with --checkpoint_dir resumes from the newest
 checkpoint. SIGTERM or SIGINT stops it after the running step with a checkpoint
 at the exact position, one line on stderr and exit status 75. With TF_CONFIG
 set, or --worker_hosts and --task_index, the process is one worker of a
-cluster (docs/multi_worker.md). This is the only module of towers that defines flags;
-it reads them into a cli.job.Job, and job.run does the work.
+cluster (docs/multi_worker.md).
 """
+# The docstring above is the usage text --help prints. This is the only module of towers
+# that defines flags; it reads them into a cli.job.Job, and job.run does the work.
 
 import os
 import sys
@@ -118,6 +119,7 @@ CHECKPOINT_EVERY = flags.DEFINE_integer(
 # absl.logging already defines --log_dir, for log files it writes only when asked to; the
 # command-line contract names it as the TensorBoard directory, so it is shared, with our help.
 flags.FLAGS["log_dir"].help = "Where TensorBoard summaries go."
+flags.declare_key_flag("log_dir")  # listed by --help with the flags defined here
 OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write the final metrics here as JSON.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout.")
 DETERMINISTIC = flags.DEFINE_bool("deterministic", False,
@@ -179,8 +181,45 @@ def train():
 
 
 def run():
-    """Entry point of the towers-train console script."""
+    """Entry point of the towers-train console script and of `python -m towers.train`."""
+    _help_describes_this_module()
+    _help_flags_exit_0()
     app.run(main)
+
+
+def _help_describes_this_module():
+    """Makes --help and --helpshort print this module's docstring and key flags.
+
+    absl's short help prints __main__'s docstring and the key flags of the module named by
+    sys.argv[0]; in both ways of starting the program that module is a shim which only calls
+    run() (towers/train.py, or the script pip writes for towers-train).
+    """
+    for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    sys.modules["__main__"].__doc__ = __doc__
+
+
+class _ExitsZeroAfterHelp:
+    """For absl's help flag classes, which print the help and exit with status 1."""
+
+    def parse(self, argument):
+        try:
+            super().parse(argument)
+        except SystemExit:  # raised only once the help is printed
+            raise SystemExit(0) from None
+
+
+def _help_flags_exit_0():
+    """Replaces absl's --help, --helpshort and --helpfull with ones that exit 0.
+
+    Asking for help is a success: scripts and package checks run `towers-train --help` to
+    see that it is installed. app.run defines absl's own only if they are not there yet.
+    """
+    app.define_help_flags()
+    for absl_class in (app.HelpFlag, app.HelpshortFlag, app.HelpfullFlag):
+        help_flag = type(absl_class.__name__, (_ExitsZeroAfterHelp, absl_class), {})()
+        help_flag.allow_override = True  # takes absl's flag's names, --help and -?
+        flags.DEFINE_flag(help_flag, module_name=app.__name__)
 
 
 if __name__ == "__main__":
