@@ -139,3 +139,41 @@ def per_shard_weights(model, optimizer, loss, batches, num_shards):
             variable.assign(np.sum(parts, axis=0))
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return [v.numpy() for v in model.weights]
+
+
+def untouched_copy(model, optimizer, make_model):
+    """(a model from make_model(), an optimizer of `optimizer`'s class and config) holding
+    `model`'s weights and `optimizer`'s state, that no trainer has ever seen."""
+    copy = make_model()
+    copy.set_weights(model.get_weights())
+    copy_optimizer = type(optimizer).from_config(optimizer.get_config())
+    copy_optimizer.build(copy.trainable_variables)
+    for mine, theirs in zip(copy_optimizer.variables, optimizer.variables):
+        mine.assign(theirs)
+    return copy, copy_optimizer
+
+
+def plain_keras_steps(model, optimizer, loss, batch):
+    """A GradientTape step with optimizer.apply_gradients on (x, y) = batch[:2], then
+    model.compile(optimizer, loss) and train_on_batch; returns the weights and the
+    optimizer's variables after both, as arrays."""
+    x, y = batch[0], batch[1]
+    with tf.GradientTape() as tape:
+        value = loss(y, model(x, training=True))
+        value += tf.add_n(model.losses) if model.losses else 0.0
+    optimizer.apply_gradients(zip(tape.gradient(value, model.trainable_variables),
+                                  model.trainable_variables))
+    model.compile(optimizer=optimizer, loss=loss)
+    model.train_on_batch(x, y)
+    return [v.numpy() for v in model.weights + optimizer.variables]
+
+
+def traced_nodes(trainer):
+    """The NodeDefs of every function a TowerTrainer has traced, nested ones (a tf.cond's
+    branches) included."""
+    nodes = []
+    for function in trainer._compiled.functions():
+        for concrete in function._list_all_concrete_functions():
+            graph = concrete.graph.as_graph_def()
+            nodes += list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return nodes

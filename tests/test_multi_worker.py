@@ -4,6 +4,7 @@ Worker processes run on 127.0.0.1 ports of this machine; tests that need none
 check the cluster description and the errors a user can make.
 """
 
+import collections
 import functools
 import json
 import os
@@ -27,6 +28,7 @@ import towers
 from tests import multi_worker_job, reference
 from tests.checkpoint_files import checkpoint_values, position
 from towers.cli import train
+from towers.data_parallel import collectives
 from towers.multi_worker import launch
 
 if not flags.FLAGS.is_parsed():
@@ -163,6 +165,71 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # Every worker applies the same all-reduced update: the copies stay identical.
         for name in results[0].files:
             self.assertAllEqual(results[0][name], results[1][name], msg=name)
+
+
+class InstanceKeyTest(tf.test.TestCase):
+    """The instance keys traces take; nothing runs. TensorFlow keeps each (group, key)'s
+    shape and type for the life of the process: two ops sharing one fail or hang."""
+
+    GROUPS = [collectives.workers_group_key("/device:CPU:0"),
+              collectives.workers_group_key("/device:GPU:0")]
+
+    @staticmethod
+    def _signature(i):
+        # As cluster.model_signature: names that differ in more than a digit.
+        return [(f"sequential_{i}/dense_{2 * i}/kernel", (5 + i, 6), "float32"),
+                (f"sequential_{i}/dense_{2 * i}/bias", (6,), "float32")]
+
+    @classmethod
+    def _trace(cls, name, places):
+        """Per (group, place): the keys [first, first + slots) of a function traced under
+        `name`; every 10th op a gather (SHAPE_KEYS keys), the groups' ops interleaved."""
+        taken = {}
+        with collectives.instance_keys(name):
+            for place in range(places):
+                for group in cls.GROUPS:
+                    slots = collectives.SHAPE_KEYS if place % 10 == 0 else 1
+                    first = collectives.instance_key(group, slots)
+                    taken[group, place] = range(first, first + slots)
+        return taken
+
+    @staticmethod
+    def _keys(taken, group):
+        return [key for (g, _), slots in taken.items() if g == group for key in slots]
+
+    @staticmethod
+    def _new_process():
+        """The key registry of a process that has traced nothing yet."""
+        return mock.patch.multiple(collectives, _counted_ranges={},
+                                   _named_ranges=collections.defaultdict(dict))
+
+    def test_thousands_of_ops_of_several_functions_never_share_a_key(self):
+        names = [("train_step", self._signature(i)) for i in range(4)] + [("check_same", ("x",))]
+        with self._new_process():
+            counted = [collectives.instance_key(group) for group in self.GROUPS]  # eager ops
+            traced = [self._trace(name, 5000) for name in names]
+        for group, counted_key in zip(self.GROUPS, counted):
+            keys = [key for taken in traced for key in self._keys(taken, group)] + [counted_key]
+            self.assertLen(set(keys), len(keys))  # 5 x 5000 ops, 500 of them gathers
+            self.assertBetween(min(keys), 1, 2**31 - 1)
+            self.assertBetween(max(keys), 1, 2**31 - 1)  # instance keys are int32
+        # Another worker traced something else first, and these in another order.
+        with self._new_process():
+            collectives.instance_key(self.GROUPS[0])
+            self._trace(("evaluate", self._signature(9)), 10)
+            again = [self._trace(name, 5000) for name in reversed(names)][::-1]
+        self.assertEqual(traced, again)
+
+    def test_limits_are_one_clear_error(self):
+        with self._new_process(), mock.patch.object(collectives, "_NAMED_RANGES", 2):
+            first, second = (self._trace(("f", i), 3) for i in range(2))
+            for group in self.GROUPS:  # whether or not their hashes meet
+                self.assertFalse(set(self._keys(first, group)) & set(self._keys(second, group)))
+            with self.assertRaisesRegex(ValueError, "2 functions with collective ops"):
+                self._trace(("f", 2), 3)
+        with self._new_process(), mock.patch.object(collectives, "_KEYS_PER_NAME", 130):
+            with self.assertRaisesRegex(ValueError, "more than 130 instance keys"):
+                self._trace(("f", 0), 11)  # per group 64 + 9 keys, then 64 more
 
 
 class FaultTest(tf.test.TestCase):

@@ -168,8 +168,11 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             with tf.GradientTape() as tape:
                 value = loss(y, expected(x, training=True), sample_weight=w) \
                     + tf.add_n(expected.losses)
+            # The dense gradients: tf.clip_by_global_norm would square an embedding's
+            # IndexedSlices row by row, repeated ids apart.
             grads, norm = tf.clip_by_global_norm(
-                tape.gradient(value, expected.trainable_variables), 0.05)
+                [tf.convert_to_tensor(g)
+                 for g in tape.gradient(value, expected.trainable_variables)], 0.05)
             self.assertGreater(float(norm), 0.05)  # the clip really bites
             optimizer.apply_gradients(zip(grads, expected.trainable_variables))
         model = _model()
@@ -352,6 +355,29 @@ class PipelinePlacementTest(tf.test.TestCase):
             trainer.train_step(((x, tokens), y, w))
         for want, got in zip(before, model.weights + trainer.optimizer.variables):
             self.assertAllEqual(want, got, msg=got.path)
+
+
+    def test_model_and_optimizer_handed_back_to_keras_are_as_given(self):
+        # The trainer updates each stage on its device only while it traces its step:
+        # afterwards plain Keras (or tf.distribute, whose all-reduce of gradients the
+        # trainer skips) gets the optimizer's own methods.
+        model, optimizer = _model(), reference.OPTIMIZERS["adam"]()
+        trainer = towers.TowerTrainer(model, reference.make_loss(), optimizer,
+                                      devices=GRIDS["1x2"][0], pipeline_cuts=GRIDS["1x2"][1])
+        for batch in _batches(6, num_steps=2):
+            trainer.train_step(batch)
+        updated_on = {towers.devices.canonical_name(node.device)
+                      for node in reference.traced_nodes(trainer)
+                      if node.op == "AssignSubVariableOp"}
+        self.assertEqual(updated_on, set(CPU[:2]))  # its step: each stage's on its device
+        self.assertNotIn("update_step", vars(optimizer))
+        self.assertNotIn("_all_reduce_sum_gradients", vars(optimizer))
+        copy, copy_optimizer = reference.untouched_copy(model, optimizer, _model)
+        batch = _batches(6)[0]
+        for want, got in zip(
+                reference.plain_keras_steps(copy, copy_optimizer, reference.make_loss(), batch),
+                reference.plain_keras_steps(model, optimizer, reference.make_loss(), batch)):
+            self.assertAllEqual(want, got)
 
 
 class PipelineBadInputTest(tf.test.TestCase, parameterized.TestCase):

@@ -258,7 +258,7 @@ class MixedPrecisionTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(trainer.step, 2)
 
 
-class ClippingTest(tf.test.TestCase):
+class ClippingTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_clips_the_averaged_gradient_like_one_device(self):
         batches = reference.make_batches(10, num_steps=3)
@@ -274,6 +274,28 @@ class ClippingTest(tf.test.TestCase):
             optimizer.apply_gradients(zip(grads, expected.trainable_variables))
         model = reference.make_model()
         _train(model, batches, optimizer=keras.optimizers.SGD(0.5), clip_global_norm=0.05)
+        _assert_weights_close(self, expected, model, 1e-5)
+
+    @parameterized.product(num_towers=[1, 2, 3], sparse_policy=["keep", "dense"])
+    def test_clips_sparse_gradients_by_the_dense_norm(self, num_towers, sparse_policy):
+        # Ids from 6 of the 50 rows: every batch looks up rows many times over, in
+        # one tower and across towers. The norm is the dense gradient's, whose
+        # repeated rows are added before squaring.
+        rng = np.random.default_rng(3)
+        batches = [(rng.integers(0, 6, (7, SEQUENCE)).astype(np.int32), rng.integers(0, 2, 7))
+                   for _ in range(3)]
+        expected, optimizer = _text_model(), keras.optimizers.SGD(0.5)
+        for x, y in batches:
+            with tf.GradientTape() as tape:
+                value = reference.make_loss()(y, expected(x, training=True))
+            grads = [tf.convert_to_tensor(g)
+                     for g in tape.gradient(value, expected.trainable_variables)]
+            grads, norm = tf.clip_by_global_norm(grads, 0.05)
+            self.assertGreater(float(norm), 0.05)  # the clip really bites
+            optimizer.apply_gradients(zip(grads, expected.trainable_variables))
+        model = _text_model()
+        _train(model, batches, devices=DEVICES[:num_towers], optimizer=keras.optimizers.SGD(0.5),
+               clip_global_norm=0.05, sparse_policy=sparse_policy)
         _assert_weights_close(self, expected, model, 1e-5)
 
     def test_bad_clip(self):

@@ -11,6 +11,7 @@ import towers
 from benchmarks.harness import transfers
 from tests import reference
 from towers.data_parallel import step
+from towers.training import placement
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 TOLERANCE = 1e-5
@@ -60,8 +61,9 @@ class TableLookupTest(tf.test.TestCase, parameterized.TestCase):
                                       reference.OPTIMIZERS["sgd"](), devices=DEVICES[:2])
         batch = _batches((6,))[0]
         trainer.train_step(batch)  # sets the trainer up
-        grads = tf.function(lambda b: step.run_towers(
-            trainer.setup, trainer.objective, b).grads)(batch[:2])
+        with placement.step_hooks(trainer):  # the table read where it lives, as in its step
+            grads = tf.function(lambda b: step.run_towers(
+                trainer.setup, trainer.objective, b).grads)(batch[:2])
         table = grads[0]
         self.assertIsInstance(table, tf.IndexedSlices)
         self.assertCountEqual(table.indices.numpy(), batch[0].ravel())  # each id, once per use
@@ -83,6 +85,24 @@ class TableLookupTest(tf.test.TestCase, parameterized.TestCase):
                                               if to == DEVICES[1])
         self.assertEqual(entering["table", 50], entering["table", 5000])
         self.assertEqual(entering["copy", 5000] - entering["copy", 50], (5000 - 50) * WIDTH * 4)
+
+    def test_model_and_optimizer_handed_back_to_keras_are_as_given(self):
+        # Tables are read where they live only while the trainer traces its step.
+        model, optimizer = _bag_of_words(), reference.OPTIMIZERS["adam"]()
+        trainer = towers.TowerTrainer(model, reference.make_loss(), optimizer,
+                                      devices=DEVICES[:2])
+        for batch in _batches((6, 5)):
+            trainer.train_step(batch)
+        trainer.evaluate(_batches((4,))[0])
+        # Its steps read rows where the table lives (a gather of the variable itself).
+        self.assertIn("ResourceGather", {node.op for node in reference.traced_nodes(trainer)})
+        self.assertNotIn("sparse_read", vars(model.get_layer("table").embeddings))
+        copy, copy_optimizer = reference.untouched_copy(model, optimizer, _bag_of_words)
+        batch = _batches((6,))[0]
+        for want, got in zip(
+                reference.plain_keras_steps(copy, copy_optimizer, reference.make_loss(), batch),
+                reference.plain_keras_steps(model, optimizer, reference.make_loss(), batch)):
+            self.assertAllEqual(want, got)
 
     def test_unknown_lookup_is_refused_in_one_line(self):
         with self.assertRaisesRegex(ValueError, "embedding_lookup must be one of"):

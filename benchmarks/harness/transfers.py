@@ -23,6 +23,7 @@ from tensorflow.python.framework import op_def_registry  # whether an op type is
 
 import towers
 from towers.data_parallel import step as step_lib
+from towers.training import placement
 
 _SENDS = ("_Send", "_HostSend")
 _RECEIVES = ("_Recv", "_HostRecv")
@@ -91,7 +92,8 @@ def bytes_between_devices(function, *args):
 
 def trainer_step_bytes(trainer, batch):
     """bytes_between_devices of one step of `trainer` (set up by a first train_step) on
-    `batch`: steps 1-6 (run_towers) and the update, as its compiled step runs them."""
+    `batch`: steps 1-6 (run_towers) and the update, as its compiled step runs them
+    (traced with the trainer's hooks: updates and table reads placed as there)."""
     @tf.function
     def step(batch):
         result = step_lib.run_towers(trainer.setup, trainer.objective, batch)
@@ -99,7 +101,8 @@ def trainer_step_bytes(trainer, batch):
                               trainer.model.trainable_variables, trainer.setup.main_device)
         return result.loss
 
-    return bytes_between_devices(step, batch)
+    with placement.step_hooks(trainer):
+        return bytes_between_devices(step, batch)
 
 
 def _recorded_runs(dump_root):

@@ -180,6 +180,19 @@ def dense_part(value):
     return value.values if isinstance(value, tf.IndexedSlices) else value
 
 
+def half_squared_norm(grad):
+    """tf.nn.l2_loss of the dense gradient `grad` stands for, on the current device.
+
+    A tf.IndexedSlices' repeated rows (an id looked up twice, or by two towers)
+    are added before squaring, as in to_dense, but only the rows present are
+    summed: no (vocabulary, width) Tensor is built.
+    """
+    if not isinstance(grad, tf.IndexedSlices):
+        return tf.nn.l2_loss(grad)
+    rows, row_of_slice = tf.unique(grad.indices)
+    return tf.nn.l2_loss(tf.math.unsorted_segment_sum(grad.values, row_of_slice, tf.size(rows)))
+
+
 def to_dense(grad):
     """A tf.IndexedSlices as the dense Tensor it stands for; a Tensor as it is."""
     if not isinstance(grad, tf.IndexedSlices):

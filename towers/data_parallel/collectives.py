@@ -3,25 +3,34 @@
 Collective ops find their peers by (group key, instance key): one group per set
 of devices, one instance per collective op in a traced function. Across
 workers both must come out the same on every worker. Group keys are derived
-from the members. Instance keys inside `instance_keys(name)` are derived from
-(name, group, the op's place among the group's ops traced there), so what one
-worker traces elsewhere cannot shift them; outside any (eager calls, a user's
-own tf.function) they are counted per group in this process, which stays alike
-across workers only while every worker traces and runs the same in order.
-"""
+from the members.
+
+TensorFlow keeps the shape and type each (group, instance key) first ran with
+for the life of the process, so no two different ops of a process share a key:
+each takes its keys from a range of its group, and ranges never overlap.
+Outside any `instance_keys(name)` (eager calls, a user's own tf.function) keys
+are counted per group from 1, which stays alike across workers only while every
+worker traces and runs the same in order. Inside, the k-th op of a group takes
+the next keys of (name, group)'s range above every counted key, picked by a
+hash of (name, group), so what one worker traces elsewhere cannot shift it.
+Where two names of one process hash to one range, the later takes the next free
+range: alike on workers that first use their names in the same order, as
+towers' steps do (each is traced when it first runs, on every worker in turn)."""
 
 import collections
 import contextlib
-import itertools
 import zlib
 
 import tensorflow as tf
 
-_counted_keys = collections.defaultdict(lambda: itertools.count(1))
-_key_scope = None  # (name, per group an itertools.count) inside instance_keys
-_ordering_tokens = {}  # device -> tf.Variable
 SHAPE_KEYS = 64  # gathered tensors of up to 2**63 rows
-_SCOPED_KEYS = 1 << 30  # derived keys lie above every counted one
+_NAMED_KEYS = 1 << 30  # keys below are counted, keys from here on are named ranges'
+_NAMED_RANGES = 1 << 12  # functions with collective ops per group and process
+_KEYS_PER_NAME = (1 << 30) // _NAMED_RANGES  # the last range ends at int32's largest
+_counted_ranges = {}  # group key -> its _KeyRange outside any instance_keys
+_named_ranges = collections.defaultdict(dict)  # group key -> {repr(name): its range's index}
+_key_scope = None  # inside instance_keys: (repr(name), group key -> its _KeyRange)
+_ordering_tokens = {}  # device -> tf.Variable
 
 
 def all_reduce_across_workers(tensors, cluster, device, merge_op="Add", timeout_s=0):
@@ -60,15 +69,16 @@ def all_gather_across_workers(tensors, shape_key, cluster, device):
 
 @contextlib.contextmanager
 def instance_keys(name):
-    """The collective ops traced inside take instance keys derived from `name`.
+    """The collective ops traced inside take instance keys of `name`'s own range.
 
     `name` names one traced function alike on every worker (TowerTrainer's
-    step is "train_step"); its k-th op of a group gets the same key on every
-    worker, whatever else each worker traced before. Two traces under one name
-    must make the same ops (shapes and types) in the same order.
+    step is ("train_step", the model's signature)); its k-th op of a group gets
+    the same key on every worker, whatever else each worker traced before. Two
+    traces under one name must make the same ops (shapes and types) in the same
+    order: they take the same keys.
     """
     global _key_scope
-    outer, _key_scope = _key_scope, (name, collections.defaultdict(itertools.count))
+    outer, _key_scope = _key_scope, (repr(name), {})
     try:
         yield
     finally:
@@ -78,14 +88,49 @@ def instance_keys(name):
 def instance_key(group_key, slots=1):
     """The next instance key of `group_key`, with `slots` - 1 keys after it kept free."""
     if _key_scope is None:
-        first = next(_counted_keys[group_key])
-        for _ in range(slots - 1):
-            next(_counted_keys[group_key])
+        ranges = _counted_ranges
+        if group_key not in ranges:
+            ranges[group_key] = _KeyRange(1, _NAMED_KEYS)
+    else:
+        name, ranges = _key_scope
+        if group_key not in ranges:
+            ranges[group_key] = _named_range(name, group_key)
+    return ranges[group_key].take(slots)
+
+
+class _KeyRange:
+    """The instance keys [start, stop) of one group, handed out in order."""
+
+    def __init__(self, start, stop):
+        self.start, self.next, self.stop = start, start, stop
+
+    def take(self, slots):
+        first = self.next
+        if first + slots > self.stop:
+            raise ValueError(
+                f"the collective ops of one function on one group of devices need more than "
+                f"{self.stop - self.start} instance keys; pack_gradients=True all-reduces "
+                "the gradients in one buffer per dtype.")
+        self.next = first + slots
         return first
-    name, places = _key_scope
-    place = next(places[group_key])
-    digest = zlib.crc32(repr((name, group_key, place)).encode()) & 0xFFFFFF
-    return _SCOPED_KEYS | digest * SHAPE_KEYS  # SHAPE_KEYS slots for each
+
+
+def _named_range(name, group_key):
+    """A fresh _KeyRange over the keys of (name, group): ranges of one group never overlap."""
+    indices = _named_ranges[group_key]
+    if name not in indices:
+        if len(indices) == _NAMED_RANGES:
+            raise ValueError(
+                f"this process has traced {_NAMED_RANGES} functions with collective ops on one "
+                "group of devices, each with its own instance keys, and has none left; start a "
+                "new process for more trainers.")
+        taken = set(indices.values())
+        index = zlib.crc32(repr((name, group_key)).encode()) % _NAMED_RANGES
+        while index in taken:
+            index = (index + 1) % _NAMED_RANGES
+        indices[name] = index
+    start = _NAMED_KEYS + indices[name] * _KEYS_PER_NAME
+    return _KeyRange(start, start + _KEYS_PER_NAME)
 
 
 def workers_group_key(device):

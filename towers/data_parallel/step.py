@@ -267,8 +267,10 @@ def across_workers(result, cluster, main_device, state_policy):
 def clip_gradients(grads, clip_global_norm, loss_scale=None):
     """The averaged gradients clipped to a global norm (of the unscaled gradients).
 
-    As tf.clip_by_global_norm, but each gradient's squared norm and scaling are
-    computed on its own device; only scalars travel.
+    As tf.clip_by_global_norm on the dense gradients, but each gradient's squared
+    norm and scaling are computed on its own device; only scalars travel. A
+    tf.IndexedSlices counts as its dense form (repeated rows added first), so
+    the norm is the same with any sparse_policy and any number of towers.
     """
     if clip_global_norm is None:
         return grads
@@ -279,7 +281,7 @@ def clip_gradients(grads, clip_global_norm, loss_scale=None):
     for grad in grads:
         if grad is not None:
             with tf.device(aggregate.dense_part(grad).device):
-                half_squares.append(tf.nn.l2_loss(aggregate.dense_part(grad)))
+                half_squares.append(aggregate.half_squared_norm(grad))
     if not half_squares:
         return grads
     global_norm = tf.sqrt(tf.add_n(half_squares) * 2.0)

@@ -188,8 +188,11 @@ def place_variables(stages, stage_devices, optimizer):
         _move_variable(variable, device)
 
 
-def update_on_variable_devices(optimizer):
-    """Makes `optimizer` compute each variable's update on that variable's device.
+def updates_on_variable_devices(optimizer):
+    """(the object, {attribute: replacement}) that make `optimizer` compute each
+    variable's update on that variable's device while they are set; the trainer
+    sets them only while it traces its step (training/placement.step_hooks), so
+    the user's optimizer is its own again outside.
 
     Keras 3 runs every variable's update under the caller's device scope, and
     has no public option to place it with its variable; so the one
@@ -199,20 +202,17 @@ def update_on_variable_devices(optimizer):
     sums the gradients over the replicas of a tf.distribute strategy: with none,
     that is one IdentityN of all of them, on the caller's device, which would
     copy every stage's gradients there and back; the towers have summed them
-    already, so that step is skipped.
+    already, so that step (private: `_all_reduce_sum_gradients`) is skipped.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     update_step = inner.update_step
-    if getattr(update_step, "on_variable_device", False):
-        return
 
     def update_on_device(gradient, variable, learning_rate):
         with tf.device(variable.device):
             return update_step(gradient, variable, learning_rate)
 
-    update_on_device.on_variable_device = True
-    inner.update_step = update_on_device
-    inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+    return inner, {"update_step": update_on_device,
+                   "_all_reduce_sum_gradients": lambda grads_and_vars: list(grads_and_vars)}
 
 
 def _move_variable(variable, device):

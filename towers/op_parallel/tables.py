@@ -17,20 +17,25 @@ import tensorflow as tf
 LOOKUPS = ("table", "copy")
 
 
-def look_up_where_they_live(model):
+def tables_of(model):
     """Per model.trainable_variables entry, whether it is an embedding table (of an
-    Embedding layer, a vocab part's too) to be looked up where it lives; makes
-    tf.gather on each such table read its rows there (`_sparse_read`)."""
+    Embedding layer, a vocab part's too) to be looked up where it lives."""
     tables = set()
     # Keras has no public walk over nested layers (a vocab part inside its form).
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.Embedding) and layer.trainable \
                 and not layer.lora_enabled:  # with LoRA the look-up reads a sum, not the table
-            table = layer.embeddings
-            # tf.gather(params, ids) calls params.sparse_read(ids) where params has one.
-            table.sparse_read = functools.partial(_sparse_read, table)
-            tables.add(id(table))
+            tables.add(id(layer.embeddings))
     return [id(v) in tables for v in model.trainable_variables]
+
+
+def reads_where_they_live(variables, tables):
+    """[(table, {"sparse_read": replacement})] for each of `variables` that `tables` (one
+    bool each, tables_of's) marks: tf.gather(params, ids) calls params.sparse_read(ids)
+    where params has one, and this one reads the rows where the table lives. The trainer
+    sets them only while it traces its step (training/placement.step_hooks)."""
+    return [(table, {"sparse_read": functools.partial(_sparse_read, table)})
+            for table, is_table in zip(variables, tables) if is_table]
 
 
 def _sparse_read(table, indices, name=None):

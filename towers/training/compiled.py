@@ -16,9 +16,14 @@ from towers.data_parallel import split
 
 
 class CompiledFunctions:
-    """One trainer's tf.functions, by key: (kind, ...) with the batch structure."""
+    """One trainer's tf.functions, by key: (kind, ...) with the batch structure.
 
-    def __init__(self):
+    `tracing`: fn() -> a context manager entered wherever a function may be traced
+    (placement.step_hooks): a traced graph keeps what it placed, and runs without it.
+    """
+
+    def __init__(self, tracing):
+        self._tracing = tracing
         self._functions = {}  # key -> tf.function
         self._graphs = {}  # key -> its one traced graph (functions of a batch)
         self._log_names = {}  # key -> the names of its packed logs, in order
@@ -55,7 +60,8 @@ class CompiledFunctions:
                 step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(
                 self._packed(key, step), input_signature=[spec])
-            self._graphs[key] = self._functions[key].get_concrete_function()
+            with self._tracing():
+                self._graphs[key] = self._functions[key].get_concrete_function()
         signature = _signature(batch)
         if signature is not None:
             self._known[kind, signature] = key
@@ -68,8 +74,13 @@ class CompiledFunctions:
 
     def call(self, key, *args):
         """Calls the function of `key`; its logs come back as Python floats."""
-        # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
-        values = self._graphs.get(key, self._functions[key])(*args).numpy()  # one read
+        if key in self._graphs:
+            # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
+            result = self._graphs[key](*args)
+        else:
+            with self._tracing():  # a function added (not traced) yet traces when called
+                result = self._functions[key](*args)
+        values = result.numpy()  # the call's one device-to-host read
         return dict(zip(self._log_names[key], values.tolist()))
 
     def _packed(self, key, function):

@@ -43,7 +43,7 @@ def set_up(trainer, batch):
         if setup.options.variable_placement == "replicated":
             setup.replicas = Replicas(trainer.model, trainer.devices)
         elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:
-            tables = op_tables.look_up_where_they_live(trainer.model)
+            tables = op_tables.tables_of(trainer.model)
             setup.tables = tables if any(tables) else None
         setup.densify = tower.choose_dense_gradients(
             trainer.model, trainer.objective, first_shard, setup.options.sparse_policy)

@@ -1,10 +1,16 @@
 """Where a TowerTrainer's step runs: its devices as a grid of towers x stages (or a
-split model's towers x parts), each column's main device, checked once."""
+split model's towers x parts), each column's main device, checked once; and the
+hooks that place the optimizer's updates and the tables' reads while it traces."""
+
+import contextlib
 
 from towers import devices as devices_lib
 from towers.data_parallel import exchange
 from towers.data_parallel.step import StepSetup
-from towers.op_parallel import grid as op_grid
+from towers.model_parallel import stages as stages_lib
+from towers.op_parallel import grid as op_grid, tables as op_tables
+
+_ABSENT = object()
 
 
 def step_setup(model, devices, main_device, pipeline_cuts, options, cluster):
@@ -32,3 +38,35 @@ def step_setup(model, devices, main_device, pipeline_cuts, options, cluster):
     for k in range(len(setup.stage_devices)):
         exchange.check_aggregation(options.aggregation, [row[k] for row in grid])
     return setup, (tower_devices if pipeline_cuts is None else grid)
+
+
+@contextlib.contextmanager
+def step_hooks(trainer):
+    """While inside, the trainer's model and optimizer place their work as its step
+    needs: each variable's update on its own device (several columns: pipeline
+    stages, split layers) and each table's look-up where it lives (setup.tables).
+
+    Keras has an option for neither, so both are attributes set on the user's
+    optimizer and variables; the compiled step keeps what they placed, so they are
+    needed only while it is traced. On exit every attribute is as it was: a model
+    and optimizer used by plain Keras or tf.distribute afterwards are their own.
+    """
+    setup, hooks = trainer.setup, []
+    if len(setup.column_devices) > 1:
+        hooks.append(stages_lib.updates_on_variable_devices(trainer.optimizer))
+    if setup.tables is not None:
+        hooks += op_tables.reads_where_they_live(trainer.model.trainable_variables,
+                                                 setup.tables)
+    replaced = [(owner, name, vars(owner).get(name, _ABSENT))
+                for owner, replacements in hooks for name in replacements]
+    for owner, replacements in hooks:
+        for name, replacement in replacements.items():
+            setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, before in reversed(replaced):
+            if before is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)

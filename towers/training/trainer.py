@@ -107,9 +107,7 @@ class TowerTrainer:
         self.num_towers = len(self.setup.grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
-        self._compiled = compiled.CompiledFunctions()
-        if len(self.setup.column_devices) > 1:
-            stages_lib.update_on_variable_devices(self.optimizer)
+        self._compiled = compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
         if model.built:
             first_batch.check_model(self)
 
