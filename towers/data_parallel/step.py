@@ -89,8 +89,13 @@ class StepSetup:
         then this worker's part of the global batch, and the step's result the
         whole global batch's, the same on every worker.
       first_tower: global index of this worker's first tower (dropout seeds).
-      densify: None, or per trainable variable whether each tower densifies its
-        sparse gradient (tower.choose_dense_gradients, on the first batch).
+      trainable_ids: None before the first batch, then the ids of the
+        model.trainable_variables that the columns' positions, densify, replicas,
+        compiled_tower and tables are set up for (TowerTrainer sets them up again
+        when a layer is frozen or unfrozen).
+      dense_choices: None, or per variable of the model (by id) whether each tower
+        densifies its sparse gradient (tower.choose_dense_gradients, on the first batch).
+      densify: None, or dense_choices per trainable variable.
       replicas: a replicas.Replicas with variable_placement="replicated", else None.
       compiled_tower: None, or tower.compiled_tower's function (jit_compile),
         which then runs steps 3-4 of each tower with XLA.
@@ -109,6 +114,8 @@ class StepSetup:
     options: TowerOptions
     cluster: Optional[object] = None
     first_tower: int = 0
+    trainable_ids: Optional[tuple] = None
+    dense_choices: Optional[dict] = None
     densify: Optional[list] = None
     replicas: Optional[replicas_lib.Replicas] = None
     compiled_tower: Optional[Callable] = None

@@ -293,28 +293,35 @@ def _run_stages_compiled(stages, objective, micro_batches, schedule_name, densif
 
 
 def choose_dense_gradients(model, objective, shard, sparse_policy):
-    """One bool per trainable variable: densify its sparse gradient on the tower?
+    """Whether to densify each variable's sparse gradient on the tower: {id(variable):
+    bool} for every variable of `model`, trainable or frozen (a layer unfrozen later
+    keeps this choice).
 
     "keep": never; "dense": always; a float threshold: where the gradient of
     `shard` (one tower's first shard, run eagerly once) looks up more than
     that fraction of the variable's rows.
     """
-    variables = model.trainable_variables
+    variables = model.trainable_variables + model.non_trainable_variables
     if sparse_policy in ("keep", "dense"):
-        return [sparse_policy == "dense"] * len(variables)
-    weights = [v.value for v in variables]
+        return {id(v): sparse_policy == "dense" for v in variables}
+    weights = [v.value for v in model.trainable_variables]
+    state = [v.value for v in model.non_trainable_variables]
+    differentiable = [value for value in weights + state if value.dtype.is_floating]
     with tf.GradientTape() as tape:
-        tape.watch(weights)
-        outputs, _, regularization = forward(
-            model, weights, [v.value for v in model.non_trainable_variables], shard[0], True)
+        tape.watch(differentiable)
+        outputs, _, regularization = forward(model, weights, state, shard[0], True)
         rows = split.batch_size(shard)
         part, terms = shard_loss(objective, shard, outputs, regularization, rows,
                                  tf.cast(rows, tf.float32))
         # Every term, counted or not: only which rows the gradients touch matters here.
         value = tf.add_n([term.sum for term in terms] + ([] if part is None else [part]))
-    return [isinstance(g, tf.IndexedSlices)
-            and int(tf.shape(g.values)[0]) > sparse_policy * int(g.dense_shape[0])
-            for g in tape.gradient(value, weights)]
+    grads = iter(tape.gradient(value, differentiable))
+    choices = {}
+    for variable, value in zip(variables, weights + state):
+        grad = next(grads) if value.dtype.is_floating else None
+        choices[id(variable)] = isinstance(grad, tf.IndexedSlices) and int(
+            tf.shape(grad.values)[0]) > sparse_policy * int(grad.dense_shape[0])
+    return choices
 
 
 def _offset_seeds(model, state, tower_index):

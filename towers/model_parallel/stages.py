@@ -84,10 +84,23 @@ class VariableGroups:
       trainable_index: per group, the positions in model.trainable_variables of
         its trainable variables.
       state_index: the same for model.non_trainable_variables.
+    Both are of the model's trainable set when `reindex` last ran.
     """
 
-    def __init__(self, model, trainable_index, state_index):
-        self.model, self.trainable_index, self.state_index = model, trainable_index, state_index
+    def __init__(self, model):
+        self.model = model
+        self.reindex()
+
+    def reindex(self):
+        """Recomputes the positions for the model's trainable set now: freezing or
+        unfreezing a layer moves its variables between the two lists."""
+        self.trainable_index = self._positions(self.model.trainable_variables, True)
+        self.state_index = self._positions(self.model.non_trainable_variables, False)
+
+    def _positions(self, variables, trainable):
+        """Per group, the positions in `variables` (the model's trainable variables, or
+        its others) of the group's."""
+        raise NotImplementedError
 
     def select(self, values, group, trainable=True):
         """The entries of `values` (one per model variable) that belong to `group`."""
@@ -117,23 +130,19 @@ class Stages(VariableGroups):
 
     def __init__(self, model, cuts=None):
         self.models = split_model(model, cuts) if cuts else [model]
+        super().__init__(model)
 
-        def positions(model_variables, stage_variables):
-            where = {id(v): i for i, v in enumerate(model_variables)}
-            return [where[id(v)] for v in stage_variables]
-
-        super().__init__(
-            model,
-            [positions(model.trainable_variables, m.trainable_variables) for m in self.models],
-            [positions(model.non_trainable_variables, m.non_trainable_variables)
-             for m in self.models])
-        for index, total in ((self.trainable_index, len(model.trainable_variables)),
-                             (self.state_index, len(model.non_trainable_variables))):
-            if sorted(i for stage in index for i in stage) != list(range(total)):
-                raise ValueError(
-                    f"model {model.name!r} has variables that belong to no stage or to several "
-                    "(a layer outside the model's graph, or one called in two stages); cut so "
-                    "that every layer runs in exactly one stage.")
+    def _positions(self, variables, trainable):
+        where = {id(v): i for i, v in enumerate(variables)}
+        index = [[where.get(id(v), -1) for v in (
+            m.trainable_variables if trainable else m.non_trainable_variables)]
+            for m in self.models]
+        if sorted(i for stage in index for i in stage) != list(range(len(variables))):
+            raise ValueError(
+                f"model {self.model.name!r} has variables that belong to no stage or to "
+                "several (a layer outside the model's graph, or one called in two stages); cut "
+                "so that every layer runs in exactly one stage.")
+        return index
 
     @property
     def num_stages(self):

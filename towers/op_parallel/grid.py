@@ -66,25 +66,22 @@ class PartGrid(stages_lib.VariableGroups):
     """
 
     def __init__(self, model, tower_devices, part_rows, main_device):
-        column_of = {}
+        self._column_of = {}  # id of a part's variable -> its column (the others: 0)
         for layer in model.layers:
             if isinstance(layer, PARALLEL_FORMS):
                 parts = layer.parts.items() if isinstance(layer.parts, dict) else enumerate(
                     layer.parts)
                 for j, part in parts:
-                    column_of.update({id(v): 1 + j for v in part.weights})
-        num_columns = 1 + len(part_rows[0])
-
-        def columns(variables):
-            index = [[] for _ in range(num_columns)]
-            for i, variable in enumerate(variables):
-                index[column_of.get(id(variable), 0)].append(i)
-            return index
-
-        super().__init__(model, columns(model.trainable_variables),
-                         columns(model.non_trainable_variables))
+                    self._column_of.update({id(v): 1 + j for v in part.weights})
         self.rows = [[device] + list(row) for device, row in zip(tower_devices, part_rows)]
         self.devices = [main_device] + list(part_rows[0])
+        super().__init__(model)
+
+    def _positions(self, variables, trainable):
+        index = [[] for _ in self.devices]
+        for i, variable in enumerate(variables):
+            index[self._column_of.get(id(variable), 0)].append(i)
+        return index
 
     def scope(self, tower_index):
         """Within it, the split layers run tower `tower_index`'s parts on its row."""

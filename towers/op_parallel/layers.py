@@ -58,21 +58,28 @@ def build_part(part, device, *shapes):
     with tf.device(device):
         part.build(*shapes)
     penalties = []
-    for i, weight in enumerate(part.trainable_weights):
-        if weight.regularizer is not None:
+    for i, weight in enumerate(part.weights):  # freezing leaves part.weights' order as it is
+        if weight.trainable and weight.regularizer is not None:
             penalties.append((i, weight.regularizer))
             weight.regularizer = None
-    part.penalties = tuple(penalties)  # (index into trainable_weights, regularizer)
+    part.penalties = tuple(penalties)  # (index into part.weights, regularizer)
 
 
-def _penalty(part, value):
-    """The sum of `part`'s weight penalties (build_part), `value(weight)` the weight's
-    value; None for a part without any."""
-    if not getattr(part, "penalties", ()):
+def _counted_penalties(part):
+    """`part`'s weight penalties (build_part) that count now, as (weight, regularizer):
+    its trainable weights' (as in Keras, a frozen weight's penalty is not counted)."""
+    weights, trainable = part.weights, {id(weight) for weight in part.trainable_weights}
+    return [(weights[i], regularizer) for i, regularizer in getattr(part, "penalties", ())
+            if id(weights[i]) in trainable]
+
+
+def _penalty(penalties, value):
+    """The sum of `penalties`, (weight, regularizer) pairs, `value(weight)` the weight's
+    value; None for none."""
+    if not penalties:
         return None
-    weights = part.trainable_weights
-    return tf.add_n([tf.cast(regularizer(value(weights[i])), tf.float32)
-                     for i, regularizer in part.penalties])
+    return tf.add_n([tf.cast(regularizer(value(weight)), tf.float32)
+                     for weight, regularizer in penalties])
 
 
 def run_part(devices, j, part, call, *inputs):
@@ -87,6 +94,7 @@ def run_part(devices, j, part, call, *inputs):
     their gradients flow; outside one, its variables get theirs (`variables`).
     """
     device = part_device(devices, j)
+    penalties = _counted_penalties(part)
     scope = stateless_scope.get_stateless_scope()
     # Per weight, what a stateless call maps it to (the tower's copy), or None.
     mapped = [None if scope is None else scope.get_current_value(weight)
@@ -101,7 +109,7 @@ def run_part(devices, j, part, call, *inputs):
         # A table looked up where it lives (op_parallel.tables): its read, and so the
         # gradient's rows, are where it lives already; a custom gradient would read it whole.
         with tf.device(device):
-            penalty = _penalty(part, value)
+            penalty = _penalty(penalties, value)
             if penalty is not None:
                 part.add_loss(penalty)
             return call(*inputs)
@@ -121,7 +129,7 @@ def run_part(devices, j, part, call, *inputs):
             tape.watch([a for a in args if a.dtype.is_floating])
             outputs = call(*tf.nest.pack_sequence_as(
                 inputs, [args[position[id(t)]] for t in flat_inputs]))
-            penalty = _penalty(part, value)
+            penalty = _penalty(penalties, value)
             if penalty is not None:  # its gradient joins the part's here, on the part
                 outputs = (outputs, penalty)
         flat_outputs = tf.nest.flatten(outputs)
@@ -141,7 +149,7 @@ def run_part(devices, j, part, call, *inputs):
 
     with tf.device(device):  # where custom_gradient's IdentityN, and so the outputs, are
         outputs = run(*unique.values())
-    if getattr(part, "penalties", ()):
+    if penalties:
         outputs, penalty = outputs
         part.add_loss(penalty)
     return outputs

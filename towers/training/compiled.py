@@ -29,11 +29,6 @@ class CompiledFunctions:
         self._log_names = {}  # key -> the names of its packed logs, in order
         self._known = {}  # (kind, signature of a batch) -> key
 
-    @property
-    def empty(self):
-        """Whether nothing has been compiled yet."""
-        return not self._functions
-
     def functions(self):
         """Every tf.function compiled so far."""
         return list(self._functions.values())

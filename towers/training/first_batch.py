@@ -1,16 +1,17 @@
 """What TowerTrainer sets up on its first batch, eagerly: the model built and checked,
-its stages and their variables placed, the optimizer built, the choices that need a
-batch (dense gradients, XLA towers, replicas) made, and a cluster's workers started."""
+its stages and their variables placed, the choices that need a batch (dense
+gradients) made, what depends on the trainable set (training.trainable: the optimizer
+built, replicas, XLA towers) set up, and a cluster's workers started."""
 
 import tensorflow as tf
 from absl import logging
 
 from towers import devices as devices_lib, errors
 from towers.data_parallel import losses, split, tower
-from towers.data_parallel.replicas import Replicas
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
-from towers.op_parallel import plan as op_plan, tables as op_tables
+from towers.op_parallel import plan as op_plan
+from towers.training import trainable
 
 
 def set_up(trainer, batch):
@@ -38,19 +39,9 @@ def set_up(trainer, batch):
             raise ValueError(" ".join(str(error).split())) from None
         trainer.metrics.build(y, outputs)
         check_model(trainer)
-        if not trainer.optimizer.built:
-            trainer.optimizer.build(trainer.model.trainable_variables)
-        if setup.options.variable_placement == "replicated":
-            setup.replicas = Replicas(trainer.model, trainer.devices)
-        elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:
-            tables = op_tables.tables_of(trainer.model)
-            setup.tables = tables if any(tables) else None
-        setup.densify = tower.choose_dense_gradients(
+        setup.dense_choices = tower.choose_dense_gradients(
             trainer.model, trainer.objective, first_shard, setup.options.sparse_policy)
-        if trainer.jit_compile:
-            setup.compiled_tower = tower.compiled_tower(
-                setup.stages, trainer.objective, setup.options.micro_batches,
-                setup.options.pipeline_schedule, setup.densify)
+    trainable.set_up(trainer)
     if trainer.cluster is not None:
         setup.first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
@@ -60,10 +51,7 @@ def set_up(trainer, batch):
 def check_model(trainer):
     """Checks the built model, cuts it into stages and places each stage's variables."""
     model, setup = trainer.model, trainer.setup
-    if not model.trainable_variables:
-        raise ValueError(
-            f"model {model.name!r} has no trainable weights, so there is nothing to "
-            "train; check that its layers are built and not frozen (trainable=False).")
+    trainable.check_trainable(model)
     if setup.stages is None:
         setup.stages = stages_lib.Stages(model, trainer.pipeline_cuts)
     if trainer.pipeline_cuts is not None:

@@ -14,7 +14,7 @@ from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import compiled, compiled_steps, executions, first_batch, loop
-from towers.training import metrics as metrics_lib, placement, prefetch
+from towers.training import metrics as metrics_lib, placement, prefetch, trainable
 
 
 class TowerTrainer:
@@ -107,7 +107,7 @@ class TowerTrainer:
         self.num_towers = len(self.setup.grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
-        self._compiled = compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
+        self._compiled = self._no_compiled_functions()
         if model.built:
             first_batch.check_model(self)
 
@@ -193,12 +193,13 @@ class TowerTrainer:
           NonFiniteError: on_nonfinite="raise" and a step was not finite; the
             steps before it in this call are applied, it and later ones not.
         """
-        if self._compiled.empty:
+        if self.setup.trainable_ids is None:
             batch = next(iterator, None)
             if batch is None:
                 return {"steps": 0}
             logs = self.train_step(batch)
             return {**logs, "steps": 1, "logged_steps": float(logs["examples"] > 0)}
+        self._follow_trainable()
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
@@ -277,6 +278,7 @@ class TowerTrainer:
         """Checks a batch; returns it as Tensors and the key of the compiled `kind` step
         for it, traced once per batch structure (self._compiled), in two variants: one
         for batches that give every micro-batch a row, one that skips empty ones."""
+        self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
             key = self._compiled.known(self._variant(kind, batch), batch)
             if key is not None:
@@ -289,13 +291,24 @@ class TowerTrainer:
         batch = split.Shards(parts) if is_shards else parts[0]
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError(compiled_steps.EMPTY_BATCH)
-        if self._compiled.empty:
+        if self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
         variant = self._variant(kind, batch)
         step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
         may_be_empty = variant != kind
         return batch, self._compiled.for_batch(variant, batch,
                                                lambda batch: step(self, batch, may_be_empty))
+
+    def _follow_trainable(self):
+        """After the first batch: a layer frozen or unfrozen since the steps were set up
+        sets them up again for the new trainable set, to be traced anew."""
+        if self.setup.trainable_ids is not None and trainable.changed(self):
+            trainable.set_up(self)
+            self._compiled = self._no_compiled_functions()
+
+    def _no_compiled_functions(self):
+        """A fresh set of compiled functions: traced under the step's hooks (placement)."""
+        return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
 
     def _variant(self, kind, batch):
         """`kind`, or `kind`_with_empty_parts for a batch (Tensors) that leaves a micro-batch
