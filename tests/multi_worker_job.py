@@ -4,9 +4,11 @@
 
 Trains make_model(config["model"]) on BATCH_SIZES global batches, feeding
 this worker its towers.split_batch part of each, and saves the weights, the
-per-step losses and the final accuracy to the "output" .npz.
+per-step losses and the final accuracy to the "output" .npz. With
+config["uneven_data"] it fits instead (uneven_data_fits).
 """
 
+import functools
 import json
 import os
 import sys
@@ -19,10 +21,14 @@ import tensorflow as tf  # noqa: E402
 
 import towers  # noqa: E402
 from tests import reference  # noqa: E402
+from towers.multi_worker.cluster import check_same  # noqa: E402
 
 # 1 leaves worker 1 with no rows at all, at its first step; 7 splits unevenly (4 + 3).
 BATCH_SIZES = (1, 12, 7, 3, 10)
 VOCABULARY, TOKENS = 40, 6
+# Per epoch: worker 0 gets its part of the first 3 global batches, worker 1 its
+# part of them and the whole 4th (so 3 and 4 batches).
+UNEVEN_SIZES, UNEVEN_EPOCHS = (6, 5, 4, 3), 2
 
 
 def make_model(kind):
@@ -79,6 +85,8 @@ def main(config):
         devices = [devices[t * width:(t + 1) * width] for t in range(config["num_towers"])]
     cluster = towers.Cluster(config["worker_hosts"], config["task_index"])
     towers.join_cluster(cluster)
+    if config.get("uneven_data"):
+        return uneven_data_fits(config, cluster, devices)
     trainer = make_trainer(devices, config["model"], cluster, **config.get("options", {}))
     if config.get("trace_on_chief_first") and cluster.is_chief:
         # A function with collective ops across workers that only the chief traces
@@ -97,6 +105,60 @@ def main(config):
     weights = {f"w{i}": v.numpy() for i, v in enumerate(model.weights)}
     np.savez(config["output"], losses=np.array(losses), accuracy=trainer.metrics[0].result(),
              steps=trainer.step, **weights)
+
+
+def uneven_global_batches(epoch):
+    return [reference.make_batches(size, num_steps=1, seed=10 * epoch + i)[0]
+            for i, size in enumerate(UNEVEN_SIZES)]
+
+
+def uneven_validation_batch():
+    return reference.make_batches(8, num_steps=1, seed=99)[0]
+
+
+def uneven_parts(epoch, task_index, as_dataset):
+    """Worker `task_index`'s batches of `epoch`: a list, or a tf.data.Dataset."""
+    *shared, last = uneven_global_batches(epoch)
+    parts = [towers.split_batch(batch, 2)[task_index] for batch in shared]
+    parts += [tuple(map(tf.constant, last))] if task_index == 1 else []
+    if not as_dataset:
+        return parts
+    return functools.reduce(tf.data.Dataset.concatenate, map(tf.data.Dataset.from_tensors, parts))
+
+
+def uneven_data_fits(config, cluster, devices):
+    """Fits over UNEVEN_EPOCHS of uneven_parts, with validation; saves per fit its step,
+    weights and History logs: "step", a step per call over lists; "in_graph", 3 steps
+    per call over Datasets split and staged on the towers (shard_iterator), stopped
+    by max_steps=3 (a checkpoint at batch 3 of epoch 1) and resumed by a new trainer
+    (whose data has ended already on worker 0)."""
+    validation = uneven_validation_batch()
+    results = {}
+
+    def fit(in_graph, **options):
+        """A new trainer's fit: a step per call over lists, or (in_graph) 3 per call over
+        Datasets staged on the towers, with checkpoints; returns (trainer, history)."""
+        trainer = make_trainer(devices, "dense", cluster, **(
+            {"steps_per_execution": 3, "prefetch_to_devices": True} if in_graph else {}))
+        if in_graph:
+            options["checkpointer"] = towers.Checkpointer(
+                config["checkpoint_dir"], trainer.model, trainer.optimizer,
+                writer=cluster.is_chief)
+        return trainer, trainer.fit(
+            lambda epoch: uneven_parts(epoch, cluster.task_index, as_dataset=in_graph),
+            UNEVEN_EPOCHS, validation_data=validation, verbose=False, **options)
+
+    def keep(name, trainer, history):
+        results.update({f"{name}_step": trainer.step,
+                        **{f"{name}_w{i}": v.numpy() for i, v in enumerate(trainer.model.weights)},
+                        **{f"{name}_{k}": v for k, v in history.history.items()
+                           if k != "examples_per_sec"}})
+
+    keep("step", *fit(in_graph=False))
+    fit(in_graph=True, max_steps=3)
+    check_same(cluster, {"the chief saved its checkpoint": True})  # a barrier
+    keep("in_graph", *fit(in_graph=True))  # resumes where max_steps stopped
+    np.savez(config["output"], **results)
 
 
 if __name__ == "__main__":

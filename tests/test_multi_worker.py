@@ -30,6 +30,7 @@ from tests.checkpoint_files import checkpoint_values, position
 from towers.cli import train
 from towers.data_parallel import collectives
 from towers.multi_worker import launch
+from towers.training import metrics
 
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
@@ -135,18 +136,10 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             self, model, aggregation, pack, towers_per_worker, more_options=None,
             devices_per_tower=1, trace_on_chief_first=False):
         options = {"aggregation": aggregation, "pack_gradients": pack, **(more_options or {})}
-        hosts, directory = _hosts(2), self.create_tempdir().full_path
-        workers = [_started(self, subprocess.Popen(
-            [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
-                "worker_hosts": hosts, "task_index": i, "num_towers": towers_per_worker[i],
-                "devices_per_tower": devices_per_tower, "model": model,
-                "options": options, "trace_on_chief_first": trace_on_chief_first,
-                "output": os.path.join(directory, f"worker{i}.npz")})],
-            cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)) for i in range(2)]
-        for worker in workers:
-            _, stderr = worker.communicate(timeout=300)
-            self.assertEqual(worker.returncode, 0, stderr[-3000:])
-        results = [np.load(os.path.join(directory, f"worker{i}.npz")) for i in range(2)]
+        results, _ = _run_jobs(self, [{
+            "num_towers": towers_per_worker[i], "devices_per_tower": devices_per_tower,
+            "model": model, "options": options, "trace_on_chief_first": trace_on_chief_first}
+            for i in range(2)])
 
         batches = multi_worker_job.global_batches(model)
         single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)], model)
@@ -165,6 +158,71 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # Every worker applies the same all-reduced update: the copies stay identical.
         for name in results[0].files:
             self.assertAllEqual(results[0][name], results[1][name], msg=name)
+
+    def test_workers_given_3_and_4_batches_stop_after_the_same_step(self):
+        # Both fit 2 epochs: worker 0's data ends a step before worker 1's in each.
+        results, stderrs = _run_jobs(self, [{"num_towers": 2, "uneven_data": True}] * 2)
+
+        single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)], "dense")
+        validation = multi_worker_job.uneven_validation_batch()
+        losses, epoch_losses, accuracies, val_losses, batches = [], [], [], [], []
+        for epoch in range(multi_worker_job.UNEVEN_EPOCHS):
+            metrics.reset(single.metrics)  # as fit does at each epoch's start
+            epoch_batches = multi_worker_job.uneven_global_batches(epoch)
+            sizes = [len(batch[1]) for batch in epoch_batches]
+            losses.append([single.train_step(batch)["loss"] for batch in epoch_batches])
+            epoch_losses.append(np.dot(losses[-1], sizes) / sum(sizes))
+            accuracies.append(single.metrics[0].result())
+            val_losses.append(single.evaluate(validation)["loss"])
+            batches += epoch_batches
+        expected = [v.numpy() for v in single.model.weights]
+        plain = reference.single_device_weights(
+            multi_worker_job.make_model("dense"), reference.OPTIMIZERS["adam"](),
+            reference.make_loss(), batches)
+        for result in results:
+            for fit in ("step", "in_graph"):
+                self.assertEqual(int(result[f"{fit}_step"]), len(batches))
+                weights = [result[f"{fit}_w{i}"] for i in range(len(expected))]
+                self.assertAllClose(weights, expected, atol=TOLERANCE, rtol=0)
+                self.assertAllClose(weights, plain, atol=TOLERANCE, rtol=0)
+                self.assertAllClose(result[f"{fit}_val_loss"], val_losses, atol=TOLERANCE, rtol=0)
+            self.assertAllClose(result["step_loss"], epoch_losses, atol=TOLERANCE, rtol=0)
+            self.assertAllClose(result["step_accuracy"], accuracies, atol=1e-6, rtol=0)
+            # Resumed after batch 3 of epoch 1: that epoch's mean is batch 4's loss.
+            self.assertAllClose(result["in_graph_loss"], [losses[0][3], epoch_losses[1]],
+                                atol=TOLERANCE, rtol=0)
+        for name in results[0].files:
+            self.assertAllEqual(results[0][name], results[1][name], msg=name)
+        # Once per epoch and fit: the worker whose data ended says so; the other not.
+        said = r"worker (\d) has no batches left in epoch (\d) after batch (\d)"
+        self.assertEqual(re.findall(said, stderrs[0]), [("0", "1", "3"), ("0", "2", "3")] * 2)
+        self.assertEqual(re.findall(said, stderrs[1]), [])
+
+
+def _run_jobs(test, configs, timeout_s=300):
+    """Runs tests.multi_worker_job as a cluster, one worker per config (each gets the
+    cluster, its index, a shared checkpoint_dir and its output added); returns
+    each worker's saved .npz and stderr. A worker that hangs fails the test."""
+    hosts, directory = _hosts(len(configs)), test.create_tempdir().full_path
+    paths = [os.path.join(directory, f"worker{i}") for i in range(len(configs))]
+    workers = []
+    for i, config in enumerate(configs):
+        with open(f"{paths[i]}.stderr", "w") as stderr:  # a file: a full pipe would block
+            workers.append(_started(test, subprocess.Popen(
+                [sys.executable, "-m", "tests.multi_worker_job", json.dumps({
+                    **config, "worker_hosts": hosts, "task_index": i,
+                    "checkpoint_dir": os.path.join(directory, "checkpoints"),
+                    "output": f"{paths[i]}.npz"})], cwd=ROOT, env=ENV, stderr=stderr)))
+    stderrs = []
+    for i, (worker, path) in enumerate(zip(workers, paths)):
+        try:
+            worker.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            test.fail(f"worker {i} still runs after {timeout_s} s: it hangs")
+        with open(f"{path}.stderr") as stderr:
+            stderrs.append(stderr.read())
+        test.assertEqual(worker.returncode, 0, stderrs[-1][-3000:])
+    return [np.load(f"{path}.npz") for path in paths], stderrs
 
 
 class InstanceKeyTest(tf.test.TestCase):

@@ -46,6 +46,23 @@ class SplitBatchTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual([s.shape[0] for s in shards], [1, 1, 0, 0])
         self.assertEqual(shards[3].shape[1], 5)
 
+    def test_empty_like_a_batch_its_shards_or_a_dataset_spec(self):
+        batch = ({"image": np.ones((3, 2, 2)), "id": np.arange(3)}, np.arange(3, dtype=np.int32))
+        dataset = tf.data.Dataset.from_generator(
+            lambda: [batch], output_signature=({"image": tf.TensorSpec([None, 2, None]),
+                                                "id": tf.TensorSpec([None], tf.int64)},
+                                               tf.TensorSpec([None], tf.int32)))
+        for like, image_shape in ((batch, [0, 2, 2]), (dataset.element_spec, [0, 2, 0])):
+            x, y = towers.split.empty_like(like)
+            # float64 becomes floatx, as the step's batches do; unknown dims are 0.
+            self.assertEqual((x["image"].dtype, x["image"].shape.as_list()),
+                             (tf.float32, image_shape))
+            self.assertEqual((x["id"].dtype, x["id"].shape.as_list()), (tf.int64, [0]))
+            self.assertEqual((y.dtype, y.shape.as_list()), (tf.int32, [0]))
+        shards = towers.split.empty_like(towers.split.Shards(towers.split_batch(batch, 2)))
+        self.assertIsInstance(shards, towers.split.Shards)
+        self.assertEqual([towers.split.batch_size(shard) for shard in shards], [0, 0])
+
     def test_parts_that_disagree_on_batch_size(self):
         with self.assertRaisesRegex(ValueError, "disagree on batch size"):
             towers.split_batch((np.ones((4, 2)), np.ones(5)), 2)

@@ -139,6 +139,10 @@ class BadInputTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(before, _state(trainer)):
             self.assertAllEqual(want, got)
 
+    def test_data_ended_without_a_cluster(self):
+        with self.assertRaisesRegex(ValueError, "data_ended=True is for a worker of a cluster"):
+            _trainer().train_step(reference.make_batches(10, num_steps=1)[0], data_ended=True)
+
     def test_targets_that_do_not_fit_the_model(self):
         trainer = _trainer()
         x, y, _ = reference.make_batches(10, num_steps=1)[0]

@@ -81,16 +81,11 @@ def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
 
     def skip():  # traced after run, so it knows run's structure
         outputs, new_state, regularization = traced[0]
-        return (tf.nest.map_structure(_no_rows, outputs),
+        return (tf.nest.map_structure(split.no_rows, outputs),
                 [None if new is None else old for new, old in zip(new_state, state)],
                 None if regularization is None else tf.constant(0.0))
 
     return tf.cond(tf.greater(rows, 0), run, skip)
-
-
-def _no_rows(like):
-    """A Tensor of 0 rows shaped and typed like `like` (its unknown dims 0)."""
-    return tf.zeros([0] + [d or 0 for d in like.shape.as_list()[1:]], like.dtype)
 
 
 def forward(model, weights, state, x, training):

@@ -25,6 +25,25 @@ def as_batch(batch):
     return tuple(tf.nest.map_structure(as_tensor, tuple(batch)))
 
 
+def no_rows(like):
+    """A Tensor of 0 rows shaped and typed like `like`, a Tensor or a tf.TensorSpec
+    (its unknown dims 0)."""
+    return tf.zeros([0] + [d or 0 for d in like.shape.as_list()[1:]], like.dtype)
+
+
+def empty_like(like):
+    """A batch of no rows with the structure of `like` (its unknown dims 0): a cluster
+    worker's part of a step once its data has ended.
+
+    `like`: a batch (or its Shards: then one empty shard each), or a nest of
+    tf.TensorSpec such as a tf.data element_spec, dim 0 its batch dimension.
+    """
+    if isinstance(like, Shards):
+        return Shards(empty_like(shard) for shard in like)
+    return tuple(tf.nest.map_structure(lambda leaf: as_tensor(no_rows(
+        leaf if isinstance(leaf, tf.TensorSpec) else tf.convert_to_tensor(leaf))), tuple(like)))
+
+
 def split_batch(batch, num_shards):
     """Splits every tensor of `batch` along dim 0 into `num_shards` shards.
 

@@ -1,9 +1,9 @@
 """The bodies TowerTrainer compiles: the train step (steps 1-7) and the eval step.
 
 Each takes the trainer and reads only its public attributes (model, objective,
-optimizer, metrics, setup, cluster, stop_requested); call them inside a
-tf.function. `train_step` is the contract executions' in-graph loop builds on:
-its logs say what a caller needs to decide whether to go on.
+optimizer, metrics, setup, cluster, stop_requested, data_ended); call them
+inside a tf.function. `train_step` is the contract executions' in-graph loop
+builds on: its logs say what a caller needs to decide whether to go on.
 """
 
 import keras
@@ -28,8 +28,10 @@ def train_step(trainer, batch, may_be_empty):
     "examples" (the rows the logs cover: the batch's, with a cluster every
     worker's; 0 for a step that is not finite, which enters no log), "finite"
     (loss and gradients finite, or with loss scaling the loss), "applied"
-    (whether the optimizer applied the step), each metric's result, and with a
-    cluster "stop_requested", with loss scaling "loss_scale".
+    (whether the optimizer applied the step; never for a batch of no rows),
+    each metric's result, with loss scaling "loss_scale", and with a cluster
+    "stop_requested" and "data_ended" (every worker's trainer.data_ended is
+    set: the step trained on nothing).
     """
     # The step's collective ops take keys derived from the step and the model, the
     # same on every worker whatever else each traced (collectives.instance_keys).
@@ -92,21 +94,29 @@ def _train_step(trainer, batch, may_be_empty):
                                          trainer.cluster, keep_if=finite)
     exchanged = list(metric_logs.values())
     if trainer.cluster is not None:
-        # A stop signal to any worker stops every worker after this same step.
-        [stop_requested] = collectives.all_reduce_across_workers(
-            [trainer.stop_requested.read_value()], trainer.cluster, cluster_lib.HOST_DEVICE)
-        stop_requested = stop_requested > 0
-        exchanged.append(stop_requested)
+        # One all-reduce carries both signals: a stop signal to any worker stops every
+        # worker after this same step, and the count of workers whose data has ended
+        # (each then feeds an empty part) ends the epoch once it is all of them.
+        [signals] = collectives.all_reduce_across_workers(
+            [tf.stack([trainer.stop_requested.read_value(), trainer.data_ended.read_value()])],
+            trainer.cluster, cluster_lib.HOST_DEVICE)
+        stop_requested, data_ended = signals[0] > 0, signals[1] >= trainer.cluster.num_workers
+        exchanged += [stop_requested, data_ended]
+        # A global batch of no rows (every worker's data ended) has nothing to apply:
+        # its mean gradients and state would be zeros.
+        finite_with_rows = finite & (result.examples > 0)
+    else:
+        finite_with_rows = finite  # the trainer refuses an empty batch
     # Across workers the metrics have an all-reduce of their own: it too comes
     # before the update, so a worker lost during the step leaves the weights alone.
     with tf.control_dependencies(exchanged):
-        applied = tf.cond(finite, apply, lambda: tf.constant(False))
+        applied = tf.cond(finite_with_rows, apply, lambda: tf.constant(False))
     with tf.device(setup.main_device):
         logged_examples = tf.where(finite, result.examples, 0.0)
     logs = {"loss": result.loss, **dict(zip(trainer.objective.names, result.term_losses)),
             "finite": finite, "applied": applied, "examples": logged_examples, **metric_logs}
     if trainer.cluster is not None:
-        logs["stop_requested"] = stop_requested
+        logs.update(stop_requested=stop_requested, data_ended=data_ended)
     if scale is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     return logs

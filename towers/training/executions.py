@@ -9,7 +9,9 @@ past the epoch's end or max_steps (`limit`).
 import itertools
 
 import tensorflow as tf
+from absl import logging
 
+from towers.data_parallel import split
 from towers.training import compiled_steps, prefetch
 
 
@@ -20,21 +22,31 @@ def compiled_loop(trainer, iterator, num_steps):
     loss (the mean over the examples in the logs) and each loss term's (the mean
     over the steps in the logs, as Keras's per-output trackers read), steps,
     examples and logged_steps (those in the logs: a step that is not finite
-    enters none), skipped, nonfinite and the metric results, all Tensors; with a
-    cluster, examples are every worker's and stop_requested ends the loop after
-    the step every worker sees it in.
+    enters none), skipped, nonfinite and the metric results, all Tensors. With a
+    cluster, examples are every worker's, stop_requested ends the loop after the
+    step every worker sees it in, and the end of this worker's data does not end
+    it: the worker takes part with an empty part until every worker's data has
+    ended. That last step, which trains on nothing, ends the loop uncounted with
+    data_ended; worker_batches counts the steps this worker had a batch for.
     """
     names = trainer.objective.names
     steps, skipped, logged_steps = tf.constant(0), tf.constant(0), tf.constant(0.0)
     examples, nonfinite = tf.constant(0.0), tf.constant(False)
     loss_sum, sums = tf.constant(0.0), {name: tf.constant(0.0) for name in names}
-    stop_requested = tf.constant(False)
+    stop_requested, data_ended = tf.constant(False), tf.constant(False)
+    worker_batches = tf.constant(0)
     for _ in tf.range(num_steps):
-        has_batch, get_batch = prefetch.get_next_as_optional(iterator, trainer.input_devices)
-        if not has_batch:
+        has_batch, get_batch = prefetch.get_next_as_optional(
+            iterator, trainer.input_devices, or_empty=trainer.cluster is not None)
+        if trainer.cluster is None and not has_batch:
             break
-        batch = get_batch()
-        logs = compiled_steps.train_step_any_rows(trainer, batch)
+        if trainer.cluster is not None:
+            trainer.data_ended.assign(tf.cast(tf.logical_not(has_batch), tf.float32))
+            worker_batches += tf.cast(has_batch, tf.int32)
+        logs = compiled_steps.train_step_any_rows(trainer, get_batch())
+        if trainer.cluster is not None and logs["data_ended"]:
+            data_ended = tf.constant(True)
+            break
         size = logs["examples"]  # 0 for a step that is not finite (its loss may be NaN)
         logged = tf.cast(size > 0, tf.float32)
         steps, examples, logged_steps = steps + 1, examples + size, logged_steps + logged
@@ -52,7 +64,8 @@ def compiled_loop(trainer, iterator, num_steps):
             "steps": steps, "examples": examples, "logged_steps": logged_steps,
             "skipped": skipped, "nonfinite": nonfinite, **trainer.metrics.results()}
     if trainer.cluster is not None:
-        logs["stop_requested"] = stop_requested
+        logs.update(stop_requested=stop_requested, data_ended=data_ended,
+                    worker_batches=worker_batches)
     if compiled_steps.loss_scale(trainer.optimizer) is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     return logs
@@ -64,10 +77,15 @@ class EpochSteps:
     tf.data.Dataset (other iterables run a step at a time). A Dataset's batches
     come split, each shard on its tower's device, with trainer.prefetch_to_devices;
     the compiled loop then reads them even at one step per call, which saves
-    reading the devices' iterators one by one from Python."""
+    reading the devices' iterators one by one from Python.
+
+    With a cluster, a worker whose batches end first takes part in the other
+    workers' steps with an empty part; the epoch ends on every worker after the
+    last step any worker had a batch for (docs/multi_worker.md).
+    """
 
     def __init__(self, trainer, dataset, epoch, steps_per_epoch, skip, shared_iterator):
-        self._trainer = trainer
+        self._trainer, self._epoch, self._position = trainer, epoch, skip
         data, first = shared_iterator, 0  # first: batches to skip here, not in tf.data
         if data is None:
             data = dataset(epoch) if callable(dataset) else dataset
@@ -80,7 +98,15 @@ class EpochSteps:
         self._in_graph = isinstance(data, prefetch.ShardIterator) or (
             trainer.steps_per_execution > 1
             and isinstance(data, (tf.data.Dataset, tf.data.Iterator)))
-        self._iterator = iter(data) if self._in_graph else itertools.islice(data, first, None)
+        self._iterator = iter(data)
+        # With a cluster, what this worker's empty part is shaped like once its data has
+        # ended: the last batch skipped or run here, else a Dataset's element_spec, else
+        # (None) the last batch the trainer trained on.
+        self._like = getattr(data, "element_spec", None)
+        for batch in itertools.islice(self._iterator, first):
+            self._like = batch
+        self._every_data_ended = False  # with a cluster: the epoch is over for all
+        self._said_data_ended = False
 
     def run(self, before_step, limit):
         """Runs the next execution of at most `limit` steps (an int, see _limit).
@@ -89,21 +115,42 @@ class EpochSteps:
         the logs with "examples" (those they cover), or None when the epoch's
         batches or `limit` ran out.
         """
-        if limit == 0:
+        if limit == 0 or self._every_data_ended:
             return None
         if self._in_graph:
             before_step()
             logs = self._trainer.train_steps(self._iterator, limit)
-            if not logs["steps"]:
+            steps = logs.pop("steps")
+        else:
+            batch = next(self._iterator, None)
+            if batch is None and self._trainer.cluster is None:
                 return None
-            return logs, logs.pop("steps"), int(logs.pop("logged_steps"))
-        batch = next(self._iterator, None)
-        if batch is None:
+            before_step()
+            if batch is None:  # this worker's data has ended, maybe not the others'
+                empty = None if self._like is None else split.empty_like(self._like)
+                logs = self._trainer.train_step(empty, data_ended=True)
+                logs["worker_batches"] = 0
+            else:
+                self._like = batch
+                logs = self._trainer.train_step(batch)
+            steps = 0 if logs.get("data_ended") else 1
+        self._every_data_ended = bool(logs.pop("data_ended", False))
+        if not steps:
             return None
-        before_step()
+        self._say_if_data_ended(steps, logs.pop("worker_batches", steps))
+        self._position += steps
         # With a cluster the batch is this worker's part; its "examples" count them all.
-        logs = self._trainer.train_step(batch)
-        return logs, 1, int(logs["examples"] > 0)
+        return logs, steps, int(logs.pop("logged_steps", logs["examples"] > 0))
+
+    def _say_if_data_ended(self, steps, worker_batches):
+        """Logs once an epoch that this worker's data ended before another worker's."""
+        if worker_batches < steps and not self._said_data_ended:
+            self._said_data_ended = True
+            logging.warning(
+                "worker %d has no batches left in epoch %d after batch %d, while another "
+                "worker still has: it takes part in their steps with an empty part until "
+                "every worker's data has ended.", self._trainer.cluster.task_index,
+                self._epoch + 1, self._position + worker_batches)
 
 
 def limit(trainer, batch_index, steps_per_epoch, max_steps):

@@ -59,7 +59,9 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         its newest checkpoint, saves as it goes and once at the end.
       log_dir: where TensorBoard summaries go (None = none).
       With a cluster only the chief saves checkpoints and writes summaries;
-      every worker restores.
+      every worker restores. A worker whose data ends before the others' takes
+      part in their steps with an empty part; every worker's epoch ends after
+      the last step any worker had a batch for (docs/multi_worker.md).
       verbose: "auto" (a progress bar on a terminal, else log lines), True, False.
       callbacks: keras.callbacks.Callback objects, called as keras.Model.fit
         calls them (see callbacks.py); a keras.callbacks.ProgbarLogger among

@@ -58,28 +58,55 @@ class ShardIterator:
         return split.Shards(tuple(shard) for shard in next(self.multi_device_iterator))
 
 
-def get_next_as_optional(iterator, devices):
+def get_next_as_optional(iterator, devices, or_empty=False):
     """In a tf.function: (has_value, get_value) for the next batch of `iterator`.
 
     `iterator`: a tf.data iterator, whose get_value() gives a batch of Tensors,
     or a ShardIterator's multi_device_iterator, whose get_value() gives
     split.Shards with shard i on devices[i].
+    `or_empty`: once the data has ended, get_value() gives a batch of no rows of
+    its structure (one empty shard on each device) instead of failing: a cluster
+    worker's part of the steps the other workers still have data for.
     """
+    def or_no_rows(has_value, get_value):
+        if not or_empty:
+            return get_value()
+        return tf.cond(has_value, get_value, lambda: split.empty_like(iterator.element_spec))
+
     if not isinstance(iterator, multi_device_iterator_ops.OwnedMultiDeviceIterator):
         element = iterator.get_next_as_optional()
-        return element.has_value(), lambda: split.as_batch(element.get_value())
+        return element.has_value(), lambda: or_no_rows(
+            element.has_value(), lambda: split.as_batch(element.get_value()))
     optionals = iterator.get_next_as_optional()
 
     def shards():
         values = []
         for device, optional in zip(devices, optionals):
             with tf.device(device):
-                # get_value is only colocated with its iterator (an argument of the
-                # function, no device in the graph); the identity states the device.
-                values.append(tuple(tf.nest.map_structure(tf.identity, optional.get_value())))
+                values.append(or_no_rows(optional.has_value(),
+                                         functools.partial(_value_here, optional)))
         return split.Shards(values)
 
     return optionals[0].has_value(), shards
+
+
+def _value_here(optional):
+    """An optional's value on the current device: get_value is only colocated with its
+    iterator (an argument of the function, no device in the graph); the identity
+    states the device."""
+    return tuple(tf.nest.map_structure(tf.identity, optional.get_value()))
+
+
+def empty_batch(iterator, devices):
+    """Eagerly, a batch of no rows of the structure of `iterator` (a tf.data iterator, or
+    a ShardIterator: then split.Shards, one empty shard on each of `devices`)."""
+    if not isinstance(iterator, ShardIterator):
+        return split.empty_like(iterator.element_spec)
+    shards = []
+    for device in devices:
+        with tf.device(device):
+            shards.append(split.empty_like(iterator.multi_device_iterator.element_spec))
+    return split.Shards(shards)
 
 
 def resolve(prefetch_to_devices, input_devices):

@@ -59,6 +59,9 @@ class TowerTrainer:
       setup: the step's data_parallel.step.StepSetup (devices, stages, options;
         its first-batch fields are filled in by the first step).
       stop_requested: with a cluster, a host variable set to 1 by request_stop.
+      data_ended: with a cluster, a host variable: 1 while this worker's data has
+        ended and it feeds empty parts (train_step(data_ended=True), or
+        train_steps' iterator ran out), else 0.
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
@@ -100,10 +103,13 @@ class TowerTrainer:
         self.jit_compile = bool(jit_compile)
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
-        self.stop_requested = None
+        self.stop_requested = self.data_ended = None
         if cluster is not None:
             with tf.device(cluster_lib.HOST_DEVICE):
                 self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
+                self.data_ended = tf.Variable(0.0, trainable=False, name="data_ended")
+        self._data_ended_value = 0.0  # what data_ended holds; None after an in-graph loop
+        self._empty_part = None  # with a cluster: no rows of the last batch trained on
         self.num_towers = len(self.setup.grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
@@ -126,13 +132,16 @@ class TowerTrainer:
         """Optimizer steps applied so far (int); skipped steps do not count."""
         return int(self.optimizer.iterations.numpy())
 
-    def train_step(self, batch):
+    def train_step(self, batch, data_ended=False):
         """Runs one tower step on a global batch; returns logs as Python floats.
 
         Args:
           batch: (x, y) or (x, y, sample_weight); arrays or Tensors, dim 0 = the
             global batch size, any size >= 1. Or the batch's split.Shards, one
             per tower, from shard_iterator.
+          data_ended: with a cluster, True where this worker has no batch left
+            while others may: `batch` is then its empty part
+            (split.empty_like(a batch)), or None for the last batch's.
 
         Returns:
           {"loss": the batch's loss as keras.Model.train_on_batch computes it
@@ -143,8 +152,10 @@ class TowerTrainer:
            overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
         With a cluster, `batch` is this worker's part of the global batch (it
-        may be empty), "loss", "examples" are the global batch's, and
-        "stop_requested" is 1.0 once any worker called request_stop.
+        may be empty), "loss", "examples" are the global batch's,
+        "stop_requested" is 1.0 once any worker called request_stop, and
+        "data_ended" is 1.0 when every worker's data has ended: the step then
+        had no rows, applied nothing and counts for nothing.
 
         Raises:
           ValueError: a malformed batch; nothing runs.
@@ -153,13 +164,14 @@ class TowerTrainer:
             NaN/Inf (with loss scaling: the loss); weights and optimizer state
             are left as they were.
         """
+        batch = self._mark_data_ended(batch, data_ended)
         with self._watched():
             batch, key = self._prepare(batch, "train")
             logs = self._call(key, batch)
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         if not finite and self.options.on_nonfinite == "raise":
             raise self._nonfinite_error()
-        self._skipped_steps += not applied
+        self._skipped_steps += not applied and logs["examples"] > 0
         logs["skipped_steps"] = self._skipped_steps
         return logs
 
@@ -182,12 +194,18 @@ class TowerTrainer:
         exactly train_step's. The first call ever runs one step eagerly set
         up, as train_step does. `iterator` may be a shard_iterator.
 
+        With a cluster the end of this worker's data does not end the call:
+        it takes part in the other workers' steps with empty parts until every
+        worker's data has ended (that step, which trains on nothing, is not
+        counted and sets "data_ended").
+
         Returns:
           logs as train_step's, over the steps run: "loss" (and each loss
           term's) is their mean over their examples (the metrics run on, as
           ever), plus "steps" (how many ran, 0 when the data had ended),
           "examples" and "logged_steps" (those of the steps in the logs: each
-          loss term's log is the mean over the steps, as Keras's reads).
+          loss term's log is the mean over the steps, as Keras's reads); with a
+          cluster "worker_batches", the steps this worker had a batch for.
 
         Raises:
           NonFiniteError: on_nonfinite="raise" and a step was not finite; the
@@ -195,10 +213,15 @@ class TowerTrainer:
         """
         if self.setup.trainable_ids is None:
             batch = next(iterator, None)
-            if batch is None:
+            if batch is None and self.cluster is None:
                 return {"steps": 0}
-            logs = self.train_step(batch)
-            return {**logs, "steps": 1, "logged_steps": float(logs["examples"] > 0)}
+            if batch is None:  # a resumed worker whose data has ended: in the others' steps
+                logs = self.train_step(prefetch.empty_batch(iterator, self.input_devices),
+                                       data_ended=True)
+                steps, logs["worker_batches"] = int(not logs["data_ended"]), 0
+            else:
+                logs, steps = self.train_step(batch), 1
+            return {**logs, "steps": steps, "logged_steps": float(logs["examples"] > 0)}
         self._follow_trainable()
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
@@ -206,6 +229,7 @@ class TowerTrainer:
         self._compiled.add(key, functools.partial(executions.compiled_loop, self))
         with self._watched():
             logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
+        self._data_ended_value = None  # the loop sets it as its iterator runs
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         if logs.pop("nonfinite"):
@@ -221,6 +245,26 @@ class TowerTrainer:
         """
         if self.stop_requested is not None:
             self.stop_requested.assign(1.0)
+
+    def _mark_data_ended(self, batch, data_ended):
+        """Sets data_ended for the next step; returns its batch (None: the empty part)."""
+        if data_ended:
+            if self.cluster is None:
+                raise ValueError("data_ended=True is for a worker of a cluster whose data "
+                                 "ended before the others'; without a cluster stop stepping.")
+            batch = self._empty_part if batch is None else batch
+            if batch is None:
+                raise ValueError(
+                    f"worker {self.cluster.task_index}'s data ended before it trained on a "
+                    "batch, so the structure of its empty part is unknown: pass "
+                    "towers.split.empty_like(a batch), or fit a tf.data.Dataset.")
+            if split.batch_size(batch) != 0:  # its rows would count for nothing
+                raise ValueError(f"data_ended=True takes an empty part, got a batch of "
+                                 f"{split.batch_size(batch)} rows; train on it first.")
+        if self.cluster is not None and self._data_ended_value != float(data_ended):
+            self.data_ended.assign(float(data_ended))
+            self._data_ended_value = float(data_ended)
+        return batch
 
     def evaluate(self, data):
         """Mean loss (+ metrics) over a batch, a tf.data.Dataset or an iterable of batches."""
@@ -291,6 +335,8 @@ class TowerTrainer:
         batch = split.Shards(parts) if is_shards else parts[0]
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError(compiled_steps.EMPTY_BATCH)
+        if self.cluster is not None and kind == "train":
+            self._empty_part = split.empty_like(batch)
         if self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
         variant = self._variant(kind, batch)
