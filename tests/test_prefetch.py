@@ -101,13 +101,13 @@ class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
     def test_fit_reads_each_shard_on_its_tower(self, steps_per_execution):
         traced = []
 
-        def run_tower(stages, loss, shard, *args, **kwargs):
+        def start_tower(stages, loss, shard, *args, **kwargs):
             traced.append({t.device for t in tf.nest.flatten(shard)})  # '' for an argument
-            return run_tower.original(stages, loss, shard, *args, **kwargs)
+            return start_tower.original(stages, loss, shard, *args, **kwargs)
 
-        run_tower.original = tower.run_tower
+        start_tower.original = tower.start_tower
         trainer = _trainer(steps_per_execution=steps_per_execution)
-        with mock.patch.object(tower, "run_tower", run_tower):
+        with mock.patch.object(tower, "start_tower", start_tower):
             trainer.fit(_dataset(), epochs=2, verbose=False)
         # The first step sets the trainer up (a graph of its own, shards as arguments);
         # then fit's compiled loop reads the shards, even at one step per call. The loop

@@ -1,6 +1,6 @@
 """Steps 5 and 6: the routes by which the towers' gradients meet.
 
-Each tower's gradients are of its part of the batch's loss (tower.run_tower),
+Each tower's gradients are of its part of the batch's loss (flight.Flight),
 so steps 5-6 add them up. All routes give the same sum on the main device;
 they differ in which device adds what, and so in how many bytes cross
 between devices:

@@ -46,6 +46,8 @@ class Objective:
         several (Keras logs each), else [] (the one term is "loss"). Known
         after the first call of `terms`.
       weights: per term its loss_weight (1.0 where none was given).
+      counted: None before the first call of `terms`, then the indices of the
+        terms whose denominator is counted (a Keras mask on the output).
     """
 
     def __init__(self, loss, loss_weights=None, output_names=None):
@@ -62,7 +64,7 @@ class Objective:
                              f"(one per output with a loss), got {loss_weights!r}.")
         if isinstance(loss, (list, tuple, dict)) and not tf.nest.flatten(loss):
             raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
-        self._recorded = None
+        self._recorded, self.counted = None, None
         self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
 
     @property
@@ -94,6 +96,7 @@ class Objective:
         except (KeyError, TypeError) as error:
             raise ValueError(f"the loss does not fit the model's outputs: {error}") from None
         terms, self._recorded = self._recorded, None
+        self.counted = [i for i, term in enumerate(terms) if term.per_row is None]
         return terms
 
     def _record(self, loss, y_true, y_pred, sample_weight):

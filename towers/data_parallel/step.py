@@ -170,14 +170,21 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
         batch_rows = tf.cast(rows, tf.float32)
     weights = [v.value for v in stages.model.trainable_variables]
     state = [v.value for v in stages.model.non_trainable_variables]
-    outputs = []
+    flights = []
     for i, shard in enumerate(shards):
-        with tf.name_scope(f"tower_{i}"):
+        with tf.name_scope(f"tower_{i}") as scope:
             tower_weights, tower_state = read_weights(setup, weights, state, i)   # 2
-            outputs.append(run_tower(setup, objective, shard, shard_sizes[i], batch_rows,  # 3, 4
-                                     tower_weights, tower_state, i, loss_scale, may_be_empty))
-    outputs, term_losses = denominators.fold_counted(                              # 4, 6
-        outputs, objective, batch_rows, setup.cluster, setup.main_device)  # masked terms
+            flights.append((scope, start_tower(setup, objective, shard, shard_sizes[i],  # 3
+                                               batch_rows, tower_weights, tower_state, i,
+                                               loss_scale, may_be_empty)))
+    # A masked output's loss is over the whole batch's unmasked entries: counted here.
+    counts = denominators.count([f.terms for _, f in flights], objective, batch_rows,
+                                setup.cluster, setup.main_device)
+    outputs = []
+    for i, (scope, flight) in enumerate(flights):
+        with tf.name_scope(scope), setup.tower_scope(i):
+            outputs.append(flight.finish(counts.scales, setup.densify))             # 4
+    outputs = denominators.fold(outputs, objective, counts, setup.main_device)
     grads, state, columns = [], [], setup.columns
     for k, column_device in enumerate(setup.column_devices):
         column = [row[k] for row in setup.column_grid]
@@ -191,25 +198,27 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             loss=tf.add_n([o.loss for o in outputs]),  # the towers' parts of the batch's loss
             state=columns.merge(state, trainable=False),
             y_pred=forward.concat_rows([o.y_pred for o in outputs]),
-            examples=batch_rows, term_losses=term_losses)
+            examples=batch_rows, term_losses=counts.term_losses)
     if setup.cluster is None:
         return result
     return across_workers(result, setup.cluster, setup.main_device,                # 6
                           options.state_policy)
 
 
-def run_tower(setup, objective, shard, rows, batch_rows, weights, state, i, loss_scale,
-              may_be_empty):
-    """Steps 3-4 on tower i: tower.run_tower, or its XLA-compiled form (jit_compile)."""
+def start_tower(setup, objective, shard, rows, batch_rows, weights, state, i, loss_scale,
+                may_be_empty):
+    """Steps 3-4 on tower i up to where the batch's counts are needed: tower.start_tower's
+    flight, or its XLA-compiled form run whole (jit_compile)."""
     row, tower_index = setup.grid[i], setup.first_tower + i
     if setup.compiled_tower is not None:
-        return setup.compiled_tower(shard, rows, batch_rows, weights, state, row,
-                                    tf.constant(tower_index), loss_scale, may_be_empty)
+        return tower.Finished(setup.compiled_tower(
+            shard, rows, batch_rows, weights, state, row, tf.constant(tower_index), loss_scale,
+            may_be_empty))
     with setup.tower_scope(i):
-        return tower.run_tower(setup.stages, objective, shard, rows, batch_rows, weights, state,
-                               row, tower_index, setup.options.micro_batches,
-                               setup.options.pipeline_schedule, loss_scale,
-                               setup.densify, may_be_empty=may_be_empty)
+        return tower.start_tower(setup.stages, objective, shard, rows, batch_rows, weights,
+                                 state, row, tower_index, setup.options.micro_batches,
+                                 setup.options.pipeline_schedule, loss_scale,
+                                 may_be_empty=may_be_empty)
 
 
 def read_weights(setup, weights, state, tower_index):

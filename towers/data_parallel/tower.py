@@ -1,46 +1,29 @@
 """Steps 3 and 4: what one tower does with its shard, on its own device(s).
 
-`run_tower` takes the shard's micro-batches forward (forward.py) and back
-(GradientTape) through the tower's pipeline stages in the schedule's order;
-with one stage and one micro-batch that is one forward and one backward.
-Nothing here writes a variable.
+`start_tower` takes the shard's micro-batches forward (forward.py) and back
+(GradientTape) through the tower's pipeline stages in the schedule's order, as
+a flight.Flight, up to where the batch's counts are needed; its `finish` runs
+the rest. With one stage and one micro-batch that is one forward and one
+backward. Nothing here writes a variable.
 """
 
-import collections
 import functools
 
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, losses, split
-from towers.data_parallel.forward import batch_share, concat_rows, cross_cut, forward
-from towers.data_parallel.forward import shard_loss, unless_empty
-from towers.model_parallel import schedule
-
-TowerOutput = collections.namedtuple(
-    "TowerOutput", ["grads", "loss", "state", "y_pred", "terms", "term_grads"])
-TowerOutput.__doc__ = """What one tower computed, on that tower.
-
-grads: per trainable variable, d(part * loss_scale)/d(weight), None where unused.
-loss: float32 scalar, `part`: the shard's part of the batch's loss, its mean loss
-    plus regularisation times rows / the batch's rows (unscaled); the terms whose
-    denominator is counted are not in it (see term_grads).
-state: per non-trainable variable, its new value, None where unchanged.
-y_pred: (outputs, masks) for the shard's rows, as forward.forward returns them.
-terms: per loss term of the objective, its losses.Term over the shard's rows.
-term_grads: per term whose denominator is counted (a Keras mask), in term order,
-    the gradients of weight * its sum * loss_scale; denominators.fold_counted
-    scales them by the batch's count and adds them to grads. Then, summed over
-    the towers, the grads are the batch's mean gradient and the losses its loss.
-"""
+from towers.data_parallel import split
+from towers.data_parallel.flight import Flight
+from towers.data_parallel.forward import forward, shard_loss
 
 # Keras names the state variable of every keras.random.SeedGenerator this way.
 _SEED_STATE_SUFFIX = "seed_generator_state"
 
 
-def run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
-              micro_batches=1, schedule_name="1f1b", loss_scale=None, densify=None,
-              forwards=None, may_be_empty=True):
-    """Steps 3-4 on one tower: its shard's micro-batches forward and back through the stages.
+def start_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
+                micro_batches=1, schedule_name="1f1b", loss_scale=None, forwards=None,
+                may_be_empty=True, count_first=True):
+    """Steps 3-4 on one tower, up to where the batch's counts are needed: a started
+    flight.Flight (its `terms`, then `finish(scales, densify)` -> a TowerOutput).
 
     The shard is split into `micro_batches` micro-batches. Each stage runs on
     its own device of `row`, in the order the schedule gives it (a control
@@ -52,8 +35,8 @@ def run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, t
     Non-trainable state flows from one micro-batch to the next (an empty
     micro-batch leaves it as it was). With one stage this is gradient
     accumulation (accum_steps). A loss term whose denominator is counted (a
-    Keras mask) gets a backward of its own from the last stage back, its
-    gradients scaled once every tower is counted (TowerOutput.term_grads).
+    Keras mask) is scaled by the batch's count, which every tower's forward
+    gives (see flight.py).
 
     Args:
       stages: a stages.Stages; one stage = the whole model.
@@ -69,174 +52,46 @@ def run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, t
       micro_batches: micro-batches per shard (int >= 1).
       schedule_name: one of schedule.SCHEDULES.
       loss_scale: None or float32 scalar; gradients are of loss * loss_scale.
-      densify: None or one bool per trainable variable: turn that variable's
-        tf.IndexedSlices gradient into a dense Tensor here, before the gather.
       forwards: None, or per stage fn(weights, state, x) -> forward's result in
         training mode (compiled_tower's XLA functions); None = forward itself.
       may_be_empty: whether a micro-batch may have no rows; then each one runs
         the model only where it has some (unless_empty). False where the batch
         is known to give every micro-batch a row: no tf.cond is built.
+      count_first: whether the batch's counts may come before the backwards
+        (they cannot inside one XLA computation, which holds one tower only).
 
     Returns:
-      a TowerOutput; each gradient and state value on its stage's device, the
-      loss and y_pred on the last stage's.
+      the Flight; its TowerOutput has each gradient and state value on its
+      stage's device, the loss and y_pred on the last stage's.
     """
     forwards = forwards or [functools.partial(forward, model, training=True)
                             for model in stages.models]
-    flight = _Flight(stages, shard, rows, batch_rows, weights,
-                     _offset_seeds(stages.model, state, tower_index), micro_batches, objective,
-                     loss_scale, forwards, may_be_empty)
-    previous = [[] for _ in row]  # per stage: what its last action produced
-    for action in schedule.build_order(
-            schedule.make(schedule_name, stages.num_stages, micro_batches)):
-        kind, k, m = action
-        name = "forward" if kind == schedule.FORWARD else "backward"
-        with tf.device(row[k]), tf.name_scope(f"stage_{k}_{name}_{m}"), \
-                tf.control_dependencies(previous[k]):
-            previous[k] = (flight.forward(k, m) if kind == schedule.FORWARD
-                           else flight.backward(k, m))
-    per_stage = []
-    for k, device in enumerate(row):
-        with tf.device(device):
-            per_stage.append(flight.stage_gradients(k))
-    grads = [stages.merge(group) for group in zip(*per_stage)]  # per group: model order
-    if densify is not None:
-        grads = [[aggregate.to_dense(g) if dense else g for g, dense in zip(group, densify)]
-                 for group in grads]
-    with tf.device(row[-1]):
-        tower_loss, y_pred, terms = flight.loss_and_outputs()
-    return TowerOutput(grads[0], tower_loss, stages.merge(flight.changed, trainable=False),
-                       y_pred, terms, grads[1:])
+    return Flight(stages, shard, rows, batch_rows, weights,
+                  _offset_seeds(stages.model, state, tower_index), row, micro_batches,
+                  schedule_name, objective, loss_scale, forwards, may_be_empty,
+                  count_first).start()
 
 
-class _Flight:
-    """What is in flight on one tower during a step: every micro-batch's tensors per stage.
-
-    Its backwards come in groups: group 0 starts from the parts of the loss whose
-    denominator is known (and the regularisation), group 1 + c from the c-th
-    counted term; each has its own gradients, and its own gradients of a stage's
-    outputs sent back to the stage before. Without counted terms there is one.
-    """
-
-    def __init__(self, stages, shard, rows, batch_rows, weights, state, micro_batches,
-                 objective, loss_scale, forwards, may_be_empty):
-        self.stages, self.objective = stages, objective
-        self.loss_scale, self.forwards, self.may_be_empty = loss_scale, forwards, may_be_empty
-        self.micro, self.sizes = [shard], [rows]
-        if micro_batches > 1:
-            sizes = split.shard_sizes(rows, micro_batches)
-            self.micro, self.sizes = split.split_rows(shard, sizes), split.row_counts(sizes)
-        self.batch_rows = batch_rows
-        self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
-        self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
-        self.changed = [[None] * len(s) for s in self.state]
-        self.num_groups = 1  # 1 + the counted terms, known at the last stage's forward
-        shape = (stages.num_stages, len(self.micro))
-        # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
-        # where not differentiable), what it returned and their Keras masks, per
-        # group what its backward starts from (None: nothing here), its part of the
-        # batch's loss (unscaled), per group its weight gradients and the gradients
-        # of what it returned (sent back by the next stage).
-        self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
-        self.targets, self.parts, self.grads, self.cotangents = (_table(shape) for _ in range(4))
-        self.y_pred, self.terms = [None] * len(self.micro), [None] * len(self.micro)
-
-    def forward(self, k, m):
-        """Stage k's forward on micro-batch m (step 3), recorded for its backward."""
-        last = k == self.stages.num_stages - 1
-        if k == 0:
-            inputs, watched = self.micro[m][0], []
-        else:  # the copy to this stage's device: what crosses the cut
-            inputs = cross_cut((self.outputs[k - 1][m], self.masks[k - 1][m]))
-            watched = [t if t.dtype.is_floating else None for t in inputs]
-        # Persistent: each group's backward reads the tape (in a traced step that
-        # costs nothing at run time; the tape is dropped after the backwards).
-        with tf.GradientTape(persistent=True) as tape:
-            tape.watch(self.weights[k] + [t for t in watched if t is not None])
-            outputs, new_state, regularization = unless_empty(
-                self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs,
-                self.may_be_empty)
-            counted = []
-            if last:
-                self.y_pred[m] = outputs
-                part, self.terms[m] = shard_loss(self.objective, self.micro[m], outputs,
-                                                 regularization, self.sizes[m], self.batch_rows)
-                counted = [weight * term.sum for term, weight
-                           in zip(self.terms[m], self.objective.weights) if term.per_row is None]
-                self.num_groups = 1 + len(counted)
-            else:
-                outputs, self.masks[k][m] = tf.nest.flatten(outputs[0]), outputs[1]
-                part = (None if regularization is None
-                        else regularization * batch_share(self.sizes[m], self.batch_rows))
-            targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
-                       for t in [part] + counted]
-        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, targets
-        self.outputs[k][m], self.parts[k][m] = outputs, part
-        for i, new in enumerate(new_state):
-            if new is not None:
-                self.state[k][i] = self.changed[k][i] = new
-        return tf.nest.flatten(outputs) + [t for t in targets if t is not None]
-
-    def backward(self, k, m):
-        """Stage k's backward on micro-batch m (step 4), group by group: weight and input
-        gradients."""
-        watched = self.inputs[k][m]
-        sources = self.weights[k] + [t for t in watched if t is not None]
-        sent, self.grads[k][m] = [], []  # sent: input gradients, for the stage before
-        if k > 0:
-            self.cotangents[k - 1][m] = []
-        for g in range(self.num_groups):
-            targets, output_gradients = [], []
-            local = self.targets[k][m][g] if g < len(self.targets[k][m]) else None
-            if local is not None:
-                targets, output_gradients = [local], [tf.ones_like(local)]
-            if k < self.stages.num_stages - 1:
-                for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m][g]):
-                    if cotangent is not None:
-                        targets.append(output)
-                        output_gradients.append(tf.identity(cotangent))  # to this device
-            gradients = (self.tapes[k][m].gradient(targets, sources,
-                                                   output_gradients=output_gradients)
-                         if targets else [None] * len(sources))
-            self.grads[k][m].append(gradients[:len(self.weights[k])])
-            if k > 0:
-                input_grads = iter(gradients[len(self.weights[k]):])
-                cotangents = [None if t is None else _dense_or_none(next(input_grads))
-                              for t in watched]
-                self.cotangents[k - 1][m].append(cotangents)
-                sent += [c for c in cotangents if c is not None]
-        self.tapes[k][m] = None  # the activations of (k, m) may now be freed
-        return [aggregate.dense_part(g) for group in self.grads[k][m] for g in group
-                if g is not None] + sent
-
-    def stage_gradients(self, k):
-        """Stage k's gradients per group: its micro-batches' sums."""
-        per_micro_batch = self.grads[k]
-        if len(self.micro) == 1:
-            return per_micro_batch[0]
-        return [aggregate.sum_gradients(list(group)) for group in zip(*per_micro_batch)]
-
-    def loss_and_outputs(self):
-        """The shard's part of the batch's loss (every stage's, every micro-batch's), its
-        outputs, and its loss terms (each the micro-batches' sum)."""
-        parts = [part for stage_parts in self.parts for part in stage_parts if part is not None]
-        loss = (tf.constant(0.0) if not parts else parts[0] if len(parts) == 1
-                else tf.add_n([tf.identity(part) for part in parts]))  # here, on the last stage
-        if len(self.micro) == 1:
-            return loss, self.y_pred[0], self.terms[0]
-        terms = [losses.Term(tf.add_n([t.sum for t in per_micro]),
-                             tf.add_n([t.units for t in per_micro]), per_micro[0].per_row)
-                 for per_micro in zip(*self.terms)]
-        return loss, concat_rows(self.y_pred), terms
+def run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
+              micro_batches=1, schedule_name="1f1b", loss_scale=None, densify=None,
+              forwards=None, may_be_empty=True):
+    """Steps 3-4 on one tower, whole: start_tower's flight, its counted terms each
+    differentiated on its own (TowerOutput.term_grads: denominators.fold scales them)."""
+    return start_tower(stages, objective, shard, rows, batch_rows, weights, state, row,
+                       tower_index, micro_batches, schedule_name, loss_scale, forwards,
+                       may_be_empty, count_first=False).finish(None, densify)
 
 
-def _dense_or_none(grad):
-    return None if grad is None else tf.convert_to_tensor(grad)
+class Finished:
+    """A tower already run whole (an XLA computation), as a started flight: its `terms`
+    known, `finish` giving its TowerOutput."""
 
+    def __init__(self, output):
+        self.output, self.terms = output, output.terms
 
-def _table(shape):
-    rows, columns = shape
-    return [[None] * columns for _ in range(rows)]
+    def finish(self, scales, densify=None):
+        del scales, densify  # its counted terms came apart (term_grads), densified inside
+        return self.output
 
 
 def compiled_tower(stages, objective, micro_batches, schedule_name, densify):

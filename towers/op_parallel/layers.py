@@ -20,7 +20,7 @@ from keras import ops
 # Keras has no public way to read the tensor a stateless call maps a variable to.
 from keras.src.backend.common import stateless_scope
 
-from towers.data_parallel import split
+from towers.data_parallel import flight, split
 
 _tower = threading.local()  # .row: the devices the tower being traced runs its parts on
 
@@ -123,9 +123,10 @@ def run_part(devices, j, part, call, *inputs):
 
     @tf.custom_gradient
     def run(*args):
-        # Persistent: a step may differentiate a part more than once (a masked loss term
-        # has a backward of its own, tower.run_tower); in a traced step that costs nothing.
-        with tf.device(device), tf.GradientTape(persistent=True) as tape:
+        # Persistent where a step differentiates the part more than once (a masked loss
+        # term's backward of its own, data_parallel/flight.py).
+        with tf.device(device), tf.GradientTape(
+                persistent=flight.several_backwards()) as tape:
             tape.watch([a for a in args if a.dtype.is_floating])
             outputs = call(*tf.nest.pack_sequence_as(
                 inputs, [args[position[id(t)]] for t in flat_inputs]))

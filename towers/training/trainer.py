@@ -171,7 +171,8 @@ class TowerTrainer:
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         if not finite and self.options.on_nonfinite == "raise":
             raise self._nonfinite_error()
-        self._skipped_steps += not applied and logs["examples"] > 0
+        # A step of no rows (every worker's data ended) is not a skipped one.
+        self._skipped_steps += not applied and not logs.get("data_ended")
         logs["skipped_steps"] = self._skipped_steps
         return logs
 

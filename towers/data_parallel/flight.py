@@ -1,0 +1,275 @@
+"""Steps 3 and 4 on one tower: its micro-batches forward and back through its stages.
+
+A `Flight` holds what is in flight on one tower during a step: every
+micro-batch's tensors per stage, run in the schedule's order (a control
+dependency orders each stage's actions). Activations flow forward from stage to
+stage and their gradients flow back.
+
+A loss term whose denominator is counted (a Keras mask: the batch's unmasked
+entries) needs every tower's count before its gradient can be scaled. Where the
+schedule runs every forward before the first backward (GPipe, or one
+micro-batch), the flight stops there (`start`), the step counts every tower's
+terms, and the backwards start from each term scaled by its count (`finish`):
+one backward, as without a mask. Where a backward must come first (1F1B with
+several micro-batches, or a tower compiled whole by XLA), each counted term
+gets a backward of its own, its gradients scaled afterwards
+(TowerOutput.term_grads, denominators.fold).
+"""
+
+import collections
+import contextlib
+import threading
+
+import tensorflow as tf
+
+from towers.data_parallel import aggregate, losses, split
+from towers.data_parallel.forward import batch_share, concat_rows, cross_cut, shard_loss
+from towers.data_parallel.forward import unless_empty
+from towers.model_parallel import schedule
+
+TowerOutput = collections.namedtuple(
+    "TowerOutput", ["grads", "loss", "state", "y_pred", "terms", "term_grads"])
+TowerOutput.__doc__ = """What one tower computed, on that tower.
+
+grads: per trainable variable, d(part * loss_scale)/d(weight), None where unused.
+loss: float32 scalar, `part`: the shard's part of the batch's loss (unscaled):
+    each term's sum over the batch's denominator, times its loss weight, plus
+    the regularisation times rows / the batch's rows. Summed over the towers,
+    the grads are the batch's mean gradient and the losses its loss.
+state: per non-trainable variable, its new value, None where unchanged.
+y_pred: (outputs, masks) for the shard's rows, as forward.forward returns them.
+terms: per loss term of the objective, its losses.Term over the shard's rows.
+term_grads: [] where the counted terms are in grads and loss; else, per term
+    whose denominator is counted, in term order, the gradients of weight * its
+    sum * loss_scale, which denominators.fold scales by the batch's count and
+    adds to grads (and the term to loss).
+"""
+
+_tracing = threading.local()  # .several_backwards: of the forward being traced
+
+
+def several_backwards():
+    """Whether the forward being traced is differentiated more than once (a counted
+    loss term's backward of its own): a tape recorded inside it (a split layer's part)
+    must then be persistent. True outside a flight's forward."""
+    return getattr(_tracing, "several_backwards", True)
+
+
+@contextlib.contextmanager
+def _backwards(several):
+    outer = several_backwards()
+    _tracing.several_backwards = several
+    try:
+        yield
+    finally:
+        _tracing.several_backwards = outer
+
+
+class Flight:
+    """One tower's step: `start()` runs the schedule up to where the batch's counts are
+    needed, `terms` are then known, `finish(scales)` runs the rest.
+
+    Backwards come in groups where counted terms are differentiated on their own:
+    group 0 starts from the parts of the loss whose denominator is known (and the
+    regularisation), group 1 + c from the c-th counted term, each with its own
+    gradients, and its own gradients of a stage's outputs sent back to the stage
+    before. Otherwise (no counted term, or counts known before the backwards)
+    there is one group.
+    """
+
+    def __init__(self, stages, shard, rows, batch_rows, weights, state, row, micro_batches,
+                 schedule_name, objective, loss_scale, forwards, may_be_empty, count_first):
+        self.stages, self.objective, self.row = stages, objective, row
+        self.loss_scale, self.forwards, self.may_be_empty = loss_scale, forwards, may_be_empty
+        self.micro, self.sizes = [shard], [rows]
+        if micro_batches > 1:
+            sizes = split.shard_sizes(rows, micro_batches)
+            self.micro, self.sizes = split.split_rows(shard, sizes), split.row_counts(sizes)
+        self.batch_rows = batch_rows
+        self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
+        self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
+        self.changed = [[None] * len(s) for s in self.state]
+        self.actions = schedule.build_order(
+            schedule.make(schedule_name, stages.num_stages, micro_batches))
+        first_backward = next(i for i, a in enumerate(self.actions)
+                              if a.kind == schedule.BACKWARD)
+        # The counts can come first where no forward follows a backward.
+        self.count_first = count_first and all(
+            a.kind == schedule.BACKWARD for a in self.actions[first_backward:])
+        self.done = first_backward if self.count_first else len(self.actions)
+        self.scales = None  # per counted term, 1 / its count (count_first), from finish
+        self.num_groups = 1  # 1 + the counted terms without count_first, known at the end
+        # A persistent tape makes a recurrent layer's gradient slower (a third in a
+        # masked LSTM's step): only where a counted term may need a second backward.
+        self.persistent = not self.count_first and (
+            objective.counted is None or bool(objective.counted))
+        shape = (stages.num_stages, len(self.micro))
+        # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
+        # where not differentiable), what it returned and their Keras masks, what
+        # its backward starts from ([part] + the counted terms; None: nothing),
+        # its part of the batch's loss (unscaled), per group its weight gradients
+        # and the gradients of what it returned (sent back by the next stage).
+        self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
+        self.targets, self.parts, self.grads, self.cotangents = (_table(shape) for _ in range(4))
+        self.y_pred, self.micro_terms = [None] * len(self.micro), [None] * len(self.micro)
+        self._terms = None  # their sums over the micro-batches, once every forward ran
+        self._previous = [[] for _ in row]  # per stage: what its last action produced
+
+    def start(self):
+        """Runs the schedule up to where the batch's counts are needed (all of it where
+        they are not: no counted term, or they come after)."""
+        self._run(self.actions[:self.done])
+        return self
+
+    @property
+    def terms(self):
+        """Per loss term, its losses.Term over the shard (the micro-batches' sums); known
+        once every forward ran (after `start`)."""
+        if self._terms is None:
+            self._terms = self.micro_terms[0] if len(self.micro) == 1 else [
+                losses.Term(tf.add_n([t.sum for t in per_micro]),
+                            tf.add_n([t.units for t in per_micro]), per_micro[0].per_row)
+                for per_micro in zip(*self.micro_terms)]
+        return self._terms
+
+    def finish(self, scales, densify=None):
+        """Runs the rest of the schedule and returns the tower's TowerOutput.
+
+        scales: per loss term, what the step multiplies its sum by (1 / the
+          batch's count for a counted one: denominators.count); used where the
+          counts came first.
+        densify: None or one bool per trainable variable: turn that variable's
+          tf.IndexedSlices gradient into a dense Tensor here, before the gather.
+        """
+        if self.count_first:
+            self.scales = [scales[i] for i in self.objective.counted]
+        self._run(self.actions[self.done:])
+        per_stage = []
+        for k, device in enumerate(self.row):
+            with tf.device(device):
+                per_stage.append(self._stage_gradients(k))
+        grads = [self.stages.merge(group) for group in zip(*per_stage)]  # per group
+        if densify is not None:
+            grads = [[aggregate.to_dense(g) if dense else g for g, dense in zip(group, densify)]
+                     for group in grads]
+        with tf.device(self.row[-1]):
+            loss, y_pred = self._loss_and_outputs()
+        return TowerOutput(grads[0], loss, self.stages.merge(self.changed, trainable=False),
+                           y_pred, self.terms, grads[1:])
+
+    def _run(self, actions):
+        for kind, k, m in actions:
+            name = "forward" if kind == schedule.FORWARD else "backward"
+            with tf.device(self.row[k]), tf.name_scope(f"stage_{k}_{name}_{m}"), \
+                    tf.control_dependencies(self._previous[k]):
+                self._previous[k] = (self._forward(k, m) if kind == schedule.FORWARD
+                                     else self._backward(k, m))
+
+    def _forward(self, k, m):
+        """Stage k's forward on micro-batch m (step 3), recorded for its backward."""
+        last = k == self.stages.num_stages - 1
+        if k == 0:
+            inputs, watched = self.micro[m][0], []
+        else:  # the copy to this stage's device: what crosses the cut
+            inputs = cross_cut((self.outputs[k - 1][m], self.masks[k - 1][m]))
+            watched = [t if t.dtype.is_floating else None for t in inputs]
+        with tf.GradientTape(persistent=self.persistent) as tape, \
+                _backwards(self.persistent):
+            tape.watch(self.weights[k] + [t for t in watched if t is not None])
+            outputs, new_state, regularization = unless_empty(
+                self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs,
+                self.may_be_empty)
+            counted = []
+            if last:
+                self.y_pred[m] = outputs
+                part, self.micro_terms[m] = shard_loss(
+                    self.objective, self.micro[m], outputs, regularization, self.sizes[m],
+                    self.batch_rows)
+                counted = [weight * term.sum for term, weight
+                           in zip(self.micro_terms[m], self.objective.weights)
+                           if term.per_row is None]
+                self.num_groups = 1 if self.count_first else 1 + len(counted)
+            else:
+                outputs, self.masks[k][m] = tf.nest.flatten(outputs[0]), outputs[1]
+                part = (None if regularization is None
+                        else regularization * batch_share(self.sizes[m], self.batch_rows))
+            targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
+                       for t in [part] + counted]
+        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, targets
+        self.outputs[k][m], self.parts[k][m] = outputs, part
+        for i, new in enumerate(new_state):
+            if new is not None:
+                self.state[k][i] = self.changed[k][i] = new
+        return tf.nest.flatten(outputs) + [t for t in targets if t is not None]
+
+    def _backward(self, k, m):
+        """Stage k's backward on micro-batch m (step 4), group by group: weight and input
+        gradients."""
+        watched = self.inputs[k][m]
+        sources = self.weights[k] + [t for t in watched if t is not None]
+        sent, self.grads[k][m] = [], []  # sent: input gradients, for the stage before
+        if k > 0:
+            self.cotangents[k - 1][m] = []
+        for g in range(self.num_groups):
+            targets, output_gradients = self._starts(k, m, g)
+            if k < self.stages.num_stages - 1:
+                for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m][g]):
+                    if cotangent is not None:
+                        targets.append(output)
+                        output_gradients.append(tf.identity(cotangent))  # to this device
+            gradients = (self.tapes[k][m].gradient(targets, sources,
+                                                   output_gradients=output_gradients)
+                         if targets else [None] * len(sources))
+            self.grads[k][m].append(gradients[:len(self.weights[k])])
+            if k > 0:
+                input_grads = iter(gradients[len(self.weights[k]):])
+                cotangents = [None if t is None else _dense_or_none(next(input_grads))
+                              for t in watched]
+                self.cotangents[k - 1][m].append(cotangents)
+                sent += [c for c in cotangents if c is not None]
+        self.tapes[k][m] = None  # the activations of (k, m) may now be freed
+        return [aggregate.dense_part(g) for group in self.grads[k][m] for g in group
+                if g is not None] + sent
+
+    def _starts(self, k, m, group):
+        """(targets, their output gradients) group `group`'s backward at (k, m) starts
+        from, before what the next stage sends back: its part of the loss, or one
+        counted term; with the counts first, every one, each counted term weighed by
+        its scale."""
+        own = self.targets[k][m]
+        if self.scales is not None:
+            given = [(t, 1.0 if i == 0 else self.scales[i - 1]) for i, t in enumerate(own)]
+        else:
+            given = [(own[group], 1.0)] if group < len(own) else []
+        given = [(t, s) for t, s in given if t is not None]
+        return [t for t, _ in given], [tf.ones_like(t) if isinstance(s, float)
+                                       else tf.cast(s, t.dtype) * tf.ones_like(t)
+                                       for t, s in given]
+
+    def _stage_gradients(self, k):
+        """Stage k's gradients per group: its micro-batches' sums."""
+        per_micro_batch = self.grads[k]
+        if len(self.micro) == 1:
+            return per_micro_batch[0]
+        return [aggregate.sum_gradients(list(group)) for group in zip(*per_micro_batch)]
+
+    def _loss_and_outputs(self):
+        """The shard's part of the batch's loss (every stage's, every micro-batch's; with
+        the counts first, the counted terms too), and its outputs."""
+        parts = [part for stage_parts in self.parts for part in stage_parts if part is not None]
+        if self.scales is not None:
+            counted = [self.terms[i] for i in self.objective.counted]
+            parts += [self.objective.weights[i] * scale * term.sum for i, scale, term
+                      in zip(self.objective.counted, self.scales, counted)]
+        loss = (tf.constant(0.0) if not parts else parts[0] if len(parts) == 1
+                else tf.add_n([tf.identity(part) for part in parts]))  # here, on the last stage
+        return loss, self.y_pred[0] if len(self.micro) == 1 else concat_rows(self.y_pred)
+
+
+def _dense_or_none(grad):
+    return None if grad is None else tf.convert_to_tensor(grad)
+
+
+def _table(shape):
+    rows, columns = shape
+    return [[None] * columns for _ in range(rows)]
