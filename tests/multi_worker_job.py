@@ -33,11 +33,16 @@ UNEVEN_SIZES, UNEVEN_EPOCHS = (6, 5, 4, 3), 2
 
 def make_model(kind):
     """reference.make_model, ("conv") a convolution over the features, which must not
-    run on a worker's empty part, or ("embedding") one whose gradient is a
-    tf.IndexedSlices."""
+    run on a worker's empty part, ("embedding") one whose gradient is a
+    tf.IndexedSlices, or ("masked") a tagger of padded sequences, its output masked."""
     if kind == "dense":
         return reference.make_model()
     keras.utils.set_random_seed(0)
+    if kind == "masked":
+        return keras.Sequential([keras.Input((TOKENS,), dtype="int32"),
+                                 keras.layers.Embedding(VOCABULARY, 4, mask_zero=True),
+                                 keras.layers.LSTM(4, return_sequences=True, unroll=True),
+                                 keras.layers.Dense(reference.NUM_CLASSES)])
     if kind == "conv":
         return keras.Sequential([keras.Input((reference.NUM_FEATURES,)),
                                  keras.layers.Reshape((reference.NUM_FEATURES, 1)),
@@ -52,11 +57,19 @@ def make_model(kind):
 def global_batches(kind):
     batches = [reference.make_batches(size, num_steps=1, seed=step)[0]
                for step, size in enumerate(BATCH_SIZES)]
-    if kind != "embedding":
+    if kind not in ("embedding", "masked"):
         return batches
     rng = np.random.default_rng(7)  # few tokens, so workers look up the same rows too
-    return [(rng.integers(0, VOCABULARY, (len(y), TOKENS)).astype("int32"), y, w)
-            for _, y, w in batches]
+    if kind == "embedding":
+        return [(rng.integers(0, VOCABULARY, (len(y), TOKENS)).astype("int32"), y, w)
+                for _, y, w in batches]
+    masked = []  # rows padded with 0 after 1..TOKENS tokens; a label and weight per token
+    for _, y, _ in batches:
+        x = rng.integers(1, VOCABULARY, (len(y), TOKENS))
+        x[np.arange(TOKENS)[None] >= rng.integers(1, TOKENS + 1, len(y))[:, None]] = 0
+        masked.append((x.astype("int32"), rng.integers(0, reference.NUM_CLASSES, x.shape),
+                       rng.uniform(0.5, 2.0, x.shape).astype("float32")))
+    return masked
 
 
 def make_trainer(devices, kind, cluster=None, **options):

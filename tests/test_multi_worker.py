@@ -131,7 +131,10 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # Each worker a grid of 1 tower x 2 parts: the table split by rows, the logits
         # by columns; sparse rows and dense columns both meet across workers.
         ("split_layers", "embedding", "main", False, (1, 1),
-         {"split_plan": {0: "vocab", 2: "column"}}, 2))
+         {"split_plan": {0: "vocab", 2: "column"}}, 2),
+        # Padded sequences: the loss is over the global batch's unmasked tokens, counted
+        # across workers (worker 1's part of the first batch is empty), on 1 and 3 towers.
+        ("masked_tokens", "masked", "main", False, (1, 3)))
     def test_two_workers_of_two_towers_match_one_process_of_four(
             self, model, aggregation, pack, towers_per_worker, more_options=None,
             devices_per_tower=1, trace_on_chief_first=False):

@@ -219,7 +219,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         for j, part in enumerate(attention.parts):
             self.assertEqual({_device_of(v) for v in part.weights}, {PARTS[j]})
         # The output bias is added once: part 0's; the others' stay zero, untrained.
-        biases = [part._output_dense.bias for part in attention.parts]
+        biases = [part.output_dense.bias for part in attention.parts]
         self.assertEqual([b.trainable for b in biases], [True, False, False])
         self.assertAllEqual(biases[1], np.zeros(6))
 

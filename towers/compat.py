@@ -3,15 +3,27 @@
 Checked on Keras 3.15.1 and TensorFlow 2.21.0 (constraints.txt). A Keras or
 TensorFlow upgrade that moves one of these breaks this file only; each entry
 says what it does, the public alternative, and why that does not serve.
+Nothing else in towers (or its benchmarks) imports keras.src or
+tensorflow.python, or reads a Keras object's underscored attribute.
 """
 
+import contextlib
 import functools
 
+import keras
 import tensorflow as tf
-from keras.src.backend.common import masking
+from keras.src.backend.common import masking, stateless_scope
+from keras.src.backend.config import keras_home
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import compile_utils
 from keras.src.trainers.data_adapters import tf_dataset_adapter
+from tensorflow.python.data.ops import multi_device_iterator_ops
+from tensorflow.python.debug.lib import debug_events_reader
+from tensorflow.python.eager import context as eager_context
+from tensorflow.python.framework import op_def_registry
+
+# ---------------------------------------------------------------------------------------
+# Keras: models and layers
 
 
 def keras_mask(tensor):
@@ -96,3 +108,198 @@ def class_weight_map_fn(class_weight):
     Public alternative: `model.fit(..., class_weight=...)` only.
     """
     return tf_dataset_adapter.make_class_weight_map_fn(class_weight)
+
+
+def stateless_value(variable):
+    """The value the innermost keras.StatelessScope maps `variable` to (the tower's copy
+    in a stateless_call), or None outside one or where it maps none.
+
+    Public alternative: none; a StatelessScope takes the mapping and does not show it
+    (Keras's own layers read it this way).
+    """
+    scope = stateless_scope.get_stateless_scope()
+    return None if scope is None else scope.get_current_value(variable)
+
+
+def nested_layers(model):
+    """Every layer inside `model`, nested ones too (not `model` itself).
+
+    Public alternative: `model.layers`, the top level only; Keras 3 has no public
+    recursive walk.
+    """
+    return model._flatten_layers(include_self=False)
+
+
+def functional_graph(model):
+    """The keras.Model whose graph of layers `model` runs: a built Sequential's inner
+    Functional, else `model` itself (None for a subclassed model, which has none).
+
+    Public alternative: none; `keras.Model(model.inputs, model.outputs)` builds a
+    new graph on the same layers, adding call nodes to each.
+    """
+    if isinstance(model, keras.Sequential):
+        model = model._functional
+    return model if hasattr(model, "_nodes_by_depth") else None
+
+
+def nodes_by_depth(graph):
+    """{depth: [keras Node]} of a functional graph (functional_graph's), the walk
+    Functional itself runs (deepest first).
+
+    Public alternative: none.
+    """
+    return graph._nodes_by_depth
+
+
+def move_variable(variable, device):
+    """Puts a keras.Variable's storage on `device`, keeping its value and name.
+
+    Public alternative: none; a Keras 3 variable stays on the device it was made on
+    (`assign` keeps it there), so a new tf.Variable takes the place of the one it wraps.
+    """
+    old = variable._value
+    with tf.init_scope(), tf.device(device):
+        variable._value = tf.Variable(
+            old.read_value(), trainable=old.trainable, name=variable.name,
+            aggregation=old.aggregation, synchronization=old.synchronization)
+
+
+# ---------------------------------------------------------------------------------------
+# Keras: optimizers
+
+# The attribute through which Keras's TensorFlow optimizer sums the gradients over a
+# tf.distribute strategy's replicas before applying them (one IdentityN of them all, on
+# the caller's device); the towers have summed them already. Public alternative: none.
+REPLICA_SUM = "_all_reduce_sum_gradients"
+
+
+def optimizer_knows(optimizer, variable):
+    """Whether a built Keras optimizer updates `variable` (was built with it).
+
+    Public alternative: none; apply() raises "Unknown variable" for others.
+    """
+    return optimizer._var_key(variable) in optimizer._trainable_variables_indices
+
+
+def slots_for(optimizer, variables):
+    """{attribute: its list for `variables`}: the per-variable lists (each slot at its
+    variable's index: Adam's momentums and velocities, SGD's momentums, ...) that a
+    built Keras optimizer's build makes, made by a twin of the same class and config
+    built on `variables` only (its learning rate does not matter), so each slot is
+    made next to its variable, as build makes it.
+
+    Public alternative: none (see add_optimizer_variables).
+
+    Raises:
+      ValueError: an optimizer that keeps per-variable state other than in such lists.
+    """
+    twin = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": 0.0})
+    own = {id(v) for v in twin.variables}  # its step count and learning rate
+    twin.build(variables)
+    made = {id(v) for v in twin.variables if id(v) not in own}
+    lists = {name: list(value) for name, value in vars(twin).items()
+             if isinstance(value, list) and len(value) == len(variables)
+             and all(v is None or id(v) in made for v in value)}
+    adopted = [v for values in lists.values() for v in values if v is not None]
+    known = len(optimizer._trainable_variables)
+    misaligned = [name for name in lists if not isinstance(getattr(optimizer, name, None), list)
+                  or len(getattr(optimizer, name)) != known]
+    if (made and not adopted) or misaligned:
+        raise ValueError(
+            f"cannot give the newly trainable {variables[0].path!r} its slots in a "
+            f"{type(optimizer).__name__}: it keeps them other than Keras's optimizers do. "
+            "Build the optimizer on every variable that will be trained before the first "
+            "step (optimizer.build(variables)).")
+    return lists
+
+
+def add_optimizer_variables(optimizer, variables, slot_lists):
+    """Makes a built Keras optimizer update `variables` too, with their slots: appends
+    each list of `slot_lists` ({attribute: one slot per variable, as its build makes})
+    to the optimizer's list of that name, and `variables` to those it updates.
+
+    Public alternative: none; Keras 3.15 asks for a new optimizer instance for a new
+    variable, which would lose the other slots' values and the step count. This
+    extends what BaseOptimizer.build records: the variables, their index by key, and
+    the optimizer's own variables (each slot tracked as add_variable tracks it).
+    """
+    for name, slots in slot_lists.items():
+        for slot in slots:
+            if slot is not None:
+                optimizer._track_variable(slot)
+        setattr(optimizer, name, list(getattr(optimizer, name)) + slots)
+    start = len(optimizer._trainable_variables)
+    optimizer._trainable_variables = list(optimizer._trainable_variables) + list(variables)
+    for index, variable in enumerate(variables, start):
+        optimizer._trainable_variables_indices[optimizer._var_key(variable)] = index
+
+
+# ---------------------------------------------------------------------------------------
+# Keras: configuration
+
+def keras_home_dir():
+    """Where Keras keeps its files ($KERAS_HOME, else ~/.keras), as it read it at import.
+
+    Public alternative: none; keras.utils.get_file caches under it.
+    """
+    return keras_home()
+
+
+# ---------------------------------------------------------------------------------------
+# TensorFlow
+
+# tf.data's iterator that stages each element on its device ahead of use (what
+# MirroredStrategy's distributed datasets use inside). Public alternatives:
+# tf.data.experimental.prefetch_to_device stages on one device only, and
+# tf.distribute's distribute_dataset belongs to a strategy.
+OwnedMultiDeviceIterator = multi_device_iterator_ops.OwnedMultiDeviceIterator
+
+
+def eager_runtime():
+    """TensorFlow's eager context: starting a cluster's collective ops from a ServerDef
+    with a group leader and device filters, aborting them, checking peers' health, and
+    collecting the partitioned graphs a function ran.
+
+    Public alternative: tf.config.experimental_connect_to_cluster, which sets neither
+    the collective group leader nor device filters, and has no abort or health check.
+    """
+    return eager_context.context()
+
+
+# The reader of a tfdbg dump (tf.debugging.experimental.enable_dump_debug_info's files),
+# for benchmarks/harness/transfers.py. Public alternative: none (TensorBoard's debugger
+# plugin reads it internally).
+DebugDataReader = debug_events_reader.DebugDataReader
+
+
+@contextlib.contextmanager
+def partitioned_graphs():
+    """While inside, TensorFlow collects the graphs each function call ran as
+    partitioned per device; yields fn() -> the run metadata (its function_graphs), to
+    be called before leaving.
+
+    Public alternative: none; tf.profiler traces ops but not the partitioned graphs.
+    """
+    eager_context.enable_graph_collection()
+    try:
+        yield eager_context.export_run_metadata
+    finally:
+        eager_context.disable_graph_collection()
+
+
+def op_def(op_type):
+    """The registered OpDef of `op_type` (is_stateful, ...); AttributeError for a name
+    that is not an op's (a function's).
+
+    Public alternative: none.
+    """
+    return op_def_registry.get(op_type)
+
+
+def untraced_copy(function):
+    """A copy of tf.function `function` with none of its traces, to trace apart from it.
+
+    Public alternative: tf.function(function.python_function, ...) with each of its
+    options given again by hand.
+    """
+    return function._clone(None)

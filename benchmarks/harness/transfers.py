@@ -17,11 +17,9 @@ import tempfile
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.debug.lib import debug_events_reader  # no public reader
-from tensorflow.python.eager import context  # graph collection has no public switch
-from tensorflow.python.framework import op_def_registry  # whether an op type is stateful
 
 import towers
+from towers import compat
 from towers.data_parallel import step as step_lib
 from towers.training import placement
 
@@ -65,20 +63,17 @@ def bytes_between_devices(function, *args):
         lambda arg: tf.constant(arg) if isinstance(arg, np.ndarray) else arg, args)
     # Nested tf.functions are traced now, plainly, so that the instrumented trace finds
     # them in their caches: instrumented ones left there would crash once tfdbg is off.
-    function._clone(None).get_concrete_function(*args)
-    copy = function._clone(None)  # its trace carries tfdbg's ops; `function`'s stays clean
+    compat.untraced_copy(function).get_concrete_function(*args)
+    copy = compat.untraced_copy(function)  # its trace carries tfdbg's; `function`'s stays clean
     probe = tf.function(lambda: copy(*args))
     with tempfile.TemporaryDirectory() as dump_root:
         tf.debugging.experimental.enable_dump_debug_info(
             dump_root, tensor_debug_mode="SHAPE", circular_buffer_size=-1)
         try:
             probe.get_concrete_function()  # traced first: ops run while tracing are not collected
-            context.enable_graph_collection()
-            try:
+            with compat.partitioned_graphs() as run_metadata:
                 probe()
-                metadata = context.export_run_metadata()
-            finally:
-                context.disable_graph_collection()
+                metadata = run_metadata()
         finally:
             tf.debugging.experimental.disable_dump_debug_info()
         runs = _recorded_runs(dump_root)
@@ -108,7 +103,7 @@ def trainer_step_bytes(trainer, batch):
 def _recorded_runs(dump_root):
     """{tfdbg tensor id: [(shape, bytes) each time its op ran]} from a SHAPE-mode dump."""
     runs = collections.defaultdict(list)
-    with debug_events_reader.DebugDataReader(dump_root) as reader:
+    with compat.DebugDataReader(dump_root) as reader:
         reader.update()
         for trace in reader.graph_execution_traces():
             tensor_id, dtype, rank, size, *dims = (int(v) for v in trace.debug_tensor_value)
@@ -120,7 +115,7 @@ def _recorded_runs(dump_root):
 def _is_stateful(op_type):
     """Whether ops of `op_type` have effects beyond their outputs (a variable update)."""
     try:
-        return op_def_registry.get(op_type).is_stateful
+        return compat.op_def(op_type).is_stateful
     except AttributeError:  # a function's name, not an op's
         return False
 

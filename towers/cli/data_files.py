@@ -14,6 +14,8 @@ import zipfile
 import keras
 import numpy as np
 
+from towers import compat
+
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 # (origin, path under <keras home>/datasets) of each file keras.datasets.<name>.load_data()
@@ -52,14 +54,7 @@ def keras_arrays(name):
 
 def _keras_datasets_dir():
     """<keras home>/datasets, the folder keras.utils.get_file caches datasets in."""
-    try:
-        # Keras reads $KERAS_HOME (else ~/.keras) once, at import; there is no public
-        # accessor for it. Switch if keras.config ever exports one.
-        from keras.src.backend.config import keras_home
-        root = keras_home()
-    except ImportError:
-        root = os.environ.get("KERAS_HOME", os.path.join("~", ".keras"))
-    root = os.path.expanduser(root)
+    root = os.path.expanduser(compat.keras_home_dir())
     if not os.access(root, os.W_OK):  # get_file falls back like this
         root = os.path.join("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir(),
                             ".keras")

@@ -222,7 +222,7 @@ def pipeline_cuts(model, num_stages):
     """
     # The same refusal split_model gives, before layer.output fails on a layer
     # that a subclassed model called eagerly.
-    stages._graph_of(model)
+    stages.graph_of(model)
     layers_ = [layer for layer in model.layers if not isinstance(layer, layers.InputLayer)]
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or \
             not 1 <= num_stages <= len(layers_):

@@ -13,7 +13,7 @@ import collections
 import keras
 import tensorflow as tf
 
-from towers import devices as devices_lib
+from towers import compat, devices as devices_lib
 
 
 def split_model(model, cuts):
@@ -43,7 +43,7 @@ def split_model(model, cuts):
         an input, cuts out of order, a cut that leaves a stage empty, or a
         layer called in two stages.
     """
-    graph = _graph_of(model)
+    graph = graph_of(model)
     nodes = _nodes_in_order(model, graph)
     stage_of_node = _assign_stages(model, nodes, list(cuts))
     num_stages = len(cuts) + 1
@@ -194,7 +194,7 @@ def place_variables(stages, stage_devices, optimizer):
             "their devices, so its slots would stay behind; create the TowerTrainer with a "
             "fresh optimizer (it is built at the first step, next to each variable).")
     for variable, device in moves:
-        _move_variable(variable, device)
+        compat.move_variable(variable, device)
 
 
 def updates_on_variable_devices(optimizer):
@@ -211,7 +211,7 @@ def updates_on_variable_devices(optimizer):
     sums the gradients over the replicas of a tf.distribute strategy: with none,
     that is one IdentityN of all of them, on the caller's device, which would
     copy every stage's gradients there and back; the towers have summed them
-    already, so that step (private: `_all_reduce_sum_gradients`) is skipped.
+    already, so that step (compat.REPLICA_SUM) is skipped.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     update_step = inner.update_step
@@ -221,47 +221,37 @@ def updates_on_variable_devices(optimizer):
             return update_step(gradient, variable, learning_rate)
 
     return inner, {"update_step": update_on_device,
-                   "_all_reduce_sum_gradients": lambda grads_and_vars: list(grads_and_vars)}
+                   compat.REPLICA_SUM: lambda grads_and_vars: list(grads_and_vars)}
 
 
-def _move_variable(variable, device):
-    # Keras 3 has no public call that moves a variable to another device: a new
-    # tf.Variable on `device` takes the place of the one the keras.Variable wraps.
-    old = variable._value
-    with tf.init_scope(), tf.device(device):
-        variable._value = tf.Variable(
-            old.read_value(), trainable=old.trainable, name=variable.name,
-            aggregation=old.aggregation, synchronization=old.synchronization)
-
-
-def _graph_of(model):
+def graph_of(model):
     """The Functional graph behind `model`, or a ValueError saying why there is none."""
     if isinstance(model, keras.Sequential):
         if not model.built:
             raise ValueError(
                 f"model {model.name!r} is a Sequential model that is not built; give it a "
                 "keras.Input first, or call it once on a batch, before cutting it.")
-        model = model._functional  # Keras 3: a built Sequential keeps a Functional graph
-    if not hasattr(model, "_nodes_by_depth"):
+    graph = compat.functional_graph(model)
+    if graph is None:
         raise ValueError(
             f"model {model.name!r} is a subclassed keras.Model: its call() is Python code, "
             "so there is no graph of layers to cut. Rebuild it as a functional model "
             "(keras.Model(inputs, outputs)) or a Sequential, or cut it by hand into one "
             "model per stage.")
-    return model
+    return graph
 
 
 def _nodes_in_order(model, graph):
     """The model's layer calls (Keras nodes) in execution order, inputs excluded.
 
-    Keras 3 has no public walk of a functional graph; its _nodes_by_depth is
-    the one Functional itself runs (deepest first), ordered within a depth by
+    Keras 3 has no public walk of a functional graph; its nodes by depth are
+    the walk Functional itself runs (deepest first), ordered within a depth by
     model.layers.
     """
     position = {id(layer): i for i, layer in enumerate(model.layers)}
-    nodes = []
-    for depth in sorted(graph._nodes_by_depth, reverse=True):
-        nodes += sorted((n for n in graph._nodes_by_depth[depth] if not n.is_input),
+    nodes, by_depth = [], compat.nodes_by_depth(graph)
+    for depth in sorted(by_depth, reverse=True):
+        nodes += sorted((n for n in by_depth[depth] if not n.is_input),
                         key=lambda n: position.get(id(n.operation), -1))
     return nodes
 

@@ -19,9 +19,8 @@ from absl import logging
 # Public TensorFlow has no call that starts a collective-enabled server for an
 # eager program; MultiWorkerMirroredStrategy uses exactly these two.
 from tensorflow.core.protobuf import tensorflow_server_pb2
-from tensorflow.python.eager import context
 
-from towers import errors
+from towers import compat, errors
 from towers.data_parallel import collectives, exchange
 from towers.errors import WorkerLostError
 from towers.multi_worker.watchdog import Watchdog
@@ -146,7 +145,7 @@ def join(cluster):
                              "a process can join one cluster only.")
         return cluster
     _check_port_free(cluster)
-    config = context.context().config
+    config = compat.eager_runtime().config
     # Collective groups are formed by the chief; each worker talks only to its own task.
     config.experimental.collective_group_leader = cluster.task_name(0)
     del config.device_filters[:]
@@ -156,8 +155,8 @@ def join(cluster):
         default_session_config=config, job_name=JOB, task_index=cluster.task_index,
         protocol="grpc", port=_port(cluster.workers[cluster.task_index]))
     try:
-        context.context().enable_collective_ops(server_def)
-        context.context().ensure_initialized()
+        compat.eager_runtime().enable_collective_ops(server_def)
+        compat.eager_runtime().ensure_initialized()
     except tf.errors.OpError as error:
         raise ValueError(f"worker {cluster.task_index} could not start its server on "
                          f"{cluster.workers[cluster.task_index]}: {errors.root_cause(error)}.") from None

@@ -13,9 +13,8 @@ import tensorflow as tf
 from absl import logging
 # Public TensorFlow has no call that aborts or health-checks collective ops of an
 # eager program; MultiWorkerMirroredStrategy uses exactly these.
-from tensorflow.python.eager import context
 
-from towers import errors
+from towers import compat, errors
 from towers.errors import WorkerLostError
 
 
@@ -62,7 +61,7 @@ class Watchdog:
             if lost and self._stepping.is_set():
                 self._lost = lost
                 logging.error("worker %d is lost (%s); aborting this step", *lost)
-                context.context().abort_collective_ops(
+                compat.eager_runtime().abort_collective_ops(
                     tf.errors.UNAVAILABLE, f"worker {lost[0]} stopped answering")
                 return
             time.sleep(self._interval_s)
@@ -73,7 +72,7 @@ class Watchdog:
             if index == self.cluster.task_index:
                 continue
             try:
-                context.context().check_collective_ops_peer_health(
+                compat.eager_runtime().check_collective_ops_peer_health(
                     self.cluster.task_name(index), timeout_in_ms=int(timeout_s * 1000))
             except tf.errors.OpError as error:
                 return index, errors.root_cause(error)

@@ -17,9 +17,8 @@ import threading
 import keras
 import tensorflow as tf
 from keras import ops
-# Keras has no public way to read the tensor a stateless call maps a variable to.
-from keras.src.backend.common import stateless_scope
 
+from towers import compat
 from towers.data_parallel import flight, split
 
 _tower = threading.local()  # .row: the devices the tower being traced runs its parts on
@@ -95,10 +94,8 @@ def run_part(devices, j, part, call, *inputs):
     """
     device = part_device(devices, j)
     penalties = _counted_penalties(part)
-    scope = stateless_scope.get_stateless_scope()
     # Per weight, what a stateless call maps it to (the tower's copy), or None.
-    mapped = [None if scope is None else scope.get_current_value(weight)
-              for weight in part.trainable_weights]
+    mapped = [compat.stateless_value(weight) for weight in part.trainable_weights]
     reads = {id(weight): weight if value is None else value
              for weight, value in zip(part.trainable_weights, mapped)}
 
@@ -262,9 +259,9 @@ class HeadsAttention(keras.layers.Layer):
     def build(self, query_shape, value_shape, key_shape=None):
         for j, (device, part) in enumerate(zip(self.devices, self.parts)):
             build_part(part, device, query_shape, value_shape, key_shape)
-            if j > 0 and part._use_bias:
-                part._output_dense.bias.assign(ops.zeros_like(part._output_dense.bias))
-                part._output_dense.bias.trainable = False
+            if j > 0 and part.use_bias:
+                part.output_dense.bias.assign(ops.zeros_like(part.output_dense.bias))
+                part.output_dense.bias.trainable = False
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
              attention_mask=None, return_attention_scores=False, training=None,
@@ -292,14 +289,14 @@ class HeadsAttention(keras.layers.Layer):
         """Per weight of the MultiHeadAttention, in its order: the query, key and value
         kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0, the
         output kernel (H, v, d) on axis 0, and the output bias (part 0's, whole)."""
-        use_bias, weights = self.parts[0]._use_bias, []
+        use_bias, weights = self.parts[0].use_bias, []
         for name in ("_query_dense", "_key_dense", "_value_dense"):
             weights.append((1, [getattr(part, name).kernel for part in self.parts]))
             if use_bias:
                 weights.append((0, [getattr(part, name).bias for part in self.parts]))
-        weights.append((0, [part._output_dense.kernel for part in self.parts]))
+        weights.append((0, [part.output_dense.kernel for part in self.parts]))
         if use_bias:
-            weights.append((None, [self.parts[0]._output_dense.bias]))
+            weights.append((None, [self.parts[0].output_dense.bias]))
         return weights
 
     def get_config(self):

@@ -51,7 +51,7 @@ def split_layers(model, plan, devices):
             return VocabEmbedding(config, devices)
         if how == "heads":
             if config["output_shape"] is None:  # the query's width, which the parts cannot see
-                config["output_shape"] = int(layer._output_dense.kernel.shape[-1])
+                config["output_shape"] = int(layer.output_dense.kernel.shape[-1])
             return HeadsAttention(config, devices)
 
     with tf.device(devices[0]):

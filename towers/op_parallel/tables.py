@@ -14,6 +14,8 @@ import functools
 import keras
 import tensorflow as tf
 
+from towers import compat
+
 LOOKUPS = ("table", "copy")
 
 
@@ -21,8 +23,7 @@ def tables_of(model):
     """Per model.trainable_variables entry, whether it is an embedding table (of an
     Embedding layer, a vocab part's too) to be looked up where it lives."""
     tables = set()
-    # Keras has no public walk over nested layers (a vocab part inside its form).
-    for layer in model._flatten_layers(include_self=False):
+    for layer in compat.nested_layers(model):  # a vocab part inside its form too
         if isinstance(layer, keras.layers.Embedding) and layer.trainable \
                 and not layer.lora_enabled:  # with LoRA the look-up reads a sum, not the table
             tables.add(id(layer.embeddings))

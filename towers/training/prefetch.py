@@ -11,11 +11,8 @@ do. The step receives split.Shards and skips its own split.
 import functools
 
 import tensorflow as tf
-# Private: tf.data's public tf.data.experimental.prefetch_to_device stages on one
-# device, and tf.distribute's distribute_dataset belongs to a strategy. Switch if
-# tf.data exports its multi-device iterator.
-from tensorflow.python.data.ops import multi_device_iterator_ops
 
+from towers import compat
 from towers.data_parallel import split
 
 
@@ -47,7 +44,7 @@ class ShardIterator:
                 for shard in split.split_batch(batch, num_shards)])
 
         # Hands out elements round-robin: element i of each batch goes to devices[i].
-        self.multi_device_iterator = multi_device_iterator_ops.OwnedMultiDeviceIterator(
+        self.multi_device_iterator = compat.OwnedMultiDeviceIterator(
             dataset.flat_map(to_shards), self.devices, prefetch_buffer_size=buffer_size,
             source_device=source_device)
 
@@ -73,7 +70,7 @@ def get_next_as_optional(iterator, devices, or_empty=False):
             return get_value()
         return tf.cond(has_value, get_value, lambda: split.empty_like(iterator.element_spec))
 
-    if not isinstance(iterator, multi_device_iterator_ops.OwnedMultiDeviceIterator):
+    if not isinstance(iterator, compat.OwnedMultiDeviceIterator):
         element = iterator.get_next_as_optional()
         return element.has_value(), lambda: or_no_rows(
             element.has_value(), lambda: split.as_batch(element.get_value()))

@@ -18,6 +18,7 @@ variables' slots and the metrics go on.
 
 import tensorflow as tf
 
+from towers import compat
 from towers.data_parallel import tower
 from towers.data_parallel.replicas import Replicas
 from towers.op_parallel import tables as op_tables
@@ -84,68 +85,14 @@ def extend_optimizer(optimizer, variables):
     if not optimizer.built:
         optimizer.build(variables)
         return
-    new = [v for v in variables if not _knows(optimizer, v)]
+    new = [v for v in variables if not compat.optimizer_knows(optimizer, v)]
     if not new:
         return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    slot_lists = _slot_lists(inner, new)
+    slot_lists = compat.slots_for(inner, new)
     if inner is not optimizer:
-        _add_variables(optimizer, new, {})
-    _add_variables(inner, new, slot_lists)
-
-
-def _slot_lists(optimizer, variables):
-    """{attribute: its list for `variables`}: the per-variable lists (each slot at its
-    variable's index) that `optimizer`'s build makes, made by a twin of the same class
-    and config built on `variables` only (its learning rate does not matter)."""
-    twin = type(optimizer).from_config({**optimizer.get_config(), "learning_rate": 0.0})
-    own = {id(v) for v in twin.variables}  # its step count and learning rate
-    twin.build(variables)
-    made = [v for v in twin.variables if id(v) not in own]
-    made_ids = {id(v) for v in made}
-    lists = {name: list(value) for name, value in vars(twin).items()
-             if isinstance(value, list) and len(value) == len(variables)
-             and all(v is None or id(v) in made_ids for v in value)}
-    adopted = [v for values in lists.values() for v in values if v is not None]
-    known = len(_trainable_variables(optimizer))
-    misaligned = [name for name in lists if not isinstance(getattr(optimizer, name, None), list)
-                  or len(getattr(optimizer, name)) != known]
-    if (made and not adopted) or misaligned:
-        raise ValueError(
-            f"cannot give the newly trainable {variables[0].path!r} its slots in a "
-            f"{type(optimizer).__name__}: it keeps them other than Keras's optimizers do. "
-            "Build the optimizer on every variable that will be trained before the first "
-            "step (optimizer.build(variables)).")
-    return lists
-
-
-# Keras 3.15 has no public way to add variables to a built optimizer: its apply()
-# refuses any it was not built with ("recreate a new optimizer instance"), which would
-# lose the slots' values and the step count. These read and extend what
-# BaseOptimizer.build records: the variables (_trainable_variables), their index by
-# _var_key (_trainable_variables_indices), and the optimizer's own variables
-# (_track_variable, as add_variable tracks each slot).
-
-def _knows(optimizer, variable):
-    return optimizer._var_key(variable) in optimizer._trainable_variables_indices
-
-
-def _trainable_variables(optimizer):
-    return optimizer._trainable_variables
-
-
-def _add_variables(optimizer, variables, slot_lists):
-    """Appends `variables` to those `optimizer` updates, and each list of slot_lists
-    (per-variable lists, by attribute) to the optimizer's list of that name."""
-    for name, slots in slot_lists.items():
-        for slot in slots:
-            if slot is not None:
-                optimizer._track_variable(slot)
-        setattr(optimizer, name, list(getattr(optimizer, name)) + slots)
-    start = len(optimizer._trainable_variables)
-    optimizer._trainable_variables = list(optimizer._trainable_variables) + list(variables)
-    for index, variable in enumerate(variables, start):
-        optimizer._trainable_variables_indices[optimizer._var_key(variable)] = index
+        compat.add_optimizer_variables(optimizer, new, {})
+    compat.add_optimizer_variables(inner, new, slot_lists)
 
 
 def _trainable_ids(model):
