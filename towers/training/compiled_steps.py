@@ -1,7 +1,7 @@
 """The bodies TowerTrainer compiles: the train step (steps 1-7) and the eval step.
 
 Each takes the trainer and reads only its public attributes (model, objective,
-optimizer, metrics, setup, cluster, stop_requested, data_ended); call them
+optimizer, metrics, setup, cluster, signals); call them
 inside a tf.function. `train_step` is the contract executions' in-graph loop
 builds on: its logs say what a caller needs to decide whether to go on.
 """
@@ -30,7 +30,7 @@ def train_step(trainer, batch, may_be_empty):
     (loss and gradients finite, or with loss scaling the loss), "applied"
     (whether the optimizer applied the step; never for a batch of no rows),
     each metric's result, with loss scaling "loss_scale", and with a cluster
-    "stop_requested" and "data_ended" (every worker's trainer.data_ended is
+    "stop_requested" and "data_ended" (every worker's signals.data_ended is
     set: the step trained on nothing).
     """
     # The step's collective ops take keys derived from the step and the model, the
@@ -54,6 +54,13 @@ def train_step_any_rows(trainer, batch):
         return train_step(trainer, batch, may_be_empty=False)
     return tf.cond(fills, lambda: train_step(trainer, batch, may_be_empty=False),
                    lambda: train_step(trainer, batch, may_be_empty=True))
+
+
+def variant(setup, kind, batch):
+    """`kind` ("train", "eval"), or `kind`_with_empty_parts for a batch (Tensors) that
+    leaves a micro-batch of a tower without a row: the step traced for such batches."""
+    fills = fills_every_micro_batch(setup, batch)
+    return kind if fills is True else f"{kind}_with_empty_parts"
 
 
 def fills_every_micro_batch(setup, batch):
@@ -98,7 +105,8 @@ def _train_step(trainer, batch, may_be_empty):
         # worker after this same step, and the count of workers whose data has ended
         # (each then feeds an empty part) ends the epoch once it is all of them.
         [signals] = collectives.all_reduce_across_workers(
-            [tf.stack([trainer.stop_requested.read_value(), trainer.data_ended.read_value()])],
+            [tf.stack([trainer.signals.stop_requested.read_value(),
+                       trainer.signals.data_ended.read_value()])],
             trainer.cluster, cluster_lib.HOST_DEVICE)
         stop_requested, data_ended = signals[0] > 0, signals[1] >= trainer.cluster.num_workers
         exchanged += [stop_requested, data_ended]

@@ -41,7 +41,7 @@ def compiled_loop(trainer, iterator, num_steps):
         if trainer.cluster is None and not has_batch:
             break
         if trainer.cluster is not None:
-            trainer.data_ended.assign(tf.cast(tf.logical_not(has_batch), tf.float32))
+            trainer.signals.data_ended.assign(tf.cast(tf.logical_not(has_batch), tf.float32))
             worker_batches += tf.cast(has_batch, tf.int32)
         logs = compiled_steps.train_step_any_rows(trainer, get_batch())
         if trainer.cluster is not None and logs["data_ended"]:
@@ -69,6 +69,22 @@ def compiled_loop(trainer, iterator, num_steps):
     if compiled_steps.loss_scale(trainer.optimizer) is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     return logs
+
+
+def first_call(trainer, iterator):
+    """trainer.train_steps' first call ever: one step run as train_step runs it, which
+    sets the trainer up eagerly. A resumed cluster worker whose data has ended takes
+    part in the others' step with an empty part."""
+    batch = next(iterator, None)
+    if batch is None and trainer.cluster is None:
+        return {"steps": 0}
+    if batch is None:
+        logs = trainer.train_step(prefetch.empty_batch(iterator, trainer.input_devices),
+                                  data_ended=True)
+        steps, logs["worker_batches"] = int(not logs["data_ended"]), 0
+    else:
+        logs, steps = trainer.train_step(batch), 1
+    return {**logs, "steps": steps, "logged_steps": float(logs["examples"] > 0)}
 
 
 class EpochSteps:

@@ -15,6 +15,7 @@ from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import compiled, compiled_steps, executions, first_batch, loop
 from towers.training import metrics as metrics_lib, placement, prefetch, trainable
+from towers.training import worker_signals
 
 
 class TowerTrainer:
@@ -58,10 +59,8 @@ class TowerTrainer:
         worker's (counted at the first step; before it, this worker's).
       setup: the step's data_parallel.step.StepSetup (devices, stages, options;
         its first-batch fields are filled in by the first step).
-      stop_requested: with a cluster, a host variable set to 1 by request_stop.
-      data_ended: with a cluster, a host variable: 1 while this worker's data has
-        ended and it feeds empty parts (train_step(data_ended=True), or
-        train_steps' iterator ran out), else 0.
+      signals: with a cluster, its worker_signals.WorkerSignals (the stop request
+        and the end of this worker's data, which every step all-reduces), else None.
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
@@ -103,13 +102,7 @@ class TowerTrainer:
         self.jit_compile = bool(jit_compile)
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
-        self.stop_requested = self.data_ended = None
-        if cluster is not None:
-            with tf.device(cluster_lib.HOST_DEVICE):
-                self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
-                self.data_ended = tf.Variable(0.0, trainable=False, name="data_ended")
-        self._data_ended_value = 0.0  # what data_ended holds; None after an in-graph loop
-        self._empty_part = None  # with a cluster: no rows of the last batch trained on
+        self.signals = None if cluster is None else worker_signals.WorkerSignals(cluster)
         self.num_towers = len(self.setup.grid)
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
@@ -164,7 +157,11 @@ class TowerTrainer:
             NaN/Inf (with loss scaling: the loss); weights and optimizer state
             are left as they were.
         """
-        batch = self._mark_data_ended(batch, data_ended)
+        if data_ended and self.cluster is None:
+            raise ValueError("data_ended=True is for a worker of a cluster whose data "
+                             "ended before the others'; without a cluster stop stepping.")
+        if self.signals is not None:
+            batch = self.signals.mark_data_ended(batch, data_ended)
         with self._watched():
             batch, key = self._prepare(batch, "train")
             logs = self._call(key, batch)
@@ -213,16 +210,7 @@ class TowerTrainer:
             steps before it in this call are applied, it and later ones not.
         """
         if self.setup.trainable_ids is None:
-            batch = next(iterator, None)
-            if batch is None and self.cluster is None:
-                return {"steps": 0}
-            if batch is None:  # a resumed worker whose data has ended: in the others' steps
-                logs = self.train_step(prefetch.empty_batch(iterator, self.input_devices),
-                                       data_ended=True)
-                steps, logs["worker_batches"] = int(not logs["data_ended"]), 0
-            else:
-                logs, steps = self.train_step(batch), 1
-            return {**logs, "steps": steps, "logged_steps": float(logs["examples"] > 0)}
+            return executions.first_call(self, iterator)
         self._follow_trainable()
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
@@ -230,7 +218,8 @@ class TowerTrainer:
         self._compiled.add(key, functools.partial(executions.compiled_loop, self))
         with self._watched():
             logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
-        self._data_ended_value = None  # the loop sets it as its iterator runs
+        if self.signals is not None:
+            self.signals.looped()
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         if logs.pop("nonfinite"):
@@ -244,28 +233,8 @@ class TowerTrainer:
         step and its "stop_requested" log is True on each. Without a cluster
         there is nothing to agree on, and fit stops by itself.
         """
-        if self.stop_requested is not None:
-            self.stop_requested.assign(1.0)
-
-    def _mark_data_ended(self, batch, data_ended):
-        """Sets data_ended for the next step; returns its batch (None: the empty part)."""
-        if data_ended:
-            if self.cluster is None:
-                raise ValueError("data_ended=True is for a worker of a cluster whose data "
-                                 "ended before the others'; without a cluster stop stepping.")
-            batch = self._empty_part if batch is None else batch
-            if batch is None:
-                raise ValueError(
-                    f"worker {self.cluster.task_index}'s data ended before it trained on a "
-                    "batch, so the structure of its empty part is unknown: pass "
-                    "towers.split.empty_like(a batch), or fit a tf.data.Dataset.")
-            if split.batch_size(batch) != 0:  # its rows would count for nothing
-                raise ValueError(f"data_ended=True takes an empty part, got a batch of "
-                                 f"{split.batch_size(batch)} rows; train on it first.")
-        if self.cluster is not None and self._data_ended_value != float(data_ended):
-            self.data_ended.assign(float(data_ended))
-            self._data_ended_value = float(data_ended)
-        return batch
+        if self.signals is not None:
+            self.signals.stop_requested.assign(1.0)
 
     def evaluate(self, data):
         """Mean loss (+ metrics) over a batch, a tf.data.Dataset or an iterable of batches."""
@@ -325,7 +294,7 @@ class TowerTrainer:
         for batches that give every micro-batch a row, one that skips empty ones."""
         self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
-            key = self._compiled.known(self._variant(kind, batch), batch)
+            key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch), batch)
             if key is not None:
                 return batch, key
         is_shards = isinstance(batch, split.Shards)
@@ -336,11 +305,11 @@ class TowerTrainer:
         batch = split.Shards(parts) if is_shards else parts[0]
         if split.batch_size(batch) == 0 and self.cluster is None:
             raise ValueError(compiled_steps.EMPTY_BATCH)
-        if self.cluster is not None and kind == "train":
-            self._empty_part = split.empty_like(batch)
+        if self.signals is not None and kind == "train":
+            self.signals.trained_on(batch)
         if self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
-        variant = self._variant(kind, batch)
+        variant = compiled_steps.variant(self.setup, kind, batch)
         step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
         may_be_empty = variant != kind
         return batch, self._compiled.for_batch(variant, batch,
@@ -356,9 +325,3 @@ class TowerTrainer:
     def _no_compiled_functions(self):
         """A fresh set of compiled functions: traced under the step's hooks (placement)."""
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
-
-    def _variant(self, kind, batch):
-        """`kind`, or `kind`_with_empty_parts for a batch (Tensors) that leaves a micro-batch
-        of a tower without a row."""
-        fills = compiled_steps.fills_every_micro_batch(self.setup, batch)
-        return kind if fills is True else f"{kind}_with_empty_parts"
