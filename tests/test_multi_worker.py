@@ -30,7 +30,6 @@ from tests.checkpoint_files import checkpoint_values, position
 from towers.cli import train
 from towers.data_parallel import collectives
 from towers.multi_worker import launch
-from towers.training import metrics
 
 if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
@@ -170,7 +169,7 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         validation = multi_worker_job.uneven_validation_batch()
         losses, epoch_losses, accuracies, val_losses, batches = [], [], [], [], []
         for epoch in range(multi_worker_job.UNEVEN_EPOCHS):
-            metrics.reset(single.metrics)  # as fit does at each epoch's start
+            single.metrics.reset()  # as fit does at each epoch's start
             epoch_batches = multi_worker_job.uneven_global_batches(epoch)
             sizes = [len(batch[1]) for batch in epoch_batches]
             losses.append([single.train_step(batch)["loss"] for batch in epoch_batches])

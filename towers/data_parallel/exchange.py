@@ -242,7 +242,7 @@ def _pack(tower_grads, devices):
     for device, grads in zip(devices, tower_grads):
         with tf.device(device):
             flat = [None if t is None else tf.reshape(
-                tf.zeros(t.shape, t.dtype) if g is None else g, [-1])
+                tf.zeros(_shape(t), t.dtype) if g is None else g, [-1])
                 for g, t in zip(grads, template)]
             packed.append([tf.concat([flat[i] for i in members], 0)
                            for members in groups.values()])
@@ -250,9 +250,20 @@ def _pack(tower_grads, devices):
     def unpack(buffers):
         flat = [None] * len(template)
         for buffer, members in zip(buffers, groups.values()):
-            pieces = tf.split(buffer, [template[i].shape.num_elements() for i in members])
+            pieces = tf.split(buffer, [_size(template[i]) for i in members], num=len(members))
             for i, piece in zip(members, pieces):
-                flat[i] = tf.reshape(piece, template[i].shape)
+                flat[i] = tf.reshape(piece, _shape(template[i]))
         return flat
 
     return packed, unpack
+
+
+def _size(tensor):
+    """Elements of `tensor`: an int where its shape is known when traced, else a Tensor
+    (a gradient's static shape may be partly unknown, as behind a broadcasting matmul)."""
+    size = tensor.shape.num_elements()
+    return tf.size(tensor) if size is None else size
+
+
+def _shape(tensor):
+    return tensor.shape if tensor.shape.is_fully_defined() else tf.shape(tensor)
