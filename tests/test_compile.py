@@ -19,8 +19,8 @@ TOLERANCE = 1e-5
 VOCABULARY, TOKENS, TAGS, CLASSES = 20, 6, 5, 3
 
 
-def _sce():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+def _sce(reduction="sum_over_batch_size"):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
 def _tokens(rows, rng):
@@ -57,7 +57,7 @@ def two_heads_model():
     loss term counted over the batch's tokens beside one over its rows."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((TOKENS,), dtype="int32")
-    h = _encoder("lstm", inputs)
+    h = _encoder("attention", inputs)
     tags = keras.layers.Dense(TAGS, name="tags")(h)
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h)
     cls = keras.layers.Dense(CLASSES, kernel_regularizer=keras.regularizers.L2(0.01),
@@ -103,6 +103,9 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         ("lstm_tokens", "lstm", "tokens", 3, {}),
         ("attention_tokens_token_weights", "attention", "tokens", 3, {}, True),
+        # Keras divides by the batch's sum of (masked) weights: counted as the mask is.
+        ("attention_tokens_mean_with_sample_weight", "attention", "tokens", 3, {}, True,
+         "mean_with_sample_weight"),
         ("lstm_sequence", "lstm", "sequence", 2, {}),
         ("attention_sequence", "attention", "sequence", 3, {}),
         ("lstm_tokens_micro_batches", "lstm", "tokens", 2, {"accum_steps": 3}, True),
@@ -110,14 +113,16 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
          {"pipeline_cuts": ["embedding"], "micro_batches": 2}),
     )
     def test_masked_sequences_equal_keras(self, kind, labels, num_towers, options,
-                                          token_weights=False):
+                                          token_weights=False,
+                                          reduction="sum_over_batch_size"):
         batches = _batches(7, labels, token_weights=token_weights)
         keras_model = masked_model(kind, labels)
-        keras_logs = _keras_logs(keras_model, batches, loss=_sce(), metrics=["accuracy"])
+        keras_logs = _keras_logs(keras_model, batches, loss=_sce(reduction),
+                                 metrics=["accuracy"])
         devices = DEVICES[:num_towers]
         if "pipeline_cuts" in options:
             devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
-        trainer = towers.TowerTrainer(masked_model(kind, labels), _sce(),
+        trainer = towers.TowerTrainer(masked_model(kind, labels), _sce(reduction),
                                       keras.optimizers.SGD(0.5), devices=devices,
                                       metrics=["accuracy"], **options)
         self.assert_same_training(keras_model, keras_logs, trainer, batches)
@@ -210,12 +215,12 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
         data = tf.data.Dataset.from_tensor_slices(
             (np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])))
         class_weight = {0: 0.5, 1: 2.0, 2: 1.5}
-        keras_model = masked_model("lstm", "sequence")
+        keras_model = masked_model("attention", "sequence")
         keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce(),
                             metrics=["accuracy"])
         expected = keras_model.fit(data.batch(7), class_weight=class_weight, verbose=0).history
         for steps_per_execution in (1, 2):
-            trainer = towers.TowerTrainer(masked_model("lstm", "sequence"), _sce(),
+            trainer = towers.TowerTrainer(masked_model("attention", "sequence"), _sce(),
                                           keras.optimizers.SGD(0.5), devices=DEVICES[:3],
                                           metrics=["accuracy"],
                                           steps_per_execution=steps_per_execution)
