@@ -72,7 +72,8 @@ def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
         if int(rows) > 0:
             return forward_fn(weights, state, x)
         # The empty result takes its shapes from a traced forward: trace one.
-        return tf.function(unless_empty)(tf.constant(0), forward_fn, weights, state, x)
+        return tf.function(unless_empty, autograph=False)(tf.constant(0), forward_fn, weights,
+                                                          state, x)
     traced = []
 
     def run():

@@ -115,11 +115,12 @@ def compiled_tower(stages, objective, micro_batches, schedule_name, densify):
     """
     if stages.num_stages > 1:
         forwards = [tf.function(functools.partial(forward, model, training=True),
-                                jit_compile=True) for model in stages.models]
+                                jit_compile=True, autograph=False)
+                    for model in stages.models]
         return functools.partial(_run_stages_compiled, stages, objective, micro_batches,
                                  schedule_name, densify, forwards)
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
                            may_be_empty):
         # The rows from the shard's shape, which XLA knows: it needs split sizes it can

@@ -15,6 +15,11 @@ import tensorflow as tf
 from towers.data_parallel import split
 
 
+# A step has no Python control flow on tensors, and Keras's own fit converts none
+# (its step is do_not_convert): autograph's source rewriting, about half of tracing
+# a step, buys nothing. A user's layer branching on a tensor fails here as in fit.
+
+
 class CompiledFunctions:
     """One trainer's tf.functions, by key: (kind, ...) with the batch structure.
 
@@ -54,7 +59,7 @@ class CompiledFunctions:
             if is_shards:  # the one argument comes as a list: Shards again inside
                 step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(
-                self._packed(key, step), input_signature=[spec])
+                self._packed(key, step), input_signature=[spec], autograph=False)
             with self._tracing():
                 self._graphs[key] = self._functions[key].get_concrete_function()
         signature = _signature(batch)
@@ -62,10 +67,14 @@ class CompiledFunctions:
             self._known[kind, signature] = key
         return key
 
-    def add(self, key, function):
-        """Compiles `function` (-> a dict of scalar logs), packed, under `key` unless there."""
+    def add(self, key, function, *bound):
+        """Compiles function(*bound, *args) (-> a dict of scalar logs), packed, under
+        `key` unless there. Autograph converts `function` itself (an in-graph loop's
+        Python `for` and `if`), not what it calls."""
         if key not in self._functions:
-            self._functions[key] = tf.function(self._packed(key, function))
+            converted = tf.autograph.to_graph(function, recursive=False)
+            self._functions[key] = tf.function(
+                self._packed(key, functools.partial(converted, *bound)), autograph=False)
 
     def call(self, key, *args):
         """Calls the function of `key`; its logs come back as Python floats."""

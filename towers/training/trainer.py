@@ -215,7 +215,7 @@ class TowerTrainer:
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
-        self._compiled.add(key, functools.partial(executions.compiled_loop, self))
+        self._compiled.add(key, executions.compiled_loop, self)
         with self._watched():
             logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
         if self.signals is not None:
