@@ -23,6 +23,17 @@ def make_model(seed=0, l2=0.01):
     ])
 
 
+def make_up_down_model(seed=0):
+    """Dense "up" 8 (relu, L2) -> Dense "down" 7 (tanh) -> Dense "out" logits: a
+    column -> row pair, a layer to place, layers to freeze by name."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((NUM_FEATURES,))
+    hidden = keras.layers.Dense(8, activation="relu", name="up",
+                                kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
+    hidden = keras.layers.Dense(7, activation="tanh", name="down")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(NUM_CLASSES, name="out")(hidden))
+
+
 def subclassed_model():
     """A built subclassed keras.Model of one Dense layer named "dense": no layer graph."""
     class Subclassed(keras.Model):

@@ -108,7 +108,7 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
          "mean_with_sample_weight"),
         ("lstm_sequence", "lstm", "sequence", 2, {}),
         ("attention_sequence", "attention", "sequence", 3, {}),
-        ("lstm_tokens_micro_batches", "lstm", "tokens", 2, {"accum_steps": 3}, True),
+        ("attention_tokens_micro_batches", "attention", "tokens", 2, {"accum_steps": 3}, True),
         ("lstm_tokens_pipeline", "lstm", "tokens", 2,
          {"pipeline_cuts": ["embedding"], "micro_batches": 2}),
     )

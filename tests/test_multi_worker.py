@@ -119,9 +119,6 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # Worker 0 alone traces a function with collectives across workers first.
         ("collective_packed_chief_traces_more", "dense", "collective", True, (2, 2), None, 1,
          True),
-        # Adam updates only the rows a sparse gradient names: the workers' rows
-        # must arrive as one device's would, not densified.
-        ("sparse_embedding", "embedding", "main", False, (2, 2)),
         # XLA compiles each tower; the all-reduce across workers stays outside.
         ("different_tower_counts_xla", "dense", "main", False, (1, 3), {"jit_compile": True}),
         # Each worker a grid of 1 tower x 2 stages, 2 micro-batches (1f1b).
@@ -133,7 +130,9 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
          {"split_plan": {0: "vocab", 2: "column"}}, 2),
         # Padded sequences: the loss is over the global batch's unmasked tokens, counted
         # across workers (worker 1's part of the first batch is empty), on 1 and 3 towers.
-        ("masked_tokens", "masked", "main", False, (1, 3)))
+        # Adam updates only the rows a sparse gradient names: the workers' rows of the
+        # table must arrive as one device's would, not densified.
+        ("masked_tokens_sparse_table", "masked", "main", False, (1, 3)))
     def test_two_workers_of_two_towers_match_one_process_of_four(
             self, model, aggregation, pack, towers_per_worker, more_options=None,
             devices_per_tower=1, trace_on_chief_first=False):

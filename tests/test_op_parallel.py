@@ -23,16 +23,6 @@ PARTS = DEVICES[1:]  # three parts: 8 units split 3, 3, 2
 TOLERANCE = 1e-5
 
 
-def _mlp(seed=0):
-    """Dense 8 (L2) -> Dense 7 -> Dense 3 logits, for a column -> row pair and a placed layer."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((reference.NUM_FEATURES,))
-    hidden = keras.layers.Dense(8, activation="relu", name="up",
-                                kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
-    hidden = keras.layers.Dense(7, activation="tanh", name="down")(hidden)
-    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(hidden))
-
-
 def _branches(seed=0):
     """Two independent branches (a recommender's user and item towers) joined at the end."""
     keras.utils.set_random_seed(seed)
@@ -90,7 +80,7 @@ def _device_of(variable):
 class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_computes_what_the_model_computes_with_each_part_on_its_device(self):
-        model = _mlp()
+        model = reference.make_up_down_model()
         x = reference.make_batches(6, num_steps=1)[0][0]
         parted = towers.split_layers(model, MLP_PLAN, PARTS)
         self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
@@ -181,7 +171,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
                 "abc,d->abcd", (4, 6, 2), name="outer")(inputs)), {"outer": "row"}, PARTS)
 
     def test_join_gives_the_original_layers_and_weights_back(self):
-        model = _mlp()
+        model = reference.make_up_down_model()
         before = [w.copy() for w in model.get_weights()]
         joined = towers.join_layers(towers.split_layers(model, MLP_PLAN, PARTS))
         self.assertEqual([type(layer) for layer in joined.layers],
@@ -232,7 +222,8 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(devices, {"left": DEVICES[1], "right": DEVICES[2], "out": DEVICES[0]})
 
     @parameterized.product(
-        make_model=[("mlp", _mlp, MLP_PLAN, PARTS), ("text", _text, TEXT_PLAN, PARTS),
+        make_model=[("mlp", reference.make_up_down_model, MLP_PLAN, PARTS),
+                    ("text", _text, TEXT_PLAN, PARTS),
                     ("branches", _branches, BRANCH_PLAN, DEVICES[:3]),
                     ("einsum", _einsum, EINSUM_PLAN, PARTS)],
         num_towers=[1, 2], optimizer=["sgd", "adam"])
@@ -261,7 +252,7 @@ class GridTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         ("text_2x2", _text, TEXT_PLAN, [[0, 1], [2, 3]]),
         # Rows may share devices with each other: tower 1's part 0 runs on tower 0's part 2.
-        ("mlp_2x3", _mlp, MLP_PLAN, [[1, 2, 3], [0, 3, 1]]),
+        ("mlp_2x3", reference.make_up_down_model, MLP_PLAN, [[1, 2, 3], [0, 3, 1]]),
         ("branches_2x3", _branches, BRANCH_PLAN, [[0, 1, 2], [3, 2, 1]]))
     def test_trains_as_one_device_with_each_part_on_its_row(self, build, plan, rows):
         rows = [[DEVICES[d] for d in row] for row in rows]
@@ -308,7 +299,7 @@ class GridTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(devices, {rows[i][j]}, (i, j))
 
     def test_bad_grid_is_refused_in_one_line(self):
-        parted = towers.split_layers(_mlp(), MLP_PLAN, DEVICES[:2])
+        parted = towers.split_layers(reference.make_up_down_model(), MLP_PLAN, DEVICES[:2])
         for devices, message in (
                 ([DEVICES[:2], DEVICES[2:3]], "a grid of rows of 2 devices"),
                 ([DEVICES[2:4], DEVICES[:2]], "must be the devices split_layers put")):
@@ -398,7 +389,8 @@ class CheckpointTest(tf.test.TestCase, parameterized.TestCase):
 
 class OptionsTest(tf.test.TestCase, parameterized.TestCase):
     """What works with towers keeps working with split layers: the split transformer
-    block on 2 towers against the unsplit one under the same trainer options."""
+    block (the MLP for fit's in-graph loop, whose trace of a split transformer takes a
+    minute on 2 cores) on 2 towers against the unsplit one under the same trainer options."""
 
     def tearDown(self):
         keras.mixed_precision.set_global_policy("float32")
@@ -406,7 +398,7 @@ class OptionsTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("global_norm_clipping", dict(clip_global_norm=0.05), TOLERANCE),
-        ("fit_3_steps_per_execution", dict(steps_per_execution=3), TOLERANCE),
+        ("fit_3_steps_per_execution", dict(steps_per_execution=3, model="mlp"), TOLERANCE),
         # bfloat16 sums in another order: the two agree to bfloat16's precision.
         ("mixed_bfloat16", dict(policy="mixed_bfloat16"), 2e-2),
         # float16 with dynamic loss scaling, from a scale the first steps do not overflow;
@@ -416,10 +408,12 @@ class OptionsTest(tf.test.TestCase, parameterized.TestCase):
         options = dict(options)
         keras.mixed_precision.set_global_policy(options.pop("policy", "float32"))
         initial_scale = options.pop("initial_scale", None)
+        make_model, plan = ((reference.make_up_down_model, MLP_PLAN)
+                            if options.pop("model", "text") == "mlp" else (_text, TEXT_PLAN))
         batches = reference.make_batches(6, num_steps=3)
         weights = []
         for split in (False, True):
-            model = towers.split_layers(_text(), TEXT_PLAN, PARTS) if split else _text()
+            model = towers.split_layers(make_model(), plan, PARTS) if split else make_model()
             optimizer = reference.OPTIMIZERS["adam"]()
             if initial_scale is not None:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale)
@@ -442,8 +436,8 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_xla_is_refused_in_one_line(self):
         with self.assertRaisesRegex(ValueError, "jit_compile=True cannot compile split layers"):
-            towers.TowerTrainer(towers.split_layers(_mlp(), MLP_PLAN, PARTS),
-                                reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+            split = towers.split_layers(reference.make_up_down_model(), MLP_PLAN, PARTS)
+            towers.TowerTrainer(split, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
                                 devices=DEVICES[:1], jit_compile=True)
 
     @parameterized.named_parameters(

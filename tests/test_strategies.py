@@ -1,5 +1,6 @@
 """Aggregation and variable placement: every combination gives the "main"/"main" weights."""
 
+import functools
 import itertools
 
 import keras
@@ -22,13 +23,32 @@ def _sparse_model():
         keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(reference.NUM_CLASSES)])
 
 
-def _weights(make_model, batches, devices, **options):
-    model = make_model()
-    trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.Adam(0.01),
-                                  devices=devices, **options)
-    for batch in batches:
+def _sparse_batches():
+    rng = np.random.default_rng(0)
+    return [(rng.integers(0, 20, (size, 3)).astype(np.int32),
+             rng.integers(0, reference.NUM_CLASSES, size)) for size in (9, 3)]
+
+
+# model -> (make_model, make_batches); the dense batches are uneven on 3 and 4 towers.
+MODELS = {"dense": (reference.make_model, lambda: reference.make_batches(10)),
+          "sparse": (_sparse_model, _sparse_batches)}
+
+
+def _weights(model, devices, **options):
+    make_model, make_batches = MODELS[model]
+    keras_model = make_model()
+    trainer = towers.TowerTrainer(keras_model, reference.make_loss(),
+                                  keras.optimizers.Adam(0.01), devices=devices, **options)
+    for batch in make_batches():
         trainer.train_step(batch)
-    return [v.numpy() for v in model.weights]
+    return [v.numpy() for v in keras_model.weights]
+
+
+@functools.lru_cache(maxsize=None)
+def _main_main_weights(model, num_towers):
+    """The default trainer's weights ("main" aggregation and placement), which every
+    combination must meet: trained once per model and tower count."""
+    return _weights(model, DEVICES[:num_towers])
 
 
 class StrategyEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
@@ -37,22 +57,17 @@ class StrategyEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         (f"{agg}_{'packed' if pack else 'unpacked'}_{place}_{n}towers", agg, pack, place, n)
         for (agg, pack, place), n in itertools.product(COMBINATIONS, [3, 4]))
     def test_same_weights_as_main_main(self, aggregation, pack, placement, num_towers):
-        batches = reference.make_batches(10)  # uneven on 3 and 4 towers
-        expected = _weights(reference.make_model, batches, DEVICES[:num_towers])
-        actual = _weights(reference.make_model, batches, DEVICES[:num_towers],
-                          aggregation=aggregation, pack_gradients=pack,
-                          variable_placement=placement)
+        expected = _main_main_weights("dense", num_towers)
+        actual = _weights("dense", DEVICES[:num_towers], aggregation=aggregation,
+                          pack_gradients=pack, variable_placement=placement)
         for want, got in zip(expected, actual):
             self.assertAllClose(want, got, atol=1e-5, rtol=1e-5)
 
     @parameterized.parameters(*COMBINATIONS)
     def test_sparse_gradients_and_an_empty_tower(self, aggregation, pack, placement):
-        rng = np.random.default_rng(0)
-        batches = [(rng.integers(0, 20, (size, 3)).astype(np.int32),
-                    rng.integers(0, reference.NUM_CLASSES, size)) for size in (9, 3)]
-        expected = _weights(_sparse_model, batches, DEVICES)
-        actual = _weights(_sparse_model, batches, DEVICES, aggregation=aggregation,
-                          pack_gradients=pack, variable_placement=placement)
+        expected = _main_main_weights("sparse", len(DEVICES))
+        actual = _weights("sparse", DEVICES, aggregation=aggregation, pack_gradients=pack,
+                          variable_placement=placement)
         for want, got in zip(expected, actual):
             self.assertAllClose(want, got, atol=1e-5, rtol=1e-5)
 

@@ -14,7 +14,7 @@ from unittest import mock
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import flags
+from absl import app, flags
 from absl.testing import flagsaver, parameterized
 
 from tests.checkpoint_files import checkpoint_values, position
@@ -423,29 +423,56 @@ class OwnModelTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(train.train()["steps"], 3)  # the same model resumes
 
 
+def _main_in_process(*args):
+    """`towers-train ARGS` in this process: its flags parsed as app.run parses them, then
+    main; returns (exit status, stderr). absl lets a process call app.run only once.
+    The flags are restored after."""
+    stderr = io.StringIO()
+    with flagsaver.flagsaver(), contextlib.redirect_stderr(stderr):
+        try:
+            status = train.main(app.parse_flags_with_usage(["towers-train", *args]))
+        except SystemExit as exited:  # a flag value absl refuses
+            status = exited.code
+    return status, stderr.getvalue()
+
+
+BAD_FLAGS = (
+    ("unknown_dataset", "--dataset=imagenet", "--dataset", "digits|synthetic"),
+    ("unknown_model", "--model=vgg", "--model", "mlp|cnn|resnet|text"),
+    ("zero_towers", "--num_towers=0", "--num_towers", "positive integer"),
+    ("missing_npz", "--data_npz=/no/such/file.npz", "towers-train: error", "/no/such/file.npz"),
+    ("zero_pipeline_stages", "--pipeline_stages=0", "--pipeline_stages", "positive integer"),
+    ("zero_micro_batches", "--micro_batches=0", "--micro_batches", "positive integer"),
+    ("unknown_schedule", "--pipeline_schedule=bogus", "--pipeline_schedule", "gpipe|1f1b"),
+    ("accum_steps_and_micro_batches", "--accum_steps=2 --micro_batches=2", "--micro_batches",
+     "set only one"),
+)
+# Its 5 devices are made first thing in a fresh process: too late in this one.
+TOO_MANY_STAGES = ("more_stages_than_layers", "--model=mlp --num_towers=1 --pipeline_stages=5",
+                   "--pipeline_stages", "from 1 to 4")
+
+
 class BadFlagsTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.named_parameters(
-        ("unknown_dataset", "--dataset=imagenet", "--dataset", "digits|synthetic"),
-        ("unknown_model", "--model=vgg", "--model", "mlp|cnn|resnet|text"),
-        ("zero_towers", "--num_towers=0", "--num_towers", "positive integer"),
-        ("missing_npz", "--data_npz=/no/such/file.npz", "towers-train: error",
-         "/no/such/file.npz"),
-        ("zero_pipeline_stages", "--pipeline_stages=0", "--pipeline_stages", "positive integer"),
-        ("zero_micro_batches", "--micro_batches=0", "--micro_batches", "positive integer"),
-        ("unknown_schedule", "--pipeline_schedule=bogus", "--pipeline_schedule", "gpipe|1f1b"),
-        ("more_stages_than_layers", "--model=mlp --num_towers=1 --pipeline_stages=5",
-         "--pipeline_stages", "from 1 to 4"),
-        ("accum_steps_and_micro_batches", "--accum_steps=2 --micro_batches=2",
-         "--micro_batches", "set only one"),
-    )
-    def test_bad_flag_exits_with_one_line_naming_it(self, flags_given, name, allowed):
-        result = _run_cli(*flags_given.split(), "--steps=1")
-        self.assertNotEqual(result.returncode, 0)
-        message = [line for line in result.stderr.splitlines() if name in line]
-        self.assertLen(message, 1, result.stderr[-2000:])
+    def assert_one_line(self, status, stderr, name, allowed):
+        self.assertNotEqual(status, 0)
+        message = [line for line in stderr.splitlines() if name in line]
+        self.assertLen(message, 1, stderr[-2000:])
         self.assertIn(allowed, message[0])
-        self.assertNotIn("Traceback", result.stderr)
+        self.assertNotIn("Traceback", stderr)
+
+    @parameterized.named_parameters(*BAD_FLAGS)
+    def test_bad_flag_exits_with_one_line_naming_it(self, flags_given, name, allowed):
+        self.assert_one_line(*_main_in_process(*flags_given.split(), "--steps=1"), name,
+                             allowed)
+
+    # The real program, in a fresh process: a value absl refuses, and two main refuses.
+    @parameterized.named_parameters(TOO_MANY_STAGES, *(bad for bad in BAD_FLAGS
+                                                       if bad[0] in ("zero_towers",
+                                                                     "missing_npz")))
+    def test_the_program_exits_with_that_line(self, flags_given, name, allowed):
+        result = _run_cli(*flags_given.split(), "--steps=1")
+        self.assert_one_line(result.returncode, result.stderr, name, allowed)
 
 
 if __name__ == "__main__":

@@ -15,23 +15,13 @@ from tests import reference
 CPU = [f"/device:CPU:{i}" for i in range(4)]
 TOLERANCE = 1e-5
 BATCH = 7  # uneven over 3 towers: 3, 2, 2
-# Before step i, set these layers' trainable flags: freeze d1 after one step, unfreeze
+# Before step i, set these layers' trainable flags: freeze up after one step, unfreeze
 # it after two more.
-FREEZE_THEN_UNFREEZE = {1: {"d1": False}, 3: {"d1": True}}
-# d2 starts frozen and is unfrozen after the first step: it has no slots until then.
-UNFREEZE_LATER = {0: {"d2": False}, 1: {"d2": True}}
-MLP_PLAN = {"d1": "column", "d2": "row", "out": 0}
+FREEZE_THEN_UNFREEZE = {1: {"up": False}, 3: {"up": True}}
+# down starts frozen and is unfrozen after the first step: it has no slots until then.
+UNFREEZE_LATER = {0: {"down": False}, 1: {"down": True}}
+MLP_PLAN = {"up": "column", "down": "row", "out": 0}
 GRIDS = {1: [CPU[:2]], 3: [CPU[:2], CPU[2:], CPU[1:3]]}  # rows of (stage 0, stage 1)
-
-
-def _model(seed=0):
-    """Dense d1 (L2) -> Dense d2 -> Dense out (logits); cut after d1 for two stages."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((reference.NUM_FEATURES,))
-    x = keras.layers.Dense(8, activation="tanh", name="d1",
-                           kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
-    x = keras.layers.Dense(7, activation="tanh", name="d2")(x)
-    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(x))
 
 
 def _batches():
@@ -49,7 +39,7 @@ def _keras_run(optimizer_name, schedule_name):
     recompiling after each change of the schedule; its optimizer is built on every
     variable first, so that Keras accepts unfreezing one it would not know."""
     schedule = SCHEDULES[schedule_name]
-    model, optimizer = _model(), reference.OPTIMIZERS[optimizer_name]()
+    model, optimizer = reference.make_up_down_model(), reference.OPTIMIZERS[optimizer_name]()
     optimizer.build(model.trainable_variables)
     losses = []
     for step, (x, y, w) in enumerate(_batches()):
@@ -98,15 +88,15 @@ class FreezeBetweenStepsTest(KerasTestCase):
     @parameterized.named_parameters(
         ("one_tower_sgd", 1, "sgd", {}), ("one_tower_adam", 1, "adam", {}),
         ("three_towers_sgd", 3, "sgd", {}), ("three_towers_adam", 3, "adam", {}),
-        ("pipeline_one_tower_adam", 1, "adam", {"pipeline_cuts": ["d1"]}),
-        ("pipeline_three_towers_sgd", 3, "sgd", {"pipeline_cuts": ["d1"]}),
+        ("pipeline_one_tower_adam", 1, "adam", {"pipeline_cuts": ["up"]}),
+        ("pipeline_three_towers_sgd", 3, "sgd", {"pipeline_cuts": ["up"]}),
         ("accumulation_one_tower_sgd", 1, "sgd", {"accum_steps": 2}),
         ("accumulation_three_towers_adam", 3, "adam", {"accum_steps": 2}),
         ("replicated_three_towers_adam", 3, "adam", {"variable_placement": "replicated"}),
         ("xla_one_tower_sgd", 1, "sgd", {"jit_compile": True}))
     def test_freeze_then_unfreeze_as_keras(self, num_towers, optimizer, options):
         devices = GRIDS[num_towers] if "pipeline_cuts" in options else CPU[:num_towers]
-        trainer = towers.TowerTrainer(_model(), reference.make_loss(),
+        trainer = towers.TowerTrainer(reference.make_up_down_model(), reference.make_loss(),
                                       reference.OPTIMIZERS[optimizer](), devices=devices,
                                       **options)
         losses = _train(trainer, FREEZE_THEN_UNFREEZE)
@@ -115,26 +105,26 @@ class FreezeBetweenStepsTest(KerasTestCase):
         self.assertEqual(trainer.step, len(_batches()))
 
     def test_frozen_layer_stays_and_nothing_retraces_without_a_change(self):
-        trainer = towers.TowerTrainer(_model(), reference.make_loss(),
+        trainer = towers.TowerTrainer(reference.make_up_down_model(), reference.make_loss(),
                                       keras.optimizers.SGD(0.1, momentum=0.9), devices=CPU[:2])
         batches = _batches()
         trainer.train_step(batches[0])
         trainer.evaluate(batches[3])  # traced for every layer trainable
-        d1 = trainer.model.get_layer("d1")
-        d1.trainable = False
-        # Keras's evaluation with d1 frozen: its L2 penalty is not in the loss.
-        expected = _model()
+        up = trainer.model.get_layer("up")
+        up.trainable = False
+        # Keras's evaluation with up frozen: its L2 penalty is not in the loss.
+        expected = reference.make_up_down_model()
         expected.set_weights(trainer.model.get_weights())
-        expected.get_layer("d1").trainable = False
+        expected.get_layer("up").trainable = False
         expected.compile(loss=reference.make_loss())
         x, y, w = batches[3]
         self.assertAllClose(trainer.evaluate(batches[3])["loss"],
                             expected.evaluate(x, y, sample_weight=w, verbose=0),
                             atol=TOLERANCE, rtol=0)
-        kernel = d1.kernel.numpy()
+        kernel = up.kernel.numpy()
         for batch in batches[1:3]:
             trainer.train_step(batch)
-        self.assertAllEqual(d1.kernel.numpy(), kernel)
+        self.assertAllEqual(up.kernel.numpy(), kernel)
         # The evaluation and the step, each traced once for the frozen set, and kept.
         self.assertEqual([f.experimental_get_tracing_count()
                           for f in trainer._compiled.functions()], [1, 1])
@@ -143,15 +133,15 @@ class FreezeBetweenStepsTest(KerasTestCase):
     def test_newly_trainable_variable_gets_slots_on_its_stage_device(self, optimizer):
         adam = reference.OPTIMIZERS["adam"]()
         trainer = towers.TowerTrainer(
-            _model(), reference.make_loss(),
+            reference.make_up_down_model(), reference.make_loss(),
             keras.optimizers.LossScaleOptimizer(adam) if optimizer != "adam" else adam,
-            devices=GRIDS[3], pipeline_cuts=["d1"])
-        d2 = trainer.model.get_layer("d2")
+            devices=GRIDS[3], pipeline_cuts=["up"])
+        down = trainer.model.get_layer("down")
         losses = _train(trainer, UNFREEZE_LATER, steps=[0])
-        self.assertEmpty(_slots(adam, d2.kernel))
+        self.assertEmpty(_slots(adam, down.kernel))
         losses += _train(trainer, UNFREEZE_LATER, steps=range(1, len(_batches())))
         self.assert_equal_keras("adam", "unfreeze_later", trainer.model.get_weights(), losses)
-        for variable in d2.trainable_weights:  # stage 1's: kernel and bias
+        for variable in down.trainable_weights:  # stage 1's: kernel and bias
             self.assertEqual(_device_of(variable), CPU[1])
             slots = _slots(adam, variable)
             self.assertEqual([s.name.rsplit("_", 1)[-1] for s in slots],
@@ -160,7 +150,7 @@ class FreezeBetweenStepsTest(KerasTestCase):
         self.assertEqual(trainer.step, len(_batches()))
 
     def test_no_trainable_variable_left_is_refused_in_one_line(self):
-        trainer = towers.TowerTrainer(_model(), reference.make_loss(),
+        trainer = towers.TowerTrainer(reference.make_up_down_model(), reference.make_loss(),
                                       keras.optimizers.SGD(0.1), devices=CPU[:2])
         batch = _batches()[0]
         trainer.train_step(batch)
@@ -187,11 +177,11 @@ class KeyedSGD(keras.optimizers.Optimizer):
 class RefusedOptimizerTest(tf.test.TestCase):
 
     def test_optimizer_that_cannot_take_a_new_variable_is_refused_in_one_line(self):
-        trainer = towers.TowerTrainer(_model(), reference.make_loss(), KeyedSGD(0.1),
-                                      devices=CPU[:2])
+        trainer = towers.TowerTrainer(reference.make_up_down_model(), reference.make_loss(),
+                                      KeyedSGD(0.1), devices=CPU[:2])
         _train(trainer, UNFREEZE_LATER, steps=[0])
         weights = trainer.model.get_weights()
-        with self.assertRaisesRegex(ValueError, "cannot give the newly trainable 'd2/kernel' "
+        with self.assertRaisesRegex(ValueError, "cannot give the newly trainable 'down/kernel' "
                                                 "its slots in a KeyedSGD"):
             _train(trainer, UNFREEZE_LATER, steps=[1])
         for want, got in zip(weights, trainer.model.get_weights()):
@@ -199,7 +189,7 @@ class RefusedOptimizerTest(tf.test.TestCase):
 
 
 def _split_model(seed=0):
-    return towers.split_layers(_model(seed), MLP_PLAN, CPU[1:])
+    return towers.split_layers(reference.make_up_down_model(seed), MLP_PLAN, CPU[1:])
 
 
 class SplitLayerTest(KerasTestCase):
@@ -214,7 +204,7 @@ class SplitLayerTest(KerasTestCase):
 
 
 class Unfreeze(keras.callbacks.Callback):
-    """Unfreezes d2 when epoch 1 begins; with `recompile` (Keras's fit) retraces too."""
+    """Unfreezes down when epoch 1 begins; with `recompile` (Keras's fit) retraces too."""
 
     def __init__(self, recompile=False):
         super().__init__()
@@ -222,7 +212,7 @@ class Unfreeze(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == 1:
-            self.model.get_layer("d2").trainable = True
+            self.model.get_layer("down").trainable = True
             if self.recompile:
                 self.model.make_train_function(force=True)
 
@@ -238,14 +228,14 @@ class FitCallbackTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters((1, 3), (3, 1))
     def test_callback_unfreezes_at_an_epoch_as_in_keras_fit(self, steps_per_execution,
                                                             num_towers):
-        expected, optimizer = _model(), reference.OPTIMIZERS["adam"]()
+        expected, optimizer = reference.make_up_down_model(), reference.OPTIMIZERS["adam"]()
         optimizer.build(expected.trainable_variables)
-        expected.get_layer("d2").trainable = False
+        expected.get_layer("down").trainable = False
         expected.compile(optimizer=optimizer, loss=reference.make_loss())
         expected.fit(_dataset(), epochs=2, callbacks=[Unfreeze(recompile=True)], verbose=0,
                      shuffle=False)
-        model = _model()
-        model.get_layer("d2").trainable = False
+        model = reference.make_up_down_model()
+        model.get_layer("down").trainable = False
         trainer = towers.TowerTrainer(model, reference.make_loss(),
                                       reference.OPTIMIZERS["adam"](),
                                       devices=CPU[:num_towers],
