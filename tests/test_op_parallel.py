@@ -221,14 +221,16 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         devices = {v.path.split("/")[0]: _device_of(v) for v in parted.weights}
         self.assertEqual(devices, {"left": DEVICES[1], "right": DEVICES[2], "out": DEVICES[0]})
 
-    @parameterized.product(
-        make_model=[("mlp", reference.make_up_down_model, MLP_PLAN, PARTS),
-                    ("text", _text, TEXT_PLAN, PARTS),
-                    ("branches", _branches, BRANCH_PLAN, DEVICES[:3]),
-                    ("einsum", _einsum, EINSUM_PLAN, PARTS)],
-        num_towers=[1, 2], optimizer=["sgd", "adam"])
-    def test_trains_as_one_device(self, make_model, num_towers, optimizer):
-        _, build, plan, parts = make_model
+    # Each model on 1 tower with SGD, and on 2 towers with Adam (its slots on the parts'
+    # devices, one tower empty at the batch of 1).
+    @parameterized.named_parameters(
+        (f"{name}_{num_towers}_towers_{optimizer}", build, plan, parts, num_towers, optimizer)
+        for name, build, plan, parts in (("mlp", reference.make_up_down_model, MLP_PLAN, PARTS),
+                                         ("text", _text, TEXT_PLAN, PARTS),
+                                         ("branches", _branches, BRANCH_PLAN, DEVICES[:3]),
+                                         ("einsum", _einsum, EINSUM_PLAN, PARTS))
+        for num_towers, optimizer in ((1, "sgd"), (2, "adam")))
+    def test_trains_as_one_device(self, build, plan, parts, num_towers, optimizer):
         # Uneven shards, then a batch of 1: on 2 towers, one of them empty.
         batches = [reference.make_batches(size, num_steps=1, seed=i)[0]  # sample-weighted
                    for i, size in enumerate((7, 1, 6))]
