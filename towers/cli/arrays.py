@@ -1,8 +1,15 @@
 """A data set's raw arrays checked and converted: images to (N, H, W, C) float32 in
-[0, 1], labels to (N,) int32 class ids; anything else is a one-line ValueError."""
+[0, 1], labels to (N,) int32 class ids, the number of classes from the training
+labels; anything else is a one-line ValueError."""
 
 import numpy as np
 from absl import logging
+
+# More classes than this many per distinct training label means labels that are not class
+# ids (raw ids, measured values): the model would get an output per id up to the largest,
+# nearly all of them never trained.
+MAX_CLASSES_PER_LABEL = 10
+_SHOWN_LABELS = 5  # of the unknown test labels an error message lists
 
 
 def images(name, what, x):
@@ -39,4 +46,37 @@ def labels(name, what, y):
     if y.min() < 0:
         raise ValueError(f"{name}: {what} has a negative label ({int(y.min())}); class ids "
                          "start at 0.")
+    if y.max() > np.iinfo(np.int32).max:  # astype would wrap it around
+        raise ValueError(f"{name}: {what} has the label {int(y.max())}; class ids are "
+                         "0..num_classes-1, renumber the labels from 0.")
     return y.astype(np.int32)
+
+
+def num_classes(name, y_train, y_test):
+    """The number of classes: y_train's largest label + 1, after checking that the labels
+    are those of a classifier. y_train, y_test: (N,) and (M,) int32 class ids.
+
+    Raises:
+      ValueError: fewer than two classes in y_train, a largest label far beyond the
+        labels y_train holds, or test labels beyond the training classes.
+    """
+    seen = np.unique(y_train)
+    if len(seen) < 2:
+        raise ValueError(f"{name}: y_train holds one class only ({seen[0]}); a classifier "
+                         "needs training examples of at least two classes, labelled "
+                         "0..num_classes-1.")
+    count = int(seen[-1]) + 1
+    if count > MAX_CLASSES_PER_LABEL * len(seen):
+        raise ValueError(f"{name}: y_train's largest label, {seen[-1]}, would make {count} "
+                         f"classes, but y_train holds only {len(seen)} different labels; "
+                         f"class ids are 0..num_classes-1, renumber the labels 0..{len(seen) - 1} "
+                         "(e.g. numpy.unique(labels, return_inverse=True)).")
+    unknown = np.unique(y_test[y_test >= count])
+    if len(unknown):
+        shown = ", ".join(str(label) for label in unknown[:_SHOWN_LABELS])
+        raise ValueError(f"{name}: y_test holds label{'s' if len(unknown) > 1 else ''} "
+                         f"{shown}{', ...' if len(unknown) > _SHOWN_LABELS else ''} beyond "
+                         f"y_train's classes 0..{count - 1} (the classes come from the "
+                         "training labels); give test labels among them, or training "
+                         "examples of every class.")
+    return count

@@ -69,7 +69,9 @@ def load_data(name, data_npz=None, seed=0):
         read without unpickling. x may be (N, H, W, C), (N, H, W) (a channel
         is added) or (N, D) (a column image (N, D, 1, 1)); integer x is taken
         as 0..255 pixels and divided by 255. y: integer class ids (integral
-        floats and (N, 1) are accepted); num_classes = max label + 1. Without
+        floats and (N, 1) are accepted); num_classes = y_train's largest
+        label + 1 (arrays.num_classes: at least two classes, y_test's labels
+        among them, not far more classes than y_train has labels). Without
         x_test and y_test, `holdout_split` keeps a fixed, stratified 10% of
         the training examples apart as the test split (one log line says so).
       seed: non-negative int; draws the "synthetic" arrays. The "digits"
@@ -83,9 +85,10 @@ def load_data(name, data_npz=None, seed=0):
     _check_int("seed", seed, minimum=0)
     if data_npz is not None:
         x_train, y_train, x_test, y_test = data_files.read_npz(data_npz)
+        source = f"data_npz file {str(data_npz)!r}"  # names the file in error messages
         if x_test is None:
-            return _with_holdout(str(name), x_train, y_train)
-        return _from_arrays(str(name), x_train, y_train, x_test, y_test)
+            return _with_holdout(str(name), x_train, y_train, source)
+        return _from_arrays(str(name), x_train, y_train, x_test, y_test, source=source)
     if name == "digits":
         return _load_digits()
     if name == "synthetic":
@@ -244,11 +247,11 @@ def _load_synthetic(seed):
     return _from_arrays("synthetic", *arrays, num_classes=_SYNTHETIC_CLASSES)
 
 
-def _with_holdout(name, x_train, y_train):
+def _with_holdout(name, x_train, y_train, source):
     """Data whose test split is holdout_split's part of the training arrays."""
     # Checked and converted first, so the split sees (N,) class ids whatever the file
     # held; the first training example stands in for the missing test split meanwhile.
-    checked = _from_arrays(name, x_train, y_train, x_train[:1], y_train[:1])
+    checked = _from_arrays(name, x_train, y_train, x_train[:1], y_train[:1], source=source)
     train_index, test_index = holdout_split(checked.y_train)
     logging.info("%s: no x_test, y_test; holding out %d of the %d training examples (%g%%, "
                  "stratified by class, the same whatever the seed) for evaluation.", name,
@@ -258,32 +261,37 @@ def _with_holdout(name, x_train, y_train):
                 checked.num_classes, name)
 
 
-def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None):
-    """Checks raw arrays and converts them: x to (N, H, W, C) float32, y to (N,) int32."""
+def _from_arrays(name, x_train, y_train, x_test, y_test, num_classes=None, source=None):
+    """Checks raw arrays and converts them: x to (N, H, W, C) float32, y to (N,) int32.
+
+    num_classes: None to take it from the labels (arrays.num_classes). source: where the
+    arrays come from, for error messages (default: name).
+    """
+    source = source or name
     splits = []
     for part, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
         x, y = np.asarray(x), np.asarray(y)
         if x.ndim not in (2, 3, 4):
-            raise ValueError(f"{name}: x_{part} has shape {x.shape}; give (N, H, W, C), "
+            raise ValueError(f"{source}: x_{part} has shape {x.shape}; give (N, H, W, C), "
                              "(N, H, W) or (N, D).")
         if y.ndim == 2 and y.shape[1] == 1:
             y = y.reshape(-1)  # (N, 1) labels, as cifar10 has
         if y.ndim != 1:
-            raise ValueError(f"{name}: y_{part} has shape {y.shape}; give one class id per "
+            raise ValueError(f"{source}: y_{part} has shape {y.shape}; give one class id per "
                              "example, shape (N,) (for one-hot labels: y.argmax(axis=1)).")
         if len(x) != len(y):
-            raise ValueError(f"{name}: x_{part} has shape {x.shape} but y_{part} has shape "
+            raise ValueError(f"{source}: x_{part} has shape {x.shape} but y_{part} has shape "
                              f"{y.shape}; give one label per example (the same N).")
         if not len(y):
-            raise ValueError(f"{name}: the {part} split is empty; give at least one example.")
-        splits.append((arrays_lib.images(name, f"x_{part}", x),
-                       arrays_lib.labels(name, f"y_{part}", y)))
+            raise ValueError(f"{source}: the {part} split is empty; give at least one example.")
+        splits.append((arrays_lib.images(source, f"x_{part}", x),
+                       arrays_lib.labels(source, f"y_{part}", y)))
     (x_train, y_train), (x_test, y_test) = splits
     if x_train.shape[1:] != x_test.shape[1:]:
-        raise ValueError(f"{name}: x_train examples have shape {x_train.shape[1:]} but x_test "
+        raise ValueError(f"{source}: x_train examples have shape {x_train.shape[1:]} but x_test "
                          f"examples {x_test.shape[1:]}; both splits need the same shape.")
     if num_classes is None:
-        num_classes = int(max(y_train.max(), y_test.max())) + 1
+        num_classes = arrays_lib.num_classes(source, y_train, y_test)
     return Data(x_train, y_train, x_test, y_test, num_classes, name)
 
 

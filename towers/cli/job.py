@@ -9,6 +9,8 @@ command line's user knows them.
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from typing import Optional
 
 import keras
@@ -84,6 +86,8 @@ def run(job):
     cluster = _cluster(job)
     _check_pipeline_flags(job)
     _check_model_flag(job)
+    if job.output_json and (cluster is None or cluster.is_chief):  # the chief writes it
+        _check_output_json(job.output_json)
     num_stages = job.pipeline_stages
     num_parts = job.tensor_parallel
     width = max(num_stages, num_parts)  # devices per tower: one per stage, or per part
@@ -188,6 +192,7 @@ def run(job):
         "split_plan": plan,
     }
     if job.output_json and is_chief:
+        os.makedirs(os.path.dirname(os.path.abspath(job.output_json)), exist_ok=True)
         with open(job.output_json, "w") as f:
             json.dump(results, f, indent=2)
     return results
@@ -233,6 +238,25 @@ def _check_model_flag(job):
         model_spec.form_of(job.model)
     except ValueError as error:
         raise ValueError(f"--model: {error}") from None
+
+
+def _check_output_json(path):
+    """Refuses, before any work, an --output_json the results could not be written to at
+    the end: a folder, or a path whose nearest existing folder is a file or not writable
+    (folders still missing are made when the results are written)."""
+    if os.path.isdir(path):
+        raise ValueError(f"--output_json={path} is a folder; give a file path, e.g. "
+                         f"--output_json={os.path.join(path, 'results.json')}.")
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:  # as the Checkpointer tries its directory
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test"):
+            pass
+    except OSError as error:
+        raise ValueError(f"--output_json={path}: cannot write in {existing!r}: "
+                         f"{error.strerror or error}; give a path in a writable folder."
+                         ) from None
 
 
 def _cluster(job):

@@ -48,6 +48,9 @@ class Objective:
       weights: per term its loss_weight (1.0 where none was given).
       counted: None before the first call of `terms`, then the indices of the
         terms whose denominator is counted (a Keras mask on the output).
+      sparse_targets: None before the first call of `terms`, then the indices in
+        tf.nest.flatten(y_true) of the targets a sparse categorical crossentropy
+        term reads (class ids; `check_sparse_labels`).
     """
 
     def __init__(self, loss, loss_weights=None, output_names=None):
@@ -64,7 +67,7 @@ class Objective:
                              f"(one per output with a loss), got {loss_weights!r}.")
         if isinstance(loss, (list, tuple, dict)) and not tf.nest.flatten(loss):
             raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
-        self._recorded, self.counted = None, None
+        self._recorded, self.counted, self.sparse_targets = None, None, None
         self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
 
     @property
@@ -90,16 +93,21 @@ class Objective:
           ValueError: targets or losses that do not fit the outputs, in one line.
         """
         y_pred = with_masks(outputs)
-        self._recorded = []
+        self._recorded, self._sparse_ids = [], []
         try:
             self._keras(y_true, y_pred, sample_weight)
         except (KeyError, TypeError) as error:
             raise ValueError(f"the loss does not fit the model's outputs: {error}") from None
         terms, self._recorded = self._recorded, None
         self.counted = [i for i, term in enumerate(terms) if term.per_row is None]
+        # Keras hands each term one of y_true's own leaves, only regrouped.
+        index_of = {id(target): i for i, target in enumerate(tf.nest.flatten(y_true))}
+        self.sparse_targets = sorted({index_of[k] for k in self._sparse_ids if k in index_of})
         return terms
 
     def _record(self, loss, y_true, y_pred, sample_weight):
+        if getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy:
+            self._sparse_ids.append(id(y_true))  # also SparseCategoricalCrossentropy's fn
         self._recorded.append(term(loss, y_true, y_pred, sample_weight))
         return tf.zeros([])  # Keras adds these up; the terms are what counts
 
@@ -137,6 +145,28 @@ def term(loss, y_true, y_pred, sample_weight=None):
     mask_size = tf.cast(tf.size(mask), tf.float32)
     valid = tf.reduce_sum(tf.cast(mask, tf.float32))
     return Term(total, tf.math.divide_no_nan(rows * per_row * valid, mask_size), None)
+
+
+def check_sparse_labels(objective, y_true):
+    """Raises ValueError if a sparse categorical crossentropy term's labels are floats
+    that are not whole numbers, which Keras would cast to class ids silently (1.7 -> 1).
+
+    Eager, once (on the first batch: nothing per step), after `objective.terms` was
+    called with targets of y_true's structure. Whole-number floats are class ids.
+    """
+    targets = tf.nest.flatten(y_true)
+    for index in objective.sparse_targets or ():
+        labels = tf.convert_to_tensor(targets[index])
+        if not labels.dtype.is_floating:
+            continue
+        not_whole = tf.boolean_mask(labels, tf.not_equal(labels, tf.round(labels)))
+        if tf.size(not_whole):
+            which = f" (target {index} of {len(targets)})" if len(targets) > 1 else ""
+            raise ValueError(
+                f"the labels{which} of a sparse categorical crossentropy loss are "
+                f"{labels.dtype.name} and hold {float(not_whole[0]):g}, not a class id; give "
+                "whole-number class ids 0..num_classes-1 (integers), or one-hot targets with "
+                "categorical_crossentropy.")
 
 
 def with_masks(outputs):

@@ -37,6 +37,8 @@ def set_up(trainer, batch):
                 "its outputs.") from None
         except ValueError as error:  # Keras's own checks of the loss's forms: several lines
             raise ValueError(" ".join(str(error).split())) from None
+        for shard in shards:  # the whole first batch's labels, once
+            losses.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
         trainer.metrics.build(y, outputs)
         check_model(trainer)
         setup.dense_choices = tower.choose_dense_gradients(
