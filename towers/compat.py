@@ -181,6 +181,14 @@ def optimizer_knows(optimizer, variable):
     return optimizer._var_key(variable) in optimizer._trainable_variables_indices
 
 
+def optimizer_variables(optimizer):
+    """The model variables a built Keras optimizer updates (those it was built with).
+
+    Public alternative: none; optimizer.variables holds its own (slots, step count).
+    """
+    return list(optimizer._trainable_variables)
+
+
 def slots_for(optimizer, variables):
     """{attribute: its list for `variables`}: the per-variable lists (each slot at its
     variable's index: Adam's momentums and velocities, SGD's momentums, ...) that a

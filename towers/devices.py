@@ -65,10 +65,32 @@ def default_devices():
 
 def canonical_name(device):
     """'/job:localhost/replica:0/task:0/device:GPU:1' or '/gpu:1' -> '/device:GPU:1'."""
-    spec = tf.DeviceSpec.from_string(device)
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError, AttributeError):  # "/gpu:banana", 0, None
+        raise ValueError(f"device {device!r} is not a device name; use e.g. "
+                         "'/device:GPU:0' or '/device:CPU:1'.") from None
     if spec.device_type is None:
         raise ValueError(f"device {device!r} names no device type; use e.g. '/device:GPU:0'.")
     return f"/device:{spec.device_type}:{spec.device_index or 0}"
+
+
+def device_list(devices):
+    """`devices` as a list (None: default_devices()); a single name is refused.
+
+    Raises:
+      ValueError: `devices` is one name (a tower list of one is ["/device:GPU:0"]) or
+        not a list.
+    """
+    if devices is None:
+        return default_devices()
+    if not isinstance(devices, str):
+        try:
+            return list(devices)
+        except TypeError:
+            pass
+    raise ValueError(f"devices must be a list of device names, one per tower, e.g. "
+                     f"[{devices!r}], not a single {type(devices).__name__}.")
 
 
 def device_grid(devices, num_stages=None):
@@ -102,7 +124,7 @@ def device_grid(devices, num_stages=None):
 def check_devices_exist(devices):
     """Raises ValueError naming any device in `devices` that TensorFlow does not have."""
     available = [canonical_name(d.name) for d in tf.config.list_logical_devices()]
-    missing = [d for d in devices if d not in available]
+    missing = [d for d in dict.fromkeys(devices) if d not in available]
     if missing:
         raise ValueError(
             f"devices {missing} do not exist; available devices are {available}. "

@@ -2,9 +2,13 @@
 
 import re
 
-# Lines of a TensorFlow graph error that say where, not what.
+# Lines of a TensorFlow graph error (or of a Keras layer's call) that say where, not what.
 _WHERE = re.compile(r"(Graph execution error:|Detected at node|<stack traces|File |\[\[|"
-                    r"\d+ root error\(s\) found)")
+                    r"\d+ root error\(s\) found|Exception encountered when calling)")
+
+# Keras's bold type in a terminal, and an eager op's "{{function_node ...}}" label.
+_STYLES = re.compile(r"\x1b\[[0-9;]*m")
+_FUNCTION_NODE = re.compile(r"\{\{function_node [^}]*\}\}\s*")
 
 
 class DeviceConfigError(RuntimeError):
@@ -44,11 +48,12 @@ def root_cause(error):
     error", "Detected at node", a stack); this is its first line that says
     what, without the "(0) INVALID_ARGUMENT:" label and the node names.
     """
-    text = str(getattr(error, "message", error)).strip()
+    text = _STYLES.sub("", str(getattr(error, "message", error))).strip()
     for line in text.splitlines():
         line = line.strip()
         if line and not _WHERE.match(line):
             line = re.sub(r"^\(\d+\) [A-Z_]+:\s*", "", line)
+            line = _FUNCTION_NODE.sub("", line)
             return re.split(r"\s*(?:\{\{node|\[\[|\[Op:)", line)[0].rstrip(".")
     return text.splitlines()[0] if text else type(error).__name__
 

@@ -3,6 +3,8 @@
 import keras
 import tensorflow as tf
 
+EMPTY_BATCH = "the batch is empty (batch size 0); give at least one example."
+
 
 def unpack_batch(batch):
     """(x, y) or (x, y, sample_weight) -> (x, y, sample_weight or None)."""
@@ -21,7 +23,24 @@ def as_tensor(value):
 
 
 def as_batch(batch):
-    """(x, y[, sample_weight]) as a tuple of Tensors (nested parts kept), through as_tensor."""
+    """(x, y[, sample_weight]) as a tuple of Tensors (nested parts kept), through as_tensor.
+
+    Raises:
+      ValueError: a part that is ragged or sparse, or a Python list of numbers (which
+        would be read as one input per number), in one line naming it.
+    """
+    for name, part in zip(("x", "y", "sample_weight"), batch):
+        leaves = tf.nest.flatten(part)
+        composite = [leaf for leaf in leaves
+                     if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor))]
+        if composite:
+            raise ValueError(
+                f"{name} holds a {type(composite[0]).__name__}: the towers split dense "
+                f"batches only; make it a dense Tensor first ({name}.to_tensor()).")
+        if isinstance(part, list) and all(isinstance(leaf, (int, float)) for leaf in leaves):
+            raise ValueError(
+                f"{name} is a Python list of {len(leaves)} numbers, which would be read as "
+                f"that many inputs; give it as an array or Tensor (np.asarray({name})).")
     return tuple(tf.nest.map_structure(as_tensor, tuple(batch)))
 
 
@@ -129,6 +148,13 @@ def targets(batch):
     y, *sample_weight = [tf.nest.map_structure(lambda *rows: tf.concat(rows, 0), *part)
                          for part in list(zip(*batch))[1:]]  # each part: one per shard
     return y, sample_weight[0] if sample_weight else None
+
+
+def check_not_empty(batch):
+    """Raises ValueError for a batch (or its Shards) known to have no rows; one whose
+    rows are known only when it runs passes (a graph asserts it where it matters)."""
+    if batch_size(batch) == 0:
+        raise ValueError(EMPTY_BATCH)
 
 
 def shard_sizes(global_batch_size, num_shards):

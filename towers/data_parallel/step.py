@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from towers import devices as devices_lib
 from towers.data_parallel import aggregate, denominators, exchange, forward, losses
 from towers.data_parallel import replicas as replicas_lib, split, tower
 from towers.data_parallel.options import TowerOptions
@@ -64,10 +65,18 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     Returns:
       (grads, logs): one gradient per model.trainable_variables entry, on
       main_device, and {"loss": scalar Tensor}.
+
+    Raises:
+      ValueError: as TowerTrainer: no devices, one that does not exist, or (without a
+        cluster) a batch of no rows; nothing is computed.
     """
     options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
-    setup = StepSetup(stages_lib.Stages(model), [[d] for d in devices],
-                      [main_device or devices[0]], options, cluster=cluster)
+    grid = devices_lib.device_grid(devices_lib.device_list(devices))
+    main_device = devices_lib.canonical_name(main_device or grid[0][0])
+    devices_lib.check_devices_exist(sum(grid, []) + [main_device])
+    if cluster is None:
+        split.check_not_empty(batch)
+    setup = StepSetup(stages_lib.Stages(model), grid, [main_device], options, cluster=cluster)
     if not isinstance(loss, losses.Objective):
         loss = losses.Objective(loss, output_names=getattr(model, "output_names", None))
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)

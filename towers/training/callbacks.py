@@ -15,10 +15,17 @@ def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
     own_progress: whether fit prints its own progress (no ProgbarLogger given).
 
     Raises:
-      ValueError: something that is not a keras.callbacks.Callback, or a
+      ValueError: not a list, something in it that is not a keras.callbacks.Callback, or a
         BackupAndRestore (fit's checkpointer does that job, exactly).
     """
-    callbacks = list(callbacks or [])
+    if isinstance(callbacks, keras.callbacks.Callback):
+        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
+                         f"one {type(callbacks).__name__}: pass callbacks=[it].")
+    try:
+        callbacks = list(callbacks or [])
+    except TypeError:
+        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
+                         f"a {type(callbacks).__name__}.") from None
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             raise ValueError(

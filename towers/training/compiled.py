@@ -44,11 +44,13 @@ class CompiledFunctions:
         signature = _signature(batch)
         return None if signature is None else self._known.get((kind, signature))
 
-    def for_batch(self, kind, batch, step):
+    def for_batch(self, kind, batch, step, check=None):
         """The key of `kind`'s function for `batch` (checked Tensors, or split.Shards of
         them), traced now if its structure is new.
 
         step: fn(batch) -> a dict of scalar logs (packed: one read per call).
+        check: None, or fn(batch), called before a function is traced for a new
+          structure; it raises for a batch the step cannot take.
         """
         is_shards = isinstance(batch, split.Shards)
         spec = tf.nest.map_structure(
@@ -56,6 +58,8 @@ class CompiledFunctions:
             list(batch) if is_shards else batch)
         key = (kind, is_shards, spec_text(spec))
         if key not in self._functions:
+            if check is not None:
+                check(batch)
             if is_shards:  # the one argument comes as a list: Shards again inside
                 step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(

@@ -14,9 +14,6 @@ from towers.data_parallel.step import apply_update, assign_state, copy_weights
 from towers.data_parallel.step import clip_gradients, run_towers
 from towers.multi_worker import cluster as cluster_lib
 
-EMPTY_BATCH = "the batch is empty (batch size 0); give at least one example."
-
-
 def train_step(trainer, batch, may_be_empty):
     """One training step on `batch`: steps 1-6 (run_towers), then step 7 if finite.
 
@@ -49,7 +46,7 @@ def train_step_any_rows(trainer, batch):
     if num_micro_batches(trainer.setup) == 1 and trainer.cluster is None:
         # One micro-batch is empty only when the batch is, which train_step refuses
         # too; an assert costs less than the cond (about 3% of a small step).
-        with tf.control_dependencies([tf.debugging.Assert(fills, [EMPTY_BATCH])]):
+        with tf.control_dependencies([tf.debugging.Assert(fills, [split.EMPTY_BATCH])]):
             batch = tf.nest.map_structure(tf.identity, batch)
         return train_step(trainer, batch, may_be_empty=False)
     return tf.cond(fills, lambda: train_step(trainer, batch, may_be_empty=False),

@@ -7,6 +7,7 @@ past the epoch's end or max_steps (`limit`).
 """
 
 import itertools
+import numbers
 
 import tensorflow as tf
 from absl import logging
@@ -177,6 +178,19 @@ def limit(trainer, batch_index, steps_per_epoch, max_steps):
     if max_steps is not None:
         limits.append(max_steps - trainer.step)
     return max(min(limits), 0)
+
+
+def check_call(iterator, num_steps):
+    """Raises ValueError, in one line, for what train_steps cannot loop over: anything
+    but a tf.data iterator or a ShardIterator, or num_steps not an integer >= 1."""
+    if not isinstance(iterator, (tf.data.Iterator, prefetch.ShardIterator)):
+        raise ValueError(
+            f"iterator must be a tf.data iterator (iter(dataset)) or trainer.shard_iterator("
+            f"dataset), got a {type(iterator).__name__}; call train_step for each of other "
+            "batches.")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) \
+            or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}.")
 
 
 def check_steps_per_execution(steps_per_execution):

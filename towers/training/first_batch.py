@@ -16,7 +16,7 @@ from towers.training import trainable
 
 def set_up(trainer, batch):
     """Builds model and optimizer on the main device and checks the loss, on `batch`'s
-    first example; fills in trainer.setup's first-batch fields."""
+    first examples (check_examples); fills in trainer.setup's first-batch fields."""
     setup = trainer.setup
     shards, _, _ = split.shards_of(batch, len(setup.grid))
     first_shard = shards[0]  # holds the batch's first example
@@ -24,19 +24,9 @@ def set_up(trainer, batch):
         # One example of zeros builds the model and checks the loss; nothing trains on it.
         first_shard = tf.nest.map_structure(
             lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), first_shard)
-    x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:1], first_shard))
+    whole = not isinstance(batch, split.Shards) and split.batch_size(batch) != 0
     with tf.device(setup.main_device):
-        try:
-            y_pred = trainer.model(x, training=False)
-            outputs = (y_pred, losses.output_masks(y_pred))
-            trainer.objective.terms(y, outputs, sample_weight)  # resolves the loss's forms
-        except (tf.errors.OpError, TypeError) as error:
-            raise ValueError(
-                f"the model or the loss failed on the first example of the batch: "
-                f"{errors.root_cause(error)}. Check that x matches the model's inputs and y "
-                "its outputs.") from None
-        except ValueError as error:  # Keras's own checks of the loss's forms: several lines
-            raise ValueError(" ".join(str(error).split())) from None
+        y, outputs = check_examples(trainer, batch if whole else first_shard)
         for shard in shards:  # the whole first batch's labels, once
             losses.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
         trainer.metrics.build(y, outputs)
@@ -50,10 +40,109 @@ def set_up(trainer, batch):
             setup.main_device, len(setup.grid))
 
 
+def check_batch(trainer, batch):
+    """Checks a batch (Tensors, or split.Shards of them) of a structure the steps have
+    not been traced for, before it is: the model and the loss run eagerly on its first
+    examples (check_examples), on the main device. A batch of no rows (a cluster
+    worker's part) passes: its structure is that of a batch the worker had."""
+    first = batch[0] if isinstance(batch, split.Shards) else batch
+    if split.batch_size(first) != 0:
+        with tf.device(trainer.setup.main_device):
+            check_examples(trainer, first)
+
+
+def check_examples(trainer, batch):
+    """Runs the model and the loss eagerly on the first two examples of `batch`; returns
+    (y, (y_pred, output masks)) of them.
+
+    Two rows, not one: a weight of the wrong shape would broadcast over one.
+
+    Raises:
+      ValueError: in one line, naming the part of the batch that does not fit: x
+        (the model's inputs), y (its outputs and the loss) or sample_weight.
+    """
+    x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:2], batch))
+    _check_inputs(trainer.model, x, batch[0])
+    try:
+        y_pred = trainer.model(x, training=False)
+    except (tf.errors.OpError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"model {trainer.model.name!r} failed on x, {_shapes(batch[0])}: "
+            f"{errors.root_cause(error)}. Check that x matches the model's inputs.") from None
+    num_outputs = len(tf.nest.flatten(y_pred))
+    if num_outputs > 1 and tf.is_tensor(y):  # Keras would pair its rows with the outputs
+        raise ValueError(
+            f"y, {_shapes(batch[1])}, is one array but model {trainer.model.name!r} has "
+            f"{num_outputs} outputs, {_shapes(y_pred, any_rows=True)}: give y as a list (or "
+            "a dict by output name) of one array per output.")
+    outputs = (y_pred, losses.output_masks(y_pred))
+    try:
+        trainer.objective.terms(y, outputs, sample_weight)  # resolves the loss's forms
+    except (tf.errors.OpError, TypeError, ValueError) as error:
+        cause = errors.root_cause(error)
+        if cause.startswith("the loss "):  # losses' own checks: the loss is at fault
+            raise ValueError(str(error)) from None
+        if sample_weight is not None and _fits(trainer.objective, y, outputs):
+            raise ValueError(
+                f"sample_weight, {_shapes(batch[2])}, does not fit the loss: {cause}. Give "
+                "one weight per example (shape (batch,)), or one per loss entry.") from None
+        raise ValueError(
+            f"y, {_shapes(batch[1])}, does not fit the loss on the model's outputs, "
+            f"{_shapes(y_pred, any_rows=True)}: {cause}. Check that y matches the model's outputs and the "
+            "loss (sparse losses take class indices, others one value per output "
+            "entry).") from None
+    return y, outputs
+
+
+def _check_inputs(model, x, whole_x):
+    """Raises ValueError when x does not fit a functional model's inputs: a number of
+    arrays other than its inputs' (Keras would warn and take the first), or, for one
+    input, a fixed feature size that x of the same rank lacks (Keras: several lines)."""
+    try:
+        inputs = model.inputs  # a functional model's; a subclassed one has none
+    except (AttributeError, ValueError):
+        return
+    leaves = tf.nest.flatten(x)
+    if not inputs:
+        return
+    expected = [tuple(i.shape) for i in inputs]
+    if len(leaves) != len(inputs):
+        raise ValueError(
+            f"x holds {len(leaves)} arrays, {_shapes(whole_x)}, but model {model.name!r} "
+            f"takes {len(inputs)} input(s), of shapes {expected}: give one array per input.")
+    got = leaves[0].shape.as_list()
+    if len(inputs) == 1 and len(expected[0]) == len(got) and any(
+            e is not None and e != g for e, g in zip(expected[0][1:], got[1:])):
+        raise ValueError(
+            f"x has shape {tuple(whole_x.shape)} but model {model.name!r} takes inputs of "
+            f"shape {expected[0]} (dim 0 the batch): give every example the shape "
+            f"{expected[0][1:]}.")
+
+
+def _fits(objective, y, outputs):
+    """Whether the loss runs on y and the outputs without sample weights."""
+    try:
+        objective.terms(y, outputs)
+        return True
+    except (tf.errors.OpError, TypeError, ValueError):
+        return False
+
+
+def _shapes(part, any_rows=False):
+    """The shapes of a part of a batch (a Tensor or a nest of them), for messages; with
+    any_rows, dim 0 as None (a model's outputs, computed here on two examples)."""
+    shapes = tf.nest.map_structure(
+        lambda t: (None, *t.shape[1:]) if any_rows else tuple(t.shape), part)
+    return f"shape {shapes}" if isinstance(shapes, tuple) and all(
+        isinstance(d, (int, type(None))) for d in shapes) else f"shapes {shapes}"
+
+
 def check_model(trainer):
-    """Checks the built model, cuts it into stages and places each stage's variables."""
+    """Checks the built model (and that the optimizer is not another model's), cuts it
+    into stages and places each stage's variables."""
     model, setup = trainer.model, trainer.setup
     trainable.check_trainable(model)
+    trainable.check_optimizer(trainer.optimizer, model)
     if setup.stages is None:
         setup.stages = stages_lib.Stages(model, trainer.pipeline_cuts)
     if trainer.pipeline_cuts is not None:

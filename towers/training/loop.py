@@ -75,6 +75,11 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     epoch logs add "examples_per_sec" (all towers together, since the epoch
     began), and "loss_scale" with loss scaling.
     """
+    if hasattr(epochs, "shape"):  # keras.Model.fit's fit(x, y)
+        raise ValueError(
+            f"fit takes batches, not x and y: its second argument is epochs, got an array of "
+            f"shape {tuple(epochs.shape)}. Pass one dataset of (x, y) batches, e.g. "
+            "fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)) or fit([(x, y)]).")
     _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
     dataset = class_weights.weighted(dataset, class_weight)
     epoch, skip = 0, 0

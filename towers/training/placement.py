@@ -22,7 +22,7 @@ def step_setup(model, devices, main_device, pipeline_cuts, options, cluster):
       ValueError: a device that does not exist, a grid of the wrong shape, or an
         aggregation the devices cannot run.
     """
-    devices = devices_lib.default_devices() if devices is None else list(devices)
+    devices = devices_lib.device_list(devices)
     devices, part_rows = op_grid.tower_and_part_devices(model, devices)
     grid = devices_lib.device_grid(devices, None if pipeline_cuts is None
                                    else len(pipeline_cuts) + 1)

@@ -66,6 +66,20 @@ def check_trainable(model):
             "train; check that its layers are built and not frozen (trainable=False).")
 
 
+def check_optimizer(optimizer, model):
+    """Raises ValueError, in one line, when `optimizer` was built for variables other
+    than `model`'s (another model's: one optimizer shared by two trainers)."""
+    if not optimizer.built:
+        return
+    own = {id(v) for v in model.variables}
+    foreign = [v.path for v in compat.optimizer_variables(optimizer) if id(v) not in own]
+    if foreign:
+        raise ValueError(
+            f"optimizer {optimizer.name!r} already updates variables that are not model "
+            f"{model.name!r}'s ({foreign[0]!r}, ...): an optimizer holds one model's state. "
+            "Give each trainer an optimizer of its own.")
+
+
 def extend_optimizer(optimizer, variables):
     """Makes `optimizer` able to update every one of `variables` (model variables).
 

@@ -206,9 +206,12 @@ class TowerTrainer:
           cluster "worker_batches", the steps this worker had a batch for.
 
         Raises:
+          ValueError: `iterator` is not a tf.data iterator or shard_iterator, or
+            `num_steps` not an integer >= 1; nothing runs.
           NonFiniteError: on_nonfinite="raise" and a step was not finite; the
             steps before it in this call are applied, it and later ones not.
         """
+        executions.check_call(iterator, num_steps)
         if self.setup.trainable_ids is None:
             return executions.first_call(self, iterator)
         self._follow_trainable()
@@ -303,17 +306,21 @@ class TowerTrainer:
             split.unpack_batch(part)
             parts.append(split.as_batch(part))
         batch = split.Shards(parts) if is_shards else parts[0]
-        if split.batch_size(batch) == 0 and self.cluster is None:
-            raise ValueError(compiled_steps.EMPTY_BATCH)
+        if self.cluster is None:
+            split.check_not_empty(batch)
         if self.signals is not None and kind == "train":
             self.signals.trained_on(batch)
+        # A batch of a new structure is checked before its step is traced: the first by
+        # set_up, later ones by check_batch (a trace would say what fails in 20 lines).
+        check = functools.partial(first_batch.check_batch, self)
         if self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
+            check = None
         variant = compiled_steps.variant(self.setup, kind, batch)
         step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
         may_be_empty = variant != kind
-        return batch, self._compiled.for_batch(variant, batch,
-                                               lambda batch: step(self, batch, may_be_empty))
+        return batch, self._compiled.for_batch(
+            variant, batch, lambda batch: step(self, batch, may_be_empty), check)
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up

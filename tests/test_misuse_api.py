@@ -1,0 +1,155 @@
+"""Misuse of the Python API: each mistake gets one line naming the argument, before
+anything is applied (weights and optimizer.iterations as they were)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import towers
+from tests import reference
+
+DEVICES = [f"/device:CPU:{i}" for i in range(3)]
+
+
+def _trainer(model=None, optimizer=None, **kwargs):
+    kwargs.setdefault("devices", DEVICES)
+    return towers.TowerTrainer(model or reference.make_model(), reference.make_loss(),
+                               optimizer or keras.optimizers.SGD(0.1), **kwargs)
+
+
+def _state(trainer):
+    """Every model weight and the optimizer's step count, as numpy arrays."""
+    return [v.numpy() for v in trainer.model.weights] + [trainer.optimizer.iterations.numpy()]
+
+
+class MisuseTest(tf.test.TestCase):
+    """One trainer, trained one step, shared where a refused call must leave it as it was."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.x, cls.y, cls.w = reference.make_batches(8, num_steps=1)[0]
+        cls.trainer = _trainer()
+        cls.trainer.train_step((cls.x, cls.y, cls.w))
+
+    def assertRefused(self, call, argument, message, trainer=None, error=ValueError):
+        """`call` raises `error` whose message is one line, names `argument` and matches
+        `message`; the trainer's weights and step count are unchanged."""
+        trainer = trainer or self.trainer
+        before = _state(trainer)
+        with self.assertRaisesRegex(error, message) as raised:
+            call()
+        text = str(raised.exception)
+        self.assertNotIn("\n", text)
+        self.assertIn(argument, text)
+        for want, got in zip(before, _state(trainer)):
+            self.assertAllEqual(want, got)
+
+    # tower_gradients: the trainer's checks.
+
+    def test_tower_gradients_on_an_empty_batch(self):
+        model = reference.make_model()
+        self.assertRefused(lambda: towers.tower_gradients(
+            model, reference.make_loss(), (self.x[:0], self.y[:0]), DEVICES),
+            "batch", r"^the batch is empty \(batch size 0\)")
+
+    def test_tower_gradients_on_a_device_that_does_not_exist(self):
+        model = reference.make_model()
+        self.assertRefused(lambda: towers.tower_gradients(
+            model, reference.make_loss(), (self.x, self.y), ["/device:CPU:9"]),
+            "devices", r"devices \['/device:CPU:9'\] do not exist")
+
+    def test_tower_gradients_on_no_devices(self):
+        model = reference.make_model()
+        self.assertRefused(lambda: towers.tower_gradients(
+            model, reference.make_loss(), (self.x, self.y), []), "devices", "devices is empty")
+
+    # A later batch that does not fit what the first one did: refused before its trace.
+
+    def test_one_hot_labels_for_a_sparse_loss(self):
+        one_hot = np.eye(reference.NUM_CLASSES, dtype="float32")[self.y]
+        self.assertRefused(lambda: self.trainer.train_step((self.x, one_hot)),
+                           "y", r"^y, shape \(8, 3\), does not fit the loss")
+
+    def test_a_batch_of_the_wrong_feature_width(self):
+        self.assertRefused(lambda: self.trainer.train_step((self.x[:, :4], self.y)),
+                           "x", r"^x has shape \(8, 4\) but model .* takes inputs of shape "
+                           r"\(None, 5\)")
+
+    def test_a_batch_of_another_structure(self):
+        self.assertRefused(lambda: self.trainer.train_step(((self.x, self.x), self.y)),
+                           "x", r"^x holds 2 arrays, shapes \(\(8, 5\), \(8, 5\)\), but model .* "
+                           r"takes 1 input\(s\)")
+
+    def test_a_batch_of_a_dict_for_a_model_of_one_input(self):
+        self.assertRefused(lambda: self.trainer.train_step(({"a": self.x}, self.y)),
+                           "x", r"^model .* failed on x, shapes \{'a': \(8, 5\)\}: The structure")
+
+    def test_evaluate_on_the_wrong_feature_width(self):
+        self.assertRefused(lambda: self.trainer.evaluate((self.x[:, :4], self.y)),
+                           "x", r"^x has shape \(8, 4\)")
+
+    def test_sample_weights_of_the_wrong_shape(self):
+        weights = np.ones((8, 3), "float32")
+        self.assertRefused(lambda: self.trainer.train_step((self.x, self.y, weights)),
+                           "sample_weight", r"^sample_weight, shape \(8, 3\), does not fit")
+
+    def test_a_ragged_x(self):
+        ragged = tf.ragged.constant([[1.0] * reference.NUM_FEATURES] * 8)
+        self.assertRefused(lambda: self.trainer.train_step((ragged, self.y)),
+                           "x", "^x holds a RaggedTensor")
+
+    def test_python_lists_as_a_batch(self):
+        self.assertRefused(lambda: self.trainer.train_step((self.x.tolist(), self.y)),
+                           "x", r"^x is a Python list of 40 numbers")
+
+    def test_a_fresh_trainer_on_the_wrong_feature_width(self):
+        trainer = _trainer()
+        self.assertRefused(lambda: trainer.train_step((self.x[:, :4], self.y)),
+                           "x", r"^x has shape \(8, 4\)", trainer=trainer)
+
+    def test_one_target_for_a_model_of_two_outputs(self):
+        inputs = keras.Input((reference.NUM_FEATURES,))
+        model = keras.Model(inputs, [keras.layers.Dense(3)(inputs), keras.layers.Dense(3)(inputs)])
+        trainer = towers.TowerTrainer(model, [reference.make_loss()] * 2,
+                                      keras.optimizers.SGD(0.1), DEVICES)
+        self.assertRefused(lambda: trainer.train_step((self.x, self.y)), "y",
+                           r"^y, shape \(8,\), is one array but model .* has 2 outputs",
+                           trainer=trainer)
+
+    def test_one_optimizer_for_two_trainers(self):
+        self.assertRefused(lambda: _trainer(optimizer=self.trainer.optimizer), "optimizer",
+                           "already updates variables that are not model")
+
+    # Arguments.
+
+    def test_a_device_name_that_is_not_one(self):
+        self.assertRefused(lambda: _trainer(devices=["/gpu:banana"]), "device",
+                           "'/gpu:banana' is not a device name")
+
+    def test_one_device_name_for_devices(self):
+        self.assertRefused(lambda: _trainer(devices="/device:CPU:0"), "devices",
+                           r"^devices must be a list of device names")
+
+    def test_metrics_as_one_name(self):
+        self.assertRefused(lambda: _trainer(metrics="accuracy"), "metrics",
+                           r"^metrics must be a list")
+
+    def test_train_steps_on_a_python_iterator(self):
+        self.assertRefused(lambda: self.trainer.train_steps(iter([(self.x, self.y)]), 3),
+                           "iterator", r"^iterator must be a tf.data iterator")
+
+    def test_train_steps_num_steps_not_a_positive_integer(self):
+        dataset = tf.data.Dataset.from_tensor_slices((self.x, self.y)).batch(4)
+        for num_steps in (2.5, -1, 0):
+            self.assertRefused(lambda: self.trainer.train_steps(iter(dataset), num_steps),
+                               "num_steps", r"^num_steps must be an integer >= 1")
+
+    def test_fit_on_x_and_y(self):
+        self.assertRefused(lambda: self.trainer.fit(self.x, self.y), "epochs",
+                           r"^fit takes batches, not x and y")
+
+    def test_fit_with_one_callback_not_in_a_list(self):
+        self.assertRefused(
+            lambda: self.trainer.fit([(self.x, self.y)], callbacks=keras.callbacks.EarlyStopping()),
+            "callbacks", r"^callbacks must be a list .* got one EarlyStopping")
