@@ -88,29 +88,30 @@ def check_examples(trainer, batch):
                 "one weight per example (shape (batch,)), or one per loss entry.") from None
         raise ValueError(
             f"y, {_shapes(batch[1])}, does not fit the loss on the model's outputs, "
-            f"{_shapes(y_pred, any_rows=True)}: {cause}. Check that y matches the model's outputs and the "
-            "loss (sparse losses take class indices, others one value per output "
-            "entry).") from None
+            f"{_shapes(y_pred, any_rows=True)}: {cause}. Check that y matches the model's "
+            "outputs and the loss (sparse losses take class indices, others one value per "
+            "output entry).") from None
     return y, outputs
 
 
 def _check_inputs(model, x, whole_x):
     """Raises ValueError when x does not fit a functional model's inputs: a number of
-    arrays other than its inputs' (Keras would warn and take the first), or, for one
-    input, a fixed feature size that x of the same rank lacks (Keras: several lines)."""
+    arrays other than its inputs' (Keras would warn and take the first; a dict may also
+    hold features the model does not read), or one array where the model's one input
+    has a fixed feature size that x, of the same rank, lacks (Keras: several lines)."""
     try:
         inputs = model.inputs  # a functional model's; a subclassed one has none
     except (AttributeError, ValueError):
         return
-    leaves = tf.nest.flatten(x)
     if not inputs:
         return
+    leaves = tf.nest.flatten(x)
     expected = [tuple(i.shape) for i in inputs]
-    if len(leaves) != len(inputs):
+    if len(leaves) != len(inputs) and not isinstance(x, dict):
         raise ValueError(
             f"x holds {len(leaves)} arrays, {_shapes(whole_x)}, but model {model.name!r} "
             f"takes {len(inputs)} input(s), of shapes {expected}: give one array per input.")
-    got = leaves[0].shape.as_list()
+    got = x.shape.as_list() if tf.is_tensor(x) else []
     if len(inputs) == 1 and len(expected[0]) == len(got) and any(
             e is not None and e != g for e, g in zip(expected[0][1:], got[1:])):
         raise ValueError(
