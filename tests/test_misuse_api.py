@@ -64,6 +64,18 @@ class MisuseTest(tf.test.TestCase):
         self.assertRefused(lambda: towers.tower_gradients(
             model, reference.make_loss(), (self.x, self.y), []), "devices", "devices is empty")
 
+    def test_tower_gradients_on_rows_known_only_when_it_runs(self):
+        # The empty-batch check leaves a batch of unknown size to the graph, and computes.
+        model = reference.make_model()
+        signature = (tf.TensorSpec([None, reference.NUM_FEATURES]), tf.TensorSpec([None], tf.int64))
+
+        @tf.function(input_signature=[signature])
+        def loss_of(batch):
+            return towers.tower_gradients(model, reference.make_loss(), batch, DEVICES)[1]["loss"]
+
+        expected = reference.make_loss()(self.y, model(self.x)) + tf.add_n(model.losses)
+        self.assertAllClose(loss_of((self.x, self.y)), expected, atol=1e-6)
+
     # A later batch that does not fit what the first one did: refused before its trace.
 
     def test_one_hot_labels_for_a_sparse_loss(self):
