@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import flags
-from absl.testing import flagsaver
+from absl.testing import flagsaver, parameterized
 
 import towers
 from towers.cli import train
@@ -52,12 +52,14 @@ def _trainer(model, optimizer):
                                optimizer, devices=DEVICES)
 
 
-def _fit(trainer, epochs, directory=None, model=None, optimizer=None):
-    """trainer.fit over _dataset(); with `directory`, through a Checkpointer of `model` and
-    `optimizer` (default: the trainer's)."""
+def _fit(trainer, epochs, directory=None, model=None, optimizer=None, data=None):
+    """trainer.fit over `data` (default: _dataset()), STEPS_PER_EPOCH batches an epoch;
+    with `directory`, through a Checkpointer of `model` and `optimizer` (default: the
+    trainer's)."""
     checkpointer = None if directory is None else towers.Checkpointer(
         directory, model or trainer.model, optimizer or trainer.optimizer)
-    trainer.fit(_dataset(), epochs=epochs, checkpointer=checkpointer, verbose=False)
+    trainer.fit(_dataset() if data is None else data, epochs=epochs,
+                steps_per_epoch=STEPS_PER_EPOCH, checkpointer=checkpointer, verbose=False)
     return trainer
 
 
@@ -111,6 +113,12 @@ class RefusalTest(tf.test.TestCase):
         self._assert_refused(lambda: _fit(wider, 2, directory),
                              r"it holds \S*d1/kernel as float32 of shape \(4, 5\), and "
                              r"this one is float32 of shape \(4, 6\)", wider, directory)
+        # Outside fit, nobody builds them: restore() cannot match what does not exist.
+        unbuilt = _trainer(Sub(), keras.optimizers.SGD(0.1))
+        self._assert_refused(towers.Checkpointer(directory, unbuilt.model,
+                                                 unbuilt.optimizer).restore,
+                             "cannot restore into an unbuilt model and optimizer",
+                             unbuilt, directory)
 
     def test_checkpointer_of_another_model_or_optimizer_is_refused_before_any_step(self):
         directory = self.create_tempdir().full_path
@@ -144,17 +152,26 @@ class RefusalTest(tf.test.TestCase):
         self.assertEqual(_files(directory), files)
 
 
-class UnbuiltResumeTest(tf.test.TestCase):
+class UnbuiltResumeTest(tf.test.TestCase, parameterized.TestCase):
 
-    def test_unbuilt_subclassed_model_resumes_to_the_uninterrupted_weights(self):
-        def fit_sub(epochs, directory=None):
+    # The data of each run: the uninterrupted one (2 epochs), the one stopped after
+    # epoch 1, the resumed one. A one-shot iterator gives the resumed run the batch it
+    # was built on back, first.
+    @parameterized.named_parameters(
+        ("dataset", lambda: (_dataset().repeat(),) * 3),  # one iterator across epochs
+        ("callable", lambda: (lambda epoch: _dataset(),) * 3),
+        ("iterator", lambda: (iter(list(_dataset()) * 2), iter(_dataset()), iter(_dataset()))))
+    def test_unbuilt_subclassed_model_resumes_to_the_uninterrupted_weights(self, data):
+        def fit_sub(epochs, data, directory=None):
             keras.utils.set_random_seed(0)
-            return _fit(_trainer(Sub(), keras.optimizers.SGD(0.1)), epochs, directory)
+            return _fit(_trainer(Sub(), keras.optimizers.SGD(0.1)), epochs, directory,
+                        data=data)
 
-        uninterrupted = fit_sub(2)
+        uninterrupted_data, first_data, resumed_data = data()
+        uninterrupted = fit_sub(2, uninterrupted_data)
         directory = self.create_tempdir().full_path
-        fit_sub(1, directory)
-        resumed = fit_sub(2, directory)
+        fit_sub(1, first_data, directory)
+        resumed = fit_sub(2, resumed_data, directory)
         self.assertEqual(resumed.step, 2 * STEPS_PER_EPOCH)
         self.assertLen(resumed.model.trainable_variables, 4)
         for want, got in zip(uninterrupted.model.weights, resumed.model.weights):

@@ -115,7 +115,7 @@ class Checkpointer:
                                             ("optimizer", optimizer.built)) if not built]
         if unbuilt:
             raise ValueError(
-                f"cannot restore into an unbuilt {' and '.join(unbuilt)}: its variables do "
+                f"cannot restore into an unbuilt {' and '.join(unbuilt)}: the variables do "
                 "not exist yet, so the checkpoint cannot be matched with them. Call the "
                 "model on a batch and optimizer.build(model.trainable_variables) first "
                 "(fit does both).")
@@ -132,7 +132,8 @@ class Checkpointer:
                         f"{self._optimizer_class}")
         else:  # written before the class was recorded: the variables alone decide
             del variables[key]
-        return checkpoint_match.difference(reader, variables, object_paths)
+        return checkpoint_match.difference(reader, variables, object_paths,
+                                           named_first=self._checkpoint.model.weights)
 
     def batch_done(self, epoch, batch_in_epoch, batches=1):
         """Records the position after `batches` more batches (an execution of several steps

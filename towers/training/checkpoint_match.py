@@ -5,8 +5,8 @@ tf.train.Checkpoint.restore assigns every value it can match as it goes: a
 checkpoint of another model or optimizer restores in part, with at most a
 warning, and a value whose variable does not exist yet waits for one to be made
 (or for ever). So Checkpointer.restore first reads the checkpoint's index and
-compares it with the variables of the objects it restores, under the key a
-save writes each under (the path of local names by which a breadth-first walk
+compares it with the variables of the objects it restores, each under the key
+a save would give it (the path of local names by which a breadth-first walk
 from the root first reaches it, as tf.train.Checkpoint names it):
 `difference` says in one phrase what differs, or None when the restore would
 be whole.
@@ -27,7 +27,9 @@ def saved_variables(root):
     """({checkpoint key: variable} of every variable `root` saves, the paths of all the
     objects it saves), as tf.train.Checkpoint(...) `root` names them when it saves.
 
-    Keys look like "model/layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE".
+    Keys look like "model/d1/_kernel/.ATTRIBUTES/VARIABLE_VALUE", or, for a weight
+    the walk reaches through the optimizer first (a Sequential model's),
+    "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE".
     """
     paths = {id(root): ""}
     visited = [root]  # kept alive, so that no object's id is reused during the walk
@@ -49,22 +51,25 @@ def saved_variables(root):
     return variables, set(paths.values())
 
 
-def difference(reader, variables, object_paths):
+def difference(reader, variables, object_paths, named_first=()):
     """What differs between the checkpoint `reader` reads (tf.train.load_checkpoint) and
     `saved_variables`' answer, in one phrase; None when every variable has a value of
     its shape and dtype there and every value there belongs to one of the objects.
 
-    A variable is named by its Keras path ("dense_1/kernel"), a value the
-    checkpoint alone holds by its key, without the suffix every value's key ends in.
+    A variable is named by its Keras path ("dense_1/kernel"), those among
+    `named_first` (the model's weights) before the others; a value the checkpoint
+    alone holds by its key, without the suffix every value's key ends in.
     """
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    missing = [variables[key] for key in variables if key not in shapes]
+    first = {id(variable) for variable in named_first}
+    missing = sorted((variables[key] for key in variables if key not in shapes),
+                     key=lambda variable: id(variable) not in first)
     if missing:
         return (f"it lacks {_listed([(_path(v), tuple(v.shape)) for v in missing])}, which "
                 "this model and optimizer have")
-    extra = [key for key in shapes if _ATTRIBUTES in key
-             and key.split(_ATTRIBUTES)[0] not in object_paths
-             and not key.startswith(_SAVE_COUNTER + "/")]
+    extra = sorted((key for key in shapes if _ATTRIBUTES in key
+                    and key.split(_ATTRIBUTES)[0] not in object_paths
+                    and not key.startswith(_SAVE_COUNTER + "/")), key=_in_number_order)
     if extra:
         named = [(key.split(_ATTRIBUTES)[0], tuple(shapes[key])) for key in extra]
         return f"it holds {_listed(named)}, which this model and optimizer lack"
@@ -86,6 +91,11 @@ def _listed(named_shapes):
 def _path(variable):
     """A Keras variable's path ("dense_1/kernel"), a tf.Variable's name ("epoch")."""
     return getattr(variable, "path", None) or variable.name.split(":")[0]
+
+
+def _in_number_order(key):
+    """A sort key that puts "_variables/9" before "_variables/10"."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split("/")]
 
 
 def _escape(name):
