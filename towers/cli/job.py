@@ -147,7 +147,8 @@ def run(job):
             trainer.optimizer.build(model.trainable_variables)
         checkpointer = Checkpointer(job.checkpoint_dir, model, trainer.optimizer,
                                     every_steps=job.checkpoint_every, writer=is_chief)
-        # Restoring compares variable shapes only; this also compares which model it is.
+        # Restoring compares the variables and the optimizer's class; this also compares
+        # which model it is (a relu and a tanh MLP have the same variables).
         model_spec.claim_checkpoint_dir(job.checkpoint_dir, job.model,
                                         writer=is_chief)
 

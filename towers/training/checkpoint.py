@@ -13,6 +13,9 @@ import tensorflow as tf
 from absl import logging
 
 from towers.op_parallel import joined, plan as op_plan
+from towers.training import checkpoint_match
+
+OPTIMIZER_CLASS = "optimizer_class"  # the checkpoint's record of the optimizer's class
 
 
 class Checkpointer:
@@ -20,6 +23,8 @@ class Checkpointer:
 
     Attributes:
       directory: where the checkpoints go.
+      model, optimizer: what it saves and restores, as given (fit refuses a
+        checkpointer bound to another model or optimizer than its trainer's).
       every_steps: save after every this many batches (None = only when asked).
       writer: False on every worker but the chief of a cluster: it restores
         the chief's checkpoints and never writes (fit saves on the chief only
@@ -36,6 +41,7 @@ class Checkpointer:
         if writer:
             _check_writable(directory)
         self.directory = directory
+        self.model, self.optimizer = model, optimizer
         self.writer = writer
         self.every_steps = every_steps
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
@@ -46,41 +52,88 @@ class Checkpointer:
         self._twin = joined.JoinedTwin(model, optimizer) if op_plan.is_split(model) else None
         if self._twin is not None:
             model, optimizer = self._twin.model, self._twin.optimizer
+        self._optimizer_class = optimizer_class(optimizer)
+        with tf.device("/device:CPU:0"):  # a string lives on the host
+            class_record = tf.Variable(self._optimizer_class, trainable=False,
+                                       name=OPTIMIZER_CLASS)
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                epoch=self.epoch,
-                                               batch_in_epoch=self.batch_in_epoch)
+                                               batch_in_epoch=self.batch_in_epoch,
+                                               **{OPTIMIZER_CLASS: class_record})
         self._manager = tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep)
         self._batches_since_save = 0
 
-    def restore(self):
-        """Loads the newest readable checkpoint, if any; returns its path or None.
+    def has_checkpoint(self):
+        """Whether the directory holds a checkpoint for restore() to load."""
+        return bool(self._manager.checkpoints)
 
-        The model and optimizer must be built. A checkpoint whose files are
-        unreadable is skipped for the one before it, with a warning.
+    def restore(self):
+        """Loads the newest readable checkpoint, if any, whole; returns its path or None.
+
+        Before anything is assigned, the checkpoint is compared with the model
+        and optimizer: every variable of theirs must have a value of its shape
+        and dtype there, every value there must be one of theirs, and the
+        optimizer must be of the class that wrote it. Model and optimizer must
+        be built (fit builds them). A checkpoint whose files are unreadable is
+        skipped for the one before it, with a warning.
 
         Raises:
-          ValueError: the checkpoint holds a different model or optimizer.
+          ValueError: the model or optimizer is not built, or the checkpoint holds
+            another model or optimizer; nothing is restored and nothing written.
         """
-        for path in reversed(self._manager.checkpoints):
+        paths = list(reversed(self._manager.checkpoints))
+        if paths:
+            self._check_built()
+        for path in paths:
             try:
-                status = self._checkpoint.restore(path)
-                status.assert_existing_objects_matched()
+                reader = tf.train.load_checkpoint(path)
+                mismatch = self._difference(reader)
+                if mismatch is None:
+                    self._checkpoint.restore(path)
             except (tf.errors.OpError, IndexError) as error:  # IndexError: a truncated file
                 logging.warning("checkpoint %s is unreadable (%s); trying the one before.",
                                 path, str(getattr(error, "message", error)).splitlines()[0])
                 continue
-            except (AssertionError, ValueError) as error:
-                detail = str(error).strip().splitlines()[0]
+            if mismatch is not None:
                 raise ValueError(
-                    f"the checkpoint {path} does not match this model and optimizer "
-                    f"({detail}); use another --checkpoint_dir, or delete this one to start "
-                    "over. Nothing was overwritten.") from None
+                    f"the checkpoint {path} does not match this model and optimizer: "
+                    f"{mismatch}. Build them as the run that wrote it did, use another "
+                    "checkpoint directory, or delete this one to start over. Nothing was "
+                    "restored or overwritten.")
             if self._twin is not None:
                 self._twin.split()
             logging.info("restored %s: epoch %d, batch %d of that epoch", path,
                          int(self.epoch), int(self.batch_in_epoch))
             return path
         return None
+
+    def _check_built(self):
+        """Raises ValueError unless every variable a restore fills exists (a split
+        model's twin is built with it)."""
+        model, optimizer = self._checkpoint.model, self._checkpoint.optimizer
+        unbuilt = [name for name, built in (("model", model.built),
+                                            ("optimizer", optimizer.built)) if not built]
+        if unbuilt:
+            raise ValueError(
+                f"cannot restore into an unbuilt {' and '.join(unbuilt)}: the variables do "
+                "not exist yet, so the checkpoint cannot be matched with them. Call the "
+                "model on a batch and optimizer.build(model.trainable_variables) first "
+                "(fit does both).")
+
+    def _difference(self, reader):
+        """What differs between the checkpoint `reader` reads and the objects restored,
+        in one phrase (the optimizer's class first); None if nothing does."""
+        key = OPTIMIZER_CLASS + checkpoint_match.VALUE_SUFFIX
+        variables, object_paths = checkpoint_match.saved_variables(self._checkpoint)
+        if reader.has_tensor(key):
+            written_with = reader.get_tensor(key).decode()
+            if written_with != self._optimizer_class:
+                return (f"it was written with optimizer {written_with}, and this one is "
+                        f"{self._optimizer_class}")
+        else:  # written before the class was recorded: the variables alone decide
+            del variables[key]
+        return checkpoint_match.difference(reader, variables, object_paths,
+                                           named_first=self._checkpoint.model.weights)
 
     def batch_done(self, epoch, batch_in_epoch, batches=1):
         """Records the position after `batches` more batches (an execution of several steps
@@ -104,6 +157,13 @@ class Checkpointer:
         self._batches_since_save = 0
         logging.info("saved checkpoint %s", path)
         return path
+
+
+def optimizer_class(optimizer):
+    """The optimizer's class as a checkpoint records it: "Adam", "LossScaleOptimizer(SGD)"."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    name = type(optimizer).__name__
+    return name if inner is None else f"{name}({optimizer_class(inner)})"
 
 
 def _check_writable(directory):

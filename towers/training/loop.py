@@ -13,7 +13,7 @@ from absl import logging
 
 from towers.errors import Preempted
 from towers.training import callbacks as callbacks_lib, class_weights, executions
-from towers.training import preemption
+from towers.training import preemption, resume
 
 def evaluate(trainer, data, callbacks=None):
     """The loss over every example of `data` (+ regularisation), each loss term's, and the
@@ -55,8 +55,10 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         a plain (non-callable) dataset one iterator continues across epochs.
       validation_data: evaluated after each epoch (see `evaluate`), "val_" logs.
       max_steps: stop once trainer.step reaches this many optimizer steps.
-      checkpointer: a towers.Checkpointer; the run first resumes from
-        its newest checkpoint, saves as it goes and once at the end.
+      checkpointer: a towers.Checkpointer of the trainer's model and optimizer
+        (another is refused before any step); the run first resumes from its
+        newest checkpoint (building an unbuilt model on the first batch first),
+        saves as it goes and once at the end.
       log_dir: where TensorBoard summaries go (None = none).
       With a cluster only the chief saves checkpoints and writes summaries;
       every worker restores. A worker whose data ends before the others' takes
@@ -83,8 +85,11 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
     dataset = class_weights.weighted(dataset, class_weight)
     epoch, skip = 0, 0
-    if checkpointer is not None and checkpointer.restore():
-        epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
+    if checkpointer is not None:
+        resume.check_binding(trainer, checkpointer)
+        dataset = resume.build_for_restore(trainer, checkpointer, dataset)
+        if checkpointer.restore():
+            epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
     summaries = _Summaries(log_dir if chief else None)
