@@ -101,6 +101,23 @@ class MisuseTest(tf.test.TestCase):
         self.assertRefused(lambda: self.trainer.evaluate((self.x[:, :4], self.y)),
                            "x", r"^x has shape \(8, 4\)")
 
+    def test_fit_with_validation_data_of_the_wrong_width_before_any_step(self):
+        for trainer in (self.trainer, _trainer()):  # set up, and not yet: fit sets it up
+            validation = iter([(self.x[:, :4], self.y)])  # one-shot: its batch is looked at
+            self.assertRefused(
+                lambda: trainer.fit([(self.x, self.y)] * 2, validation_data=validation,
+                                    verbose=False),
+                "validation_data", r"^validation_data: x has shape \(8, 4\)", trainer=trainer)
+
+    def test_fit_evaluates_a_one_shot_validation_iterator_whole(self):
+        trainer = _trainer()
+        batches = [(self.x[:5], self.y[:5]), (self.x[5:], self.y[5:])]
+        history = trainer.fit([(self.x, self.y)], validation_data=iter(batches), verbose=False)
+        model = reference.make_model()  # the trained weights, evaluated by Keras
+        model.set_weights(trainer.model.get_weights())
+        expected = reference.make_loss()(self.y, model(self.x)) + tf.add_n(model.losses)
+        self.assertAllClose(history.history["val_loss"], [expected], atol=1e-5)
+
     def test_sample_weights_of_the_wrong_shape(self):
         weights = np.ones((8, 3), "float32")
         self.assertRefused(lambda: self.trainer.train_step((self.x, self.y, weights)),

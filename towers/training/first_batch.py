@@ -3,6 +3,8 @@ its stages and their variables placed, the choices that need a batch (dense
 gradients) made, what depends on the trainable set (training.trainable: the optimizer
 built, replicas, XLA towers) set up, and a cluster's workers started."""
 
+import itertools
+
 import tensorflow as tf
 from absl import logging
 
@@ -38,6 +40,54 @@ def set_up(trainer, batch):
         setup.first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
             setup.main_device, len(setup.grid))
+
+
+def set_up_before_fit(trainer, dataset, why):
+    """Sets the trainer up as its first step would, on fit's first batch (epoch 0's for
+    a callable `dataset`), unless it has taken a step. Returns `dataset`, or, for a
+    one-shot iterator, one that yields the batch taken from it first.
+
+    why: what needs it, for the error when the dataset has no batch.
+    """
+    if trainer.setup.trainable_ids is not None:
+        return dataset
+    batches = dataset(0) if callable(dataset) else dataset
+    batch, batches_again = _peeked(batches)
+    if batch is None:
+        raise ValueError(
+            f"model {trainer.model.name!r} is not set up and the dataset has no batch to "
+            f"set it up on {why}; pass a dataset with batches.")
+    split.unpack_batch(batch)  # a malformed batch is refused in one line
+    set_up(trainer, split.as_batch(batch))
+    return dataset if callable(dataset) else batches_again
+
+
+def check_validation(trainer, validation_data):
+    """Checks fit's validation_data's first batch as check_batch checks a new batch:
+    before the first epoch, not after it. Returns validation_data, or, for a one-shot
+    iterator, one that yields the batch taken from it first."""
+    if isinstance(validation_data, tuple):  # one batch, as evaluate takes it
+        batch = validation_data
+    else:
+        batch, validation_data = _peeked(validation_data)
+    if batch is not None:
+        try:
+            split.unpack_batch(batch)
+            check_batch(trainer, split.as_batch(batch))
+        except ValueError as error:
+            raise ValueError(f"validation_data: {error}") from None
+    return validation_data
+
+
+def _peeked(data):
+    """(the first batch of `data` or None, `data` to use from now on): a one-shot
+    iterator comes back with that batch in front again. `data`: a tf.data.Dataset
+    or an iterable of batches."""
+    iterator = iter(data)
+    batch = next(iterator, None)
+    if iterator is data and batch is not None:
+        return batch, itertools.chain([batch], iterator)
+    return batch, data
 
 
 def check_batch(trainer, batch):

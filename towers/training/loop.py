@@ -13,7 +13,7 @@ from absl import logging
 
 from towers.errors import Preempted
 from towers.training import callbacks as callbacks_lib, class_weights, executions
-from towers.training import preemption, resume
+from towers.training import first_batch, preemption, resume
 
 def evaluate(trainer, data, callbacks=None):
     """The loss over every example of `data` (+ regularisation), each loss term's, and the
@@ -90,6 +90,9 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         dataset = resume.build_for_restore(trainer, checkpointer, dataset)
         if checkpointer.restore():
             epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
+    if validation_data is not None:  # refused before the first epoch, not after it
+        dataset = first_batch.set_up_before_fit(trainer, dataset, "to check validation_data")
+        validation_data = first_batch.check_validation(trainer, validation_data)
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
     summaries = _Summaries(log_dir if chief else None)

@@ -7,11 +7,8 @@ on the dataset's first batch; a built one gets its optimizer built as the first
 step builds it, next to each variable.
 """
 
-import itertools
-
 import tensorflow as tf
 
-from towers.data_parallel import split
 from towers.training import first_batch, trainable
 
 
@@ -47,14 +44,4 @@ def build_for_restore(trainer, checkpointer, dataset):
         with tf.device(trainer.main_device):
             trainable.extend_optimizer(trainer.optimizer, trainer.model.trainable_variables)
         return dataset
-    batches = dataset(0) if callable(dataset) else dataset
-    iterator = iter(batches)
-    batch = next(iterator, None)
-    if batch is None:
-        raise ValueError(
-            f"model {trainer.model.name!r} is not built and the dataset has no batch to "
-            "build it on before its checkpoint is restored; build the model (call it on a "
-            "batch) before fit.")
-    split.unpack_batch(batch)  # a malformed batch is refused in one line
-    first_batch.set_up(trainer, split.as_batch(batch))
-    return itertools.chain([batch], iterator) if iterator is batches else dataset
+    return first_batch.set_up_before_fit(trainer, dataset, "before its checkpoint is restored")
