@@ -178,6 +178,25 @@ class MisuseTest(tf.test.TestCase):
         self.assertRefused(lambda: self.trainer.fit(self.x, self.y), "epochs",
                            r"^fit takes batches, not x and y")
 
+    def test_fit_counts_not_positive_integers(self):
+        for name, value in (("epochs", 2.0), ("epochs", True), ("epochs", 0),
+                            ("steps_per_epoch", -1), ("max_steps", np.float32(3))):
+            self.assertRefused(lambda: self.trainer.fit([(self.x, self.y)], verbose=False,
+                                                        **{name: value}),
+                               name, rf"^{name} must be a positive integer, got")
+
+    def test_fit_counts_as_numpy_integers(self):
+        # np.int64 as a count (a NumPy computation's result) trains as the int would.
+        trainer, expected = _trainer(), _trainer()
+        expected.fit([(self.x, self.y)] * 4, epochs=2, steps_per_epoch=2, verbose=False)
+        history = trainer.fit([(self.x, self.y)] * 4, epochs=np.int64(2),
+                              steps_per_epoch=np.int32(2), max_steps=np.int64(10),
+                              verbose=False)
+        self.assertEqual(trainer.step, 4)
+        self.assertLen(history.history["loss"], 2)
+        for want, got in zip(_state(expected), _state(trainer)):
+            self.assertAllClose(want, got, atol=1e-6)
+
     def test_fit_with_one_callback_not_in_a_list(self):
         self.assertRefused(
             lambda: self.trainer.fit([(self.x, self.y)], callbacks=keras.callbacks.EarlyStopping()),

@@ -4,6 +4,7 @@ The trainer owns the step; this module only decides which batches to feed it
 and how to summarise what comes back.
 """
 
+import numbers
 import sys
 import time
 
@@ -77,12 +78,13 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     epoch logs add "examples_per_sec" (all towers together, since the epoch
     began), and "loss_scale" with loss scaling.
     """
-    if hasattr(epochs, "shape"):  # keras.Model.fit's fit(x, y)
+    if getattr(epochs, "ndim", 0) > 0:  # keras.Model.fit's fit(x, y)
         raise ValueError(
             f"fit takes batches, not x and y: its second argument is epochs, got an array of "
             f"shape {tuple(epochs.shape)}. Pass one dataset of (x, y) batches, e.g. "
             "fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)) or fit([(x, y)]).")
-    _check_positive(epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
+    epochs, steps_per_epoch, max_steps = _positive_integers(
+        epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
     dataset = class_weights.weighted(dataset, class_weight)
     epoch, skip = 0, 0
     if checkpointer is not None:
@@ -265,11 +267,14 @@ def _reached(trainer, max_steps):
     return max_steps is not None and trainer.step >= max_steps
 
 
-def _check_positive(**values):
+def _positive_integers(**values):
+    """The values, each None or an integer >= 1 (any integral number, np.int64(3) too),
+    as Python ints; ValueError, naming it, for anything else (a float, a bool, 0)."""
     for name, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return tuple(None if value is None else int(value) for value in values.values())
 
 
 def _bar_values(logs):
