@@ -1,6 +1,8 @@
 """Misuse of the Python API: each mistake gets one line naming the argument, before
 anything is applied (weights and optimizer.iterations as they were)."""
 
+import re
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -96,6 +98,23 @@ class MisuseTest(tf.test.TestCase):
     def test_a_batch_of_a_dict_for_a_model_of_one_input(self):
         self.assertRefused(lambda: self.trainer.train_step(({"a": self.x}, self.y)),
                            "x", r"^model .* failed on x, shapes \{'a': \(8, 5\)\}: The structure")
+
+    def test_train_steps_on_batches_of_a_new_width(self):
+        # A later call whose batches have a new structure is checked before its loop is
+        # traced, as train_step checks a new batch, and takes no batch from the iterator.
+        narrow = (self.x[:, :4], self.y)
+        with self.assertRaises(ValueError) as by_train_step:
+            self.trainer.train_step(narrow)
+        iterator = iter(tf.data.Dataset.from_tensors(narrow))
+        self.assertRefused(lambda: self.trainer.train_steps(iterator, 2), "x",
+                           f"^{re.escape(str(by_train_step.exception))}$")
+        self.assertAllEqual(next(iterator)[0], narrow[0])
+        # Batches of varying rows (shards too): dim 0 is None, as in their element_spec.
+        batches = tf.data.Dataset.from_tensor_slices(narrow).batch(4)
+        for iterator in (iter(batches), self.trainer.shard_iterator(batches)):
+            self.assertRefused(lambda: self.trainer.train_steps(iterator, 2), "x",
+                               r"^x has shape \(None, 4\) but model .* takes inputs of "
+                               r"shape \(None, 5\)")
 
     def test_evaluate_on_the_wrong_feature_width(self):
         self.assertRefused(lambda: self.trainer.evaluate((self.x[:, :4], self.y)),

@@ -71,11 +71,17 @@ class CompiledFunctions:
             self._known[kind, signature] = key
         return key
 
-    def add(self, key, function, *bound):
+    def add(self, key, function, *bound, check=None):
         """Compiles function(*bound, *args) (-> a dict of scalar logs), packed, under
         `key` unless there. Autograph converts `function` itself (an in-graph loop's
-        Python `for` and `if`), not what it calls."""
+        Python `for` and `if`), not what it calls.
+
+        check: None, or fn(), called before a function is compiled under a new key;
+          it raises for arguments of that key the function cannot take.
+        """
         if key not in self._functions:
+            if check is not None:
+                check()
             converted = tf.autograph.to_graph(function, recursive=False)
             self._functions[key] = tf.function(
                 self._packed(key, functools.partial(converted, *bound)), autograph=False)

@@ -101,9 +101,27 @@ def check_batch(trainer, batch):
             check_examples(trainer, first)
 
 
-def check_examples(trainer, batch):
+def check_spec(trainer, spec):
+    """Checks batches of element_spec `spec` (a tf.data iterator's, or a ShardIterator's
+    one shard's) as check_batch checks a batch, without taking one: on two examples of
+    zeros of that structure (an unknown feature dim 1), its messages showing the spec's
+    shapes (dim 0 None where the batches' rows vary). Ragged, sparse or scalar parts are
+    left to the trace, which refuses them in one line (split.as_batch, batch_size)."""
+    split.unpack_batch(spec)
+    if not all(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank
+               for leaf in tf.nest.flatten(spec)):
+        return
+    examples = split.as_batch(tf.nest.map_structure(
+        lambda leaf: tf.zeros([2] + [1 if d is None else d for d in leaf.shape[1:]],
+                              leaf.dtype), tuple(spec)))
+    with tf.device(trainer.setup.main_device):
+        check_examples(trainer, examples, shown=spec)
+
+
+def check_examples(trainer, batch, shown=None):
     """Runs the model and the loss eagerly on the first two examples of `batch`; returns
-    (y, (y_pred, output masks)) of them.
+    (y, (y_pred, output masks)) of them. `shown`: what the messages give the shapes of
+    (the batch's parts, or their tf.TensorSpec); by default `batch`.
 
     Two rows, not one: a weight of the wrong shape would broadcast over one.
 
@@ -111,18 +129,19 @@ def check_examples(trainer, batch):
       ValueError: in one line, naming the part of the batch that does not fit: x
         (the model's inputs), y (its outputs and the loss) or sample_weight.
     """
+    shown = batch if shown is None else shown
     x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:2], batch))
-    _check_inputs(trainer.model, x, batch[0])
+    _check_inputs(trainer.model, x, shown[0])
     try:
         y_pred = trainer.model(x, training=False)
     except (tf.errors.OpError, TypeError, ValueError) as error:
         raise ValueError(
-            f"model {trainer.model.name!r} failed on x, {_shapes(batch[0])}: "
+            f"model {trainer.model.name!r} failed on x, {_shapes(shown[0])}: "
             f"{errors.root_cause(error)}. Check that x matches the model's inputs.") from None
     num_outputs = len(tf.nest.flatten(y_pred))
     if num_outputs > 1 and tf.is_tensor(y):  # Keras would pair its rows with the outputs
         raise ValueError(
-            f"y, {_shapes(batch[1])}, is one array but model {trainer.model.name!r} has "
+            f"y, {_shapes(shown[1])}, is one array but model {trainer.model.name!r} has "
             f"{num_outputs} outputs, {_shapes(y_pred, any_rows=True)}: give y as a list (or "
             "a dict by output name) of one array per output.")
     outputs = (y_pred, losses.output_masks(y_pred))
@@ -134,10 +153,10 @@ def check_examples(trainer, batch):
             raise ValueError(str(error)) from None
         if sample_weight is not None and _fits(trainer.objective, y, outputs):
             raise ValueError(
-                f"sample_weight, {_shapes(batch[2])}, does not fit the loss: {cause}. Give "
+                f"sample_weight, {_shapes(shown[2])}, does not fit the loss: {cause}. Give "
                 "one weight per example (shape (batch,)), or one per loss entry.") from None
         raise ValueError(
-            f"y, {_shapes(batch[1])}, does not fit the loss on the model's outputs, "
+            f"y, {_shapes(shown[1])}, does not fit the loss on the model's outputs, "
             f"{_shapes(y_pred, any_rows=True)}: {cause}. Check that y matches the model's "
             "outputs and the loss (sparse losses take class indices, others one value per "
             "output entry).") from None

@@ -206,8 +206,10 @@ class TowerTrainer:
           cluster "worker_batches", the steps this worker had a batch for.
 
         Raises:
-          ValueError: `iterator` is not a tf.data iterator or shard_iterator, or
-            `num_steps` not an integer >= 1; nothing runs.
+          ValueError: `iterator` is not a tf.data iterator or shard_iterator,
+            `num_steps` not an integer >= 1, or its batches (their element_spec,
+            of a structure not seen before) do not fit the model or the loss, as
+            train_step says of such a batch; nothing runs, no batch is taken.
           NonFiniteError: on_nonfinite="raise" and a step was not finite; the
             steps before it in this call are applied, it and later ones not.
         """
@@ -218,7 +220,10 @@ class TowerTrainer:
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
-        self._compiled.add(key, executions.compiled_loop, self)
+        # Batches of a new structure are checked before the loop is traced for them, as
+        # train_step checks a new batch, on their element_spec: no batch is taken.
+        self._compiled.add(key, executions.compiled_loop, self, check=functools.partial(
+            first_batch.check_spec, self, iterator.element_spec))
         with self._watched():
             logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
         if self.signals is not None:
