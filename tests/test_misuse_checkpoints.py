@@ -34,6 +34,16 @@ class Sub(keras.Model):
         return self.d2(self.d1(x))
 
 
+class SubWithVocabulary(Sub):
+    """Sub with an adapted StringLookup it does not use: the lookup's token counts, a
+    table, are saved beside the variables."""
+
+    def __init__(self):
+        super().__init__()
+        self.vocabulary = keras.layers.StringLookup()
+        self.vocabulary.adapt(["a", "b", "b"])
+
+
 def _dataset():
     """STEPS_PER_EPOCH batches of 8 rows, 4 features, 3 classes; the same every epoch."""
     rng = np.random.default_rng(0)
@@ -98,13 +108,33 @@ class RefusalTest(tf.test.TestCase):
                              "optimizer Adam, and this one is SGD", resumed, directory)
 
     def test_checkpoint_of_more_layers_is_refused(self):
+        # A Sequential model's weights are saved under the optimizer's keys
+        # ("optimizer/_trainable_variables/2"); the line names them by their paths.
         directory = self.create_tempdir().full_path
-        _fit(_trainer(_sequential(keras.layers.Dense(5, "relu"), keras.layers.Dense(3)),
+        _fit(_trainer(_sequential(keras.layers.Dense(5, "relu", name="hidden"),
+                                  keras.layers.Dense(3, name="logits")),
                       keras.optimizers.SGD(0.1)), 1, directory)
-        fewer = _trainer(_sequential(keras.layers.Dense(5, "relu")), keras.optimizers.SGD(0.1))
+        fewer = _trainer(_sequential(keras.layers.Dense(5, "relu", name="hidden")),
+                         keras.optimizers.SGD(0.1))
         self._assert_refused(lambda: _fit(fewer, 2, directory),
-                             r"it holds \S+ \(5, 3\), \S+ \(3,\), which this model and "
-                             "optimizer lack", fewer, directory)
+                             r"it holds trained/logits/kernel \(5, 3\), trained/logits/bias "
+                             r"\(3,\), which this model and optimizer lack", fewer, directory)
+
+    def test_checkpoint_and_model_of_other_tables_are_refused(self):
+        # A lookup table saves its keys and values, not as variables: matched both ways.
+        with_table, without_table = (self.create_tempdir().full_path for _ in range(2))
+        _fit(_trainer(Sub(), keras.optimizers.SGD(0.1)), 1, without_table)
+        _fit(_trainer(SubWithVocabulary(), keras.optimizers.SGD(0.1)), 1, with_table)
+        for directory, model, message in (
+                (without_table, SubWithVocabulary(), r"it lacks model/vocabulary/token_counts "
+                 r"\(a MutableHashTable\), which this model and optimizer have"),
+                (with_table, Sub(), r"it holds model/vocabulary/token_counts \(not a "
+                 r"variable\), which this model and optimizer lack")):
+            resumed = _trainer(model, keras.optimizers.SGD(0.1))
+            self._assert_refused(lambda: _fit(resumed, 2, directory), message, resumed,
+                                 directory)
+        self.assertEqual(_fit(_trainer(SubWithVocabulary(), keras.optimizers.SGD(0.1)), 2,
+                              with_table).step, 2 * STEPS_PER_EPOCH)  # tables that match
 
     def test_checkpoint_of_an_unbuilt_model_of_other_sizes_is_refused(self):
         directory = self.create_tempdir().full_path

@@ -20,7 +20,9 @@ from keras.src.trainers.data_adapters import tf_dataset_adapter
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.debug.lib import debug_events_reader
 from tensorflow.python.eager import context as eager_context
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.framework import op_def_registry
+from tensorflow.python.training.saving import saveable_object_util
 
 # ---------------------------------------------------------------------------------------
 # Keras: models and layers
@@ -311,3 +313,29 @@ def untraced_copy(function):
     options given again by hand.
     """
     return function._clone(None)
+
+
+def saves_own_tensors(trackable):
+    """Whether a checkpoint holds tensors `trackable` gives it itself, as a lookup table
+    (tf.lookup.experimental.MutableHashTable, a Keras StringLookup's token counts) gives
+    its keys and values; a variable does too.
+
+    Public alternative: none; tf.train.Checkpoint asks each object for them when it
+    saves (the Trackable._serialize_to_tensors its class defines).
+    """
+    return saveable_object_util.trackable_has_serialize_to_tensor(trackable)
+
+
+def saved_variable_names(reader):
+    """{checkpoint key: the name of the variable saved under it} of a checkpoint that
+    `reader` (tf.train.load_checkpoint) reads; a Keras variable's name is its path
+    ("sequential/dense_1/kernel").
+
+    Public alternative: none; the reader gives keys, shapes and dtypes, and the
+    names are in the object graph a save writes beside the values, a serialized
+    TrackableObjectGraph proto under the key "_CHECKPOINTABLE_OBJECT_GRAPH".
+    """
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    return {attribute.checkpoint_key: attribute.full_name for node in graph.nodes
+            for attribute in node.attributes if attribute.full_name}

@@ -72,7 +72,8 @@ class Checkpointer:
 
         Before anything is assigned, the checkpoint is compared with the model
         and optimizer: every variable of theirs must have a value of its shape
-        and dtype there, every value there must be one of theirs, and the
+        and dtype there, every table of theirs (that saves its own keys and
+        values) its values, every value there must be one of theirs, and the
         optimizer must be of the class that wrote it. Model and optimizer must
         be built (fit builds them). A checkpoint whose files are unreadable is
         skipped for the one before it, with a warning.
@@ -124,15 +125,15 @@ class Checkpointer:
         """What differs between the checkpoint `reader` reads and the objects restored,
         in one phrase (the optimizer's class first); None if nothing does."""
         key = OPTIMIZER_CLASS + checkpoint_match.VALUE_SUFFIX
-        variables, object_paths = checkpoint_match.saved_variables(self._checkpoint)
+        saved = checkpoint_match.saved_state(self._checkpoint)
         if reader.has_tensor(key):
             written_with = reader.get_tensor(key).decode()
             if written_with != self._optimizer_class:
                 return (f"it was written with optimizer {written_with}, and this one is "
                         f"{self._optimizer_class}")
         else:  # written before the class was recorded: the variables alone decide
-            del variables[key]
-        return checkpoint_match.difference(reader, variables, object_paths,
+            del saved.variables[key]
+        return checkpoint_match.difference(reader, saved,
                                            named_first=self._checkpoint.model.weights)
 
     def batch_done(self, epoch, batch_in_epoch, batches=1):
