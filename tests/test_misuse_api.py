@@ -165,6 +165,14 @@ class MisuseTest(tf.test.TestCase):
                            r"^y, shape \(8,\), is one array but model .* has 2 outputs",
                            trainer=trainer)
 
+    def test_a_loss_that_returns_a_scalar(self):
+        # The loss's own refusal, not blamed on y.
+        trainer = towers.TowerTrainer(reference.make_model(), lambda y, p: tf.reduce_mean(p),
+                                      keras.optimizers.SGD(0.1), DEVICES)
+        self.assertRefused(lambda: trainer.train_step((self.x, self.y)), "loss",
+                           r"^the loss returned a scalar; it must return one loss per example",
+                           trainer=trainer)
+
     def test_one_optimizer_for_two_trainers(self):
         self.assertRefused(lambda: _trainer(optimizer=self.trainer.optimizer), "optimizer",
                            "already updates variables that are not model")

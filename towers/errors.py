@@ -15,6 +15,11 @@ class DeviceConfigError(RuntimeError):
     """The requested tower layout cannot be set up (too late, or no such devices)."""
 
 
+class LossMismatch(ValueError):
+    """The loss itself does not fit the model's outputs: it returns other than one
+    floating-point loss per example, or cannot take them. The loss is at fault, not y."""
+
+
 class NonFiniteError(FloatingPointError):
     """A training step produced a NaN or Inf loss or gradient; nothing was applied."""
 

@@ -19,7 +19,7 @@ import collections
 import keras
 import tensorflow as tf
 
-from towers import compat
+from towers import compat, errors
 
 # Reductions whose meaning is "mean over the batch's entries": Keras's default,
 # and None/"none", which towers averages the same way (a per-example loss).
@@ -90,14 +90,17 @@ class Objective:
           sample_weight: None, weights of shape (n,) or (n, ...), or one per output.
 
         Raises:
-          ValueError: targets or losses that do not fit the outputs, in one line.
+          errors.LossMismatch: the loss itself does not fit the outputs (what it
+            returns), in one line.
+          ValueError, TypeError, tf.errors.OpError: targets that do not fit them.
         """
         y_pred = with_masks(outputs)
         self._recorded, self._sparse_ids = [], []
         try:
             self._keras(y_true, y_pred, sample_weight)
         except (KeyError, TypeError) as error:
-            raise ValueError(f"the loss does not fit the model's outputs: {error}") from None
+            raise errors.LossMismatch(
+                f"the loss does not fit the model's outputs: {error}") from None
         terms, self._recorded = self._recorded, None
         self.counted = [i for i, term in enumerate(terms) if term.per_row is None]
         # Keras hands each term one of y_true's own leaves, only regrouped.
@@ -217,29 +220,30 @@ def _is_number(value):
 
 
 def _checked_losses(values, y_pred):
-    """`values` as float32 after checking it holds one loss per example of y_pred."""
+    """`values` as float32 after checking it holds one loss per example of y_pred
+    (errors.LossMismatch otherwise)."""
     name = "the loss"
     if not tf.is_tensor(values):
         try:
             values = tf.convert_to_tensor(values)
         except (TypeError, ValueError):
-            raise ValueError(f"{name} returned {type(values).__name__}, not a tensor of "
-                             "per-example losses.") from None
+            raise errors.LossMismatch(f"{name} returned {type(values).__name__}, not a tensor "
+                                      "of per-example losses.") from None
     if not values.dtype.is_floating:
-        raise ValueError(f"{name} returned {values.dtype.name} values; it must return "
-                         "floating-point per-example losses.")
+        raise errors.LossMismatch(f"{name} returned {values.dtype.name} values; it must "
+                                  "return floating-point per-example losses.")
     if values.shape.rank == 0:
-        raise ValueError(
+        raise errors.LossMismatch(
             f"{name} returned a scalar; it must return one loss per example, shape "
             "(batch,). Don't reduce inside a loss callable (towers averages over the "
             "global batch itself), or pass a keras.losses.Loss object.")
     expected = tf.nest.flatten(y_pred)[0].shape[0]
     if values.shape[0] is not None and expected is not None and values.shape[0] != expected:
-        raise ValueError(
+        raise errors.LossMismatch(
             f"{name} returned shape {tuple(values.shape)} for a batch of {expected} "
             f"examples; it must return one loss per example, shape ({expected},).")
     if values.shape[0] is not None and expected is None:
-        raise ValueError(
+        raise errors.LossMismatch(
             f"{name} returned a fixed shape {tuple(values.shape)} that does not follow "
             "the batch size; it must return one loss per example, shape (batch,).")
     mask = compat.keras_mask(values)

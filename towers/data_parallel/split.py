@@ -44,6 +44,13 @@ def as_batch(batch):
     return tuple(tf.nest.map_structure(as_tensor, tuple(batch)))
 
 
+def checked_batch(batch):
+    """A batch as given (x, y[, sample_weight]: arrays, Tensors, nests of them), its form
+    checked (unpack_batch) and its parts made Tensors (as_batch); ValueError in one line."""
+    unpack_batch(batch)
+    return as_batch(batch)
+
+
 def no_rows(like):
     """A Tensor of 0 rows shaped and typed like `like`, a Tensor or a tf.TensorSpec
     (its unknown dims 0)."""

@@ -57,8 +57,7 @@ def set_up_before_fit(trainer, dataset, why):
         raise ValueError(
             f"model {trainer.model.name!r} is not set up and the dataset has no batch to "
             f"set it up on {why}; pass a dataset with batches.")
-    split.unpack_batch(batch)  # a malformed batch is refused in one line
-    set_up(trainer, split.as_batch(batch))
+    set_up(trainer, split.checked_batch(batch))
     return dataset if callable(dataset) else batches_again
 
 
@@ -72,8 +71,7 @@ def check_validation(trainer, validation_data):
         batch, validation_data = _peeked(validation_data)
     if batch is not None:
         try:
-            split.unpack_batch(batch)
-            check_batch(trainer, split.as_batch(batch))
+            check_batch(trainer, split.checked_batch(batch))
         except ValueError as error:
             raise ValueError(f"validation_data: {error}") from None
     return validation_data
@@ -147,10 +145,10 @@ def check_examples(trainer, batch, shown=None):
     outputs = (y_pred, losses.output_masks(y_pred))
     try:
         trainer.objective.terms(y, outputs, sample_weight)  # resolves the loss's forms
+    except errors.LossMismatch:  # the loss is at fault, not y, and its line says so
+        raise
     except (tf.errors.OpError, TypeError, ValueError) as error:
         cause = errors.root_cause(error)
-        if cause.startswith("the loss "):  # losses' own checks: the loss is at fault
-            raise ValueError(str(error)) from None
         if sample_weight is not None and _fits(trainer.objective, y, outputs):
             raise ValueError(
                 f"sample_weight, {_shapes(shown[2])}, does not fit the loss: {cause}. Give "

@@ -305,12 +305,10 @@ class TowerTrainer:
             key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch), batch)
             if key is not None:
                 return batch, key
-        is_shards = isinstance(batch, split.Shards)
-        parts = []
-        for part in (batch if is_shards else [batch]):
-            split.unpack_batch(part)
-            parts.append(split.as_batch(part))
-        batch = split.Shards(parts) if is_shards else parts[0]
+        if isinstance(batch, split.Shards):
+            batch = split.Shards(split.checked_batch(shard) for shard in batch)
+        else:
+            batch = split.checked_batch(batch)
         if self.cluster is None:
             split.check_not_empty(batch)
         if self.signals is not None and kind == "train":
