@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - exercised only without TensorFlow
 
 from towers.data_parallel import exchange  # noqa: F401  (towers.exchange.AGGREGATIONS)
 from towers.data_parallel.aggregate import average_gradients
+from towers.data_parallel.custom_step import StepOutput, tower_step
 from towers.data_parallel.split import split_batch
 from towers.data_parallel.options import TowerOptions
 from towers.data_parallel.step import tower_gradients
@@ -65,6 +66,7 @@ __all__ = [
     "DeviceConfigError",
     "NonFiniteError",
     "Preempted",
+    "StepOutput",
     "TowerOptions",
     "TowerTrainer",
     "WorkerLostError",
@@ -77,5 +79,6 @@ __all__ = [
     "split_layers",
     "split_model",
     "tower_gradients",
+    "tower_step",
 ]
 __version__ = "0.1.0"

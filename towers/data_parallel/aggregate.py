@@ -79,18 +79,67 @@ def sum_gradients(tower_grads, device=None):
         return [_sum(per_variable) for per_variable in zip(*tower_grads)]
 
 
-def average_state(tower_states, weights=None, device=None):
-    """New non-trainable values after a step, merged over towers (state_policy "mean").
+# How the towers' new values of a non-trainable variable become one (`state_rules`):
+# "mean" weighted by shard size (BatchNorm's moving statistics), "sum" of the towers'
+# changes (a counter, a metric's totals: Keras's aggregation="sum"), or "first" (tower 0's).
+STATE_RULES = ("mean", "sum", "first")
+_RULE_OF_AGGREGATION = {"sum": "sum", "only_first_replica": "first"}
+SEED_STATE_SUFFIX = "seed_generator_state"  # Keras names every SeedGenerator's state so
 
-    Float values (BatchNorm's moving statistics) are averaged like gradients,
-    weighted by shard size; other values (integer counters) come from tower 0.
-    A variable that no tower changed stays None.
+
+def state_rules(variables, state_policy="mean"):
+    """Per variable, how its towers' new values merge: one of STATE_RULES.
+
+    The variable's own Keras annotation decides where it has one
+    (`aggregation="sum"`, as Keras's metrics' variables have: "sum";
+    `"only_first_replica"`: "first"); an RNG seed state and a non-float value are
+    tower 0's (each tower draws from its own offset seed); the rest follow
+    `state_policy` ("mean", or "first_tower": "first").
+    """
+    rules = []
+    for variable in variables:
+        rule = _RULE_OF_AGGREGATION.get(getattr(variable, "aggregation", None))
+        if rule is None:
+            floating = tf.as_dtype(variable.dtype).is_floating
+            seed = variable.path.endswith(SEED_STATE_SUFFIX)
+            rule = "mean" if floating and not seed and state_policy == "mean" else "first"
+        rules.append(rule)
+    return rules
+
+
+def merge_state(tower_states, old_values, rules, weights=None, device=None):
+    """New non-trainable values after a step, merged over towers by `rules`.
+
+    Args:
+      tower_states: one list per tower of new values (None: unchanged there).
+      old_values: per variable its value before the step.
+      rules: per variable one of STATE_RULES (state_rules).
+      weights: per tower its shard size (None = equal), for "mean".
+      device: where the merged values are placed; None = the current device.
+
+    Returns:
+      per variable its merged value, None where no tower changed it. "mean": the
+      towers' values weighted by shard size (a tower that left it unchanged
+      counts its old value); "sum": old + the sum of the towers' changes; "first":
+      tower 0's.
     """
     _check_tower_grads(tower_states)
     with _placed(device):
         fractions = _weight_fractions(weights, len(tower_states))
-        return [_weighted_mean(values, fractions) if _is_float(values[0]) else _copy(values[0])
-                for values in zip(*tower_states)]
+        merged = []
+        for values, old, rule in zip(zip(*tower_states), old_values, rules):
+            if all(value is None for value in values):
+                merged.append(None)
+                continue
+            values = [old if value is None else value for value in values]
+            if rule == "mean":
+                merged.append(_weighted_mean(values, fractions))
+            elif rule == "sum":
+                old = tf.identity(old)
+                merged.append(old + tf.add_n([tf.identity(value) - old for value in values]))
+            else:
+                merged.append(_copy(values[0]))
+        return merged
 
 
 def all_finite(values):

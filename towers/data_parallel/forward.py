@@ -9,6 +9,7 @@ empty micro-batch does not run the model at all (`unless_empty`).
 import functools
 import inspect
 
+import keras
 import tensorflow as tf
 
 from towers.data_parallel import losses, split
@@ -101,12 +102,51 @@ def forward(model, weights, state, x, training):
       regularisation losses, a float32 scalar, or None where it has none.
     """
     kwargs = {"training": training} if _accepts_training(model) else {}
-    y_pred, new_state, extra_losses = model.stateless_call(
-        weights, state, x, return_losses=True, **kwargs)
-    new_state = [new if new is not old else None for new, old in zip(new_state, state)]
+    y_pred, new_values, regularization = stateless_run(
+        model, model.trainable_variables + model.non_trainable_variables,
+        list(weights) + list(state), lambda: model(x, **kwargs))
+    return ((y_pred, losses.output_masks(y_pred)), new_values[len(weights):], regularization)
+
+
+def stateless_run(model, variables, values, call):
+    """call() with each of `variables` read as its value in `values`, writing none:
+    Keras's `stateless_call`, for any call of `model` (any arguments) through its
+    public `keras.StatelessScope`, keeping what `stateless_call` drops (a metric's
+    update inside `call`) where `variables` lists it.
+
+    Returns:
+      (result, new_values, regularization): call()'s result; per variable its value
+      after the call, None where the call left it; the sum of the losses the call
+      added and of the weights' regularisers (model.losses), a float32 scalar, or
+      None where there are none.
+
+    Raises:
+      ValueError: the call assigned a variable that is not in `variables`: its update
+        would be lost.
+    """
+    with keras.StatelessScope(list(zip(variables, values)), collect_losses=True) as scope:
+        given = dict(scope.state_mapping)
+        result = call()
+        extra_losses = model.losses
+    lost = set(scope.state_mapping) - set(given)
+    metrics = [v.path for v in model.metrics_variables if id(v) in lost]
+    if metrics:
+        raise ValueError(
+            f"{model.name}'s call updates the metric variables {metrics}, which "
+            "TowerTrainer does not carry from the towers; give the metric as "
+            "TowerTrainer(metrics=...), computed from the outputs, or train with "
+            "towers.tower_step, which carries it.")
+    if lost:
+        raise ValueError(
+            f"calling {model.name} assigns {len(lost)} variable(s) that are not weights of "
+            f"its layers nor of their metrics; the towers would lose that update. Make it "
+            f"a weight of a layer of {model.name} (layer.add_weight) or a keras.metrics "
+            "metric held by one.")
+    new_values = [None if scope.state_mapping[id(v)] is given[id(v)] else
+                  scope.state_mapping[id(v)] for v in variables]
     regularization = tf.add_n([tf.cast(l, tf.float32) for l in extra_losses]
                               ) if extra_losses else None
-    return (y_pred, losses.output_masks(y_pred)), new_state, regularization
+    return result, new_values, regularization
 
 
 def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 from typing import Callable, Optional
 
+import keras
 import tensorflow as tf
 
 from towers import devices as devices_lib
@@ -52,7 +53,8 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
         name, a callable(y_true, y_pred) -> per-example losses, or a list or
         dict of them per output), or a losses.Objective.
       batch: (x, y) or (x, y, sample_weight), dim 0 = global batch, or its
-        split.Shards (one per device).
+        split.Shards (one per device). y may be None where `loss` is a callable
+        that needs no labels (it then gets y_true=None).
       devices: tower device names, one shard each.
       main_device: where gradients are gathered and averaged; None = devices[0].
       accum_steps, state_policy: as in TowerOptions.
@@ -74,6 +76,8 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     grid = devices_lib.device_grid(devices_lib.device_list(devices))
     main_device = devices_lib.canonical_name(main_device or grid[0][0])
     devices_lib.check_devices_exist(sum(grid, []) + [main_device])
+    if not isinstance(batch, split.Shards):
+        loss, batch = _without_labels(loss, batch)
     if cluster is None:
         split.check_not_empty(batch)
     setup = StepSetup(stages_lib.Stages(model), grid, [main_device], options, cluster=cluster)
@@ -82,6 +86,26 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)
     assign_state(model, result.state)
     return result.grads, {"loss": result.loss}
+
+
+def _without_labels(loss, batch):
+    """(loss, batch) with y=None made a batch the step splits: a callable loss gets
+    y_true=None, through a placeholder of no columns per row.
+
+    Raises:
+      ValueError: `batch` is not (x, y[, sample_weight]), or y is None for a loss
+        that is not a plain callable (Keras's losses compare with labels).
+    """
+    x, y, sample_weight = split.unpack_batch(batch)
+    if y is not None:
+        return loss, batch
+    if not callable(loss) or isinstance(loss, keras.losses.Loss):
+        raise ValueError(f"y is None, which only a loss callable(y_true, y_pred) that needs no "
+                         f"labels takes; {loss!r} compares with labels: give y.")
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    no_labels = tf.zeros([rows, 0])
+    return (lambda y_true, y_pred: loss(None, y_pred)), (x, no_labels) + (
+        () if sample_weight is None else (sample_weight,))
 
 
 @dataclasses.dataclass
@@ -178,11 +202,13 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
         shards, shard_sizes, rows = split.shards_of(batch, len(grid))             # 1
         batch_rows = tf.cast(rows, tf.float32)
     weights = [v.value for v in stages.model.trainable_variables]
-    state = [v.value for v in stages.model.non_trainable_variables]
+    state_values = [v.value for v in stages.model.non_trainable_variables]
+    state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
+                                        options.state_policy)
     flights = []
     for i, shard in enumerate(shards):
         with tf.name_scope(f"tower_{i}") as scope:
-            tower_weights, tower_state = read_weights(setup, weights, state, i)   # 2
+            tower_weights, tower_state = read_weights(setup, weights, state_values, i)  # 2
             flights.append((scope, start_tower(setup, objective, shard, shard_sizes[i],  # 3
                                                batch_rows, tower_weights, tower_state, i,
                                                loss_scale, may_be_empty)))
@@ -199,8 +225,10 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
         column = [row[k] for row in setup.column_grid]
         grads.append(setup.route([columns.select(o.grads, k) for o in outputs],  # 5, 6
                                  column, column_device))
-        state.append(merge_state([columns.select(o.state, k, trainable=False) for o in outputs],
-                                 shard_sizes, column_device, options.state_policy))
+        state.append(aggregate.merge_state(
+            [columns.select(o.state, k, trainable=False) for o in outputs],
+            columns.select(state_values, k, trainable=False), columns.select(
+                state_rules, k, trainable=False), shard_sizes, column_device))
     with tf.device(setup.main_device):
         result = TowerResult(
             grads=columns.merge(grads),
@@ -210,8 +238,8 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             examples=batch_rows, term_losses=counts.term_losses)
     if setup.cluster is None:
         return result
-    return across_workers(result, setup.cluster, setup.main_device,                # 6
-                          options.state_policy)
+    return across_workers(result, setup.cluster, setup.main_device, state_rules,  # 6
+                          state_values)
 
 
 def start_tower(setup, objective, shard, rows, batch_rows, weights, state, i, loss_scale,
@@ -258,33 +286,39 @@ def broadcast_columns(columns, values, row, trainable=True, kept=None):
          for k, device in enumerate(row)], trainable)
 
 
-def merge_state(tower_states, shard_sizes, device, state_policy):
-    """New non-trainable values on `device`: the towers' mean by shard size, or tower 0's."""
-    if state_policy == "mean":
-        return aggregate.average_state(tower_states, shard_sizes, device)
-    return aggregate.gather([tower_states[0]], device)[0]
-
-
-def across_workers(result, cluster, main_device, state_policy):
+def across_workers(result, cluster, main_device, state_rules, old_state):
     """Step 6 across workers: this worker's TowerResult -> the global batch's.
 
-    Gradients, loss, loss terms and (state_policy "mean") state are averaged
-    weighted by each worker's example count; with "first_tower" the state is the
-    chief's. y_pred stays this worker's own rows.
+    Gradients, loss and loss terms are averaged weighted by each worker's example
+    count; each state value merges by its rule (aggregate.state_rules): "mean"
+    weighted by examples, "sum" adds every worker's change to `old_state`,
+    "first" is the chief's (an integer rides with the means: mean_across_workers
+    gives the chief's). y_pred stays this worker's own rows.
     """
     num_grads, num_terms = len(result.grads), len(result.term_losses)
+    by_rule = {rule: [value if r == rule else None for value, r in zip(result.state, state_rules)]
+               for rule in aggregate.STATE_RULES}
+    chiefs = [None if v is None or v.dtype.is_floating else v for v in by_rule["first"]]
     shared = list(result.grads) + [result.loss] + list(result.term_losses)
-    if state_policy == "mean":
-        shared += list(result.state)
-    merged, examples = exchange.mean_across_workers(shared, result.examples, cluster,
-                                                    main_device)
-    grads, loss, state = merged[:num_grads], merged[num_grads], result.state
+    merged, examples = exchange.mean_across_workers(
+        shared + [m if m is not None else c for m, c in zip(by_rule["mean"], chiefs)],
+        result.examples, cluster, main_device)
+    grads, loss = merged[:num_grads], merged[num_grads]
     term_losses = merged[num_grads + 1:num_grads + 1 + num_terms]
-    if state_policy == "mean":
-        state = merged[num_grads + 1 + num_terms:]
-    else:
-        state, _ = exchange.mean_across_workers(state, float(cluster.is_chief), cluster,
-                                                main_device)
+    state = merged[num_grads + 1 + num_terms:]
+    float_firsts = [v if v is not None and v.dtype.is_floating else None
+                    for v in by_rule["first"]]
+    if any(v is not None for v in float_firsts):
+        chief_values, _ = exchange.mean_across_workers(float_firsts, float(cluster.is_chief),
+                                                       cluster, main_device)
+        state = [c if c is not None else v for c, v in zip(chief_values, state)]
+    if any(v is not None for v in by_rule["sum"]):
+        with tf.device(main_device):
+            changes = [None if v is None else v - old for v, old in zip(by_rule["sum"], old_state)]
+        added = exchange.sum_across_workers(changes, cluster, main_device)
+        with tf.device(main_device):
+            state = [v if change is None else old + change
+                     for v, change, old in zip(state, added, old_state)]
     return result._replace(grads=grads, loss=loss, state=state, examples=examples,
                            term_losses=term_losses)
 

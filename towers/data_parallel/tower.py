@@ -11,12 +11,9 @@ import functools
 
 import tensorflow as tf
 
-from towers.data_parallel import split
+from towers.data_parallel import aggregate, split
 from towers.data_parallel.flight import Flight
 from towers.data_parallel.forward import forward, shard_loss
-
-# Keras names the state variable of every keras.random.SeedGenerator this way.
-_SEED_STATE_SUFFIX = "seed_generator_state"
 
 
 def start_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
@@ -181,15 +178,22 @@ def choose_dense_gradients(model, objective, shard, sparse_policy):
 
 
 def _offset_seeds(model, state, tower_index):
-    """Tower i's RNG seed states: seed + i, so dropout masks differ between towers.
+    """Tower i's values of model.non_trainable_variables: offset_seed of each."""
+    return [offset_seed(variable, value, tower_index)
+            for variable, value in zip(model.non_trainable_variables, state)]
+
+
+def offset_seed(variable, value, tower_index):
+    """Tower i's value of `variable`: seed + i for an RNG seed state, so dropout masks
+    differ between towers; any other value as it is.
 
     Tower 0 keeps the model's own seeds, and its advanced state is the one
     written back, so the model's random stream moves on as on one device.
     `tower_index` is an int, or an int scalar Tensor (one XLA computation for
     every tower).
     """
-    if isinstance(tower_index, int) and tower_index == 0:
-        return state
+    if not variable.path.endswith(aggregate.SEED_STATE_SUFFIX) or (
+            isinstance(tower_index, int) and tower_index == 0):
+        return value
     offset = tf.stack([tf.cast(tower_index, tf.int64), tf.constant(0, tf.int64)])
-    return [value + tf.cast(offset, value.dtype) if variable.path.endswith(_SEED_STATE_SUFFIX)
-            else value for variable, value in zip(model.non_trainable_variables, state)]
+    return value + tf.cast(offset, value.dtype)

@@ -5,6 +5,7 @@ built, replicas, XLA towers) set up, and a cluster's workers started."""
 
 import itertools
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -131,7 +132,8 @@ def check_examples(trainer, batch, shown=None):
     x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:2], batch))
     _check_inputs(trainer.model, x, shown[0])
     try:
-        y_pred = trainer.model(x, training=False)
+        with keras.StatelessScope():  # a check: what the call assigns (a counter) is dropped
+            y_pred = trainer.model(x, training=False)
     except (tf.errors.OpError, TypeError, ValueError) as error:
         raise ValueError(
             f"model {trainer.model.name!r} failed on x, {_shapes(shown[0])}: "
