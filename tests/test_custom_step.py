@@ -248,6 +248,13 @@ class TowerStepTest(tf.test.TestCase):
         self.assertAllEqual(n4.layers[1].moving_mean.numpy(), np.zeros(5))
 
 
+class ExampleTest(tf.test.TestCase):
+
+    def test_contrastive_example_equals_one_device(self):
+        from examples import contrastive
+        self.assertLess(contrastive.main(num_steps=3, devices=DEVICES), TOLERANCE)
+
+
 class TrainerStateTest(tf.test.TestCase):
     """TowerTrainer merges state by the same rules, and refuses what it cannot carry."""
 
