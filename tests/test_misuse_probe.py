@@ -452,6 +452,8 @@ BAD_FLAGS = [
     ("--jit_compile=maybe", "--jit_compile", r"Non-boolean argument to boolean flag"),
     ("--peer_timeout_s=0", "--peer_timeout_s", r"is not number >= 1.0"),
     ("--no_such_flag=1", "no_such_flag", r"Unknown command line flag"),
+    ("steps=3", "unexpected arguments", r"unexpected arguments 'steps=3': every setting is a "
+                                        r"flag"),
     ("--model=nonexistent.module:fn", "--model",
      r"cannot import module 'nonexistent.module': ModuleNotFoundError"),
     ("--model=examples.my_model:no_such_fn", "--model",
