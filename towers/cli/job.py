@@ -86,8 +86,11 @@ def run(job):
     cluster = _cluster(job)
     _check_pipeline_flags(job)
     _check_model_flag(job)
-    if job.output_json and (cluster is None or cluster.is_chief):  # the chief writes it
-        _check_output_json(job.output_json)
+    if cluster is None or cluster.is_chief:  # the chief writes these
+        if job.output_json:
+            _check_output_json(job.output_json)
+        if job.log_dir:
+            _check_log_dir(job.log_dir)
     num_stages = job.pipeline_stages
     num_parts = job.tensor_parallel
     width = max(num_stages, num_parts)  # devices per tower: one per stage, or per part
@@ -126,9 +129,7 @@ def run(job):
         except ValueError as error:
             raise ValueError(f"--model: {error}") from None
     cuts = models.cuts_for_stages(model, num_stages)
-    plan = _split_plan(job, model)
-    if plan:
-        model = towers.split_layers(model, plan, devices[:num_parts])
+    model, plan = _split(job, model, devices[:num_parts])
     optimizer = (keras.optimizers.Adam(job.learning_rate) if job.optimizer == "adam"
                  else keras.optimizers.SGD(job.learning_rate, momentum=0.9))
     trainer = towers.TowerTrainer(
@@ -199,17 +200,19 @@ def run(job):
     return results
 
 
-def _split_plan(job, model):
-    """The op-parallel plan of --split_plan, else the built-in model's default for
-    --tensor_parallel > 1; {} for none."""
+def _split(job, model, part_devices):
+    """(the model split as --split_plan says, else as the built-in model's default plan for
+    --tensor_parallel > 1, the plan); (`model`, {}) for none. A plan split_layers refuses
+    is one line naming the flag it came from."""
+    flag = "split_plan" if job.split_plan else f"tensor_parallel={job.tensor_parallel}"
     try:
         if job.split_plan:
-            return plans.parse(job.split_plan)
-        return plans.default(model, job.model) if job.tensor_parallel > 1 else {}
+            plan = plans.parse(job.split_plan)
+        else:
+            plan = plans.default(model, job.model) if job.tensor_parallel > 1 else {}
+        return (towers.split_layers(model, plan, part_devices) if plan else model), plan
     except ValueError as error:
-        name = ("split_plan" if job.split_plan
-                else f"tensor_parallel={job.tensor_parallel}")
-        raise ValueError(f"--{name}: {error}") from None
+        raise ValueError(f"--{flag}: {error}") from None
 
 
 def _check_pipeline_flags(job):
@@ -243,19 +246,33 @@ def _check_model_flag(job):
 
 def _check_output_json(path):
     """Refuses, before any work, an --output_json the results could not be written to at
-    the end: a folder, or a path whose nearest existing folder is a file or not writable
-    (folders still missing are made when the results are written)."""
+    the end: a folder, or a path in a folder that cannot be made or written."""
     if os.path.isdir(path):
         raise ValueError(f"--output_json={path} is a folder; give a file path, e.g. "
                          f"--output_json={os.path.join(path, 'results.json')}.")
-    existing = os.path.dirname(os.path.abspath(path))
+    _check_can_write_in(f"--output_json={path}", os.path.dirname(os.path.abspath(path)))
+
+
+def _check_log_dir(path):
+    """Refuses, before any work, a --log_dir the summaries could not be written to: a
+    file, or a folder that cannot be made or written."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--log_dir={path} is a file; give a folder for the TensorBoard "
+                         "summaries.")
+    _check_can_write_in(f"--log_dir={path}", os.path.abspath(path))
+
+
+def _check_can_write_in(flag, folder):
+    """Refuses a `folder` whose nearest existing folder is a file or not writable (folders
+    still missing are made when something is written there); `flag` starts the message."""
+    existing = folder
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     try:  # as the Checkpointer tries its directory
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-test"):
             pass
     except OSError as error:
-        raise ValueError(f"--output_json={path}: cannot write in {existing!r}: "
+        raise ValueError(f"{flag}: cannot write in {existing!r}: "
                          f"{error.strerror or error}; give a path in a writable folder."
                          ) from None
 

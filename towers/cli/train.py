@@ -154,8 +154,11 @@ flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if len(argv) > 1:  # one line, as for a bad flag (absl's UsageError prints all the help)
+        print(f"towers-train: error: unexpected arguments {' '.join(argv[1:])!r}: every "
+              "setting is a flag, e.g. --steps=100; towers-train --help lists them.",
+              file=sys.stderr)
+        return 1
     try:
         results = train()
     except (ValueError, ImportError, towers.DeviceConfigError, towers.NonFiniteError,

@@ -39,10 +39,16 @@ def split_model(model, cuts):
       list of keras.Model, one per stage.
 
     Raises:
-      ValueError: a subclassed model, an unknown or repeated cut, a cut after
-        an input, cuts out of order, a cut that leaves a stage empty, or a
-        layer called in two stages.
+      ValueError: `model` not a keras.Model, `cuts` not a list of names, a
+        subclassed model, an unknown or repeated cut, a cut after an input,
+        cuts out of order, a cut that leaves a stage empty, or a layer called
+        in two stages.
     """
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"model must be a functional or Sequential keras.Model, got "
+                         f"{type(model).__name__}.")
+    if isinstance(cuts, str) or not isinstance(cuts, (list, tuple)):
+        raise ValueError(f"cuts must be a list of layer names, got {cuts!r}.")
     graph = graph_of(model)
     nodes = _nodes_in_order(model, graph)
     stage_of_node = _assign_stages(model, nodes, list(cuts))

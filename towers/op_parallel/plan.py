@@ -30,10 +30,15 @@ def split_layers(model, plan, devices):
       devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
 
     Raises:
-      ValueError: one line naming what is wrong with the plan.
+      ValueError: one line naming what is wrong with the model, the plan or the
+        devices (one that does not exist included).
     """
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+        raise ValueError(f"devices must be a list of device names, one per part, e.g. "
+                         f"['/device:CPU:0', '/device:CPU:1'], got {devices!r}.")
     devices = [devices_lib.canonical_name(d) for d in devices]
     _check(model, plan, devices)
+    devices_lib.check_devices_exist(devices)
     by_name = {layer.name: layer for layer in model.layers}
 
     def clone(layer):
@@ -66,6 +71,10 @@ def split_layers(model, plan, devices):
 def join_layers(model):
     """`model` with every parallel form replaced by the layer it stands for, with the
     full (joined) weights: to export, serve or compare. Variables on the current device."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"join_layers takes the keras.Model split_layers returned, got "
+                         f"{type(model).__name__}.")
+
     def clone(layer):
         if isinstance(layer, (ColumnDense, RowDense)):
             return getattr(keras.layers, layer.layer_class).from_config(layer.layer_config)
