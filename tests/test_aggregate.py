@@ -1,10 +1,12 @@
 """Steps 5 and 6: average_gradients against numpy."""
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from towers.data_parallel import aggregate
 
 
 class AverageGradientsTest(tf.test.TestCase, parameterized.TestCase):
@@ -101,3 +103,28 @@ class AverageGradientsTest(tf.test.TestCase, parameterized.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class MergeStateTest(tf.test.TestCase):
+    """The towers' new values of non-trainable variables, merged by each one's rule."""
+
+    def test_each_rule_on_uneven_towers(self):
+        old = [tf.constant(10.0), tf.constant(1.0), tf.constant(5.0), tf.constant(7, tf.int64)]
+        towers = [[tf.constant(12.0), tf.constant(4.0), None, tf.constant(9, tf.int64)],
+                  [tf.constant(14.0), tf.constant(3.0), None, tf.constant(8, tf.int64)],
+                  [None, None, None, None]]  # a tower whose calls changed nothing
+        rules = ["sum", "mean", "mean", "first"]
+        merged = aggregate.merge_state(towers, old, rules, weights=[3, 2, 1])
+        self.assertAllClose(merged[0], 10.0 + 2.0 + 4.0)  # old + each tower's change
+        self.assertAllClose(merged[1], (3 * 4.0 + 2 * 3.0 + 1 * 1.0) / 6)  # unchanged: old
+        self.assertIsNone(merged[2])  # no tower changed it
+        self.assertEqual(int(merged[3]), 9)  # tower 0's
+
+    def test_rules_follow_keras_aggregation_then_the_policy(self):
+        variables = [keras.Variable(0.0, trainable=False, aggregation="sum"),
+                     keras.Variable(0.0, trainable=False, aggregation="only_first_replica"),
+                     keras.Variable(0.0, trainable=False),
+                     keras.Variable(0, trainable=False, dtype="int32")]
+        self.assertEqual(aggregate.state_rules(variables), ["sum", "first", "mean", "first"])
+        self.assertEqual(aggregate.state_rules(variables, "first_tower"),
+                         ["sum", "first", "first", "first"])

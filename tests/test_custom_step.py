@@ -127,14 +127,15 @@ class TowerStepTest(tf.test.TestCase):
     def test_pcgrad_from_two_named_losses_of_one_forward(self):
         def make():
             inputs = keras.Input((5,))
-            trunk = keras.layers.Dense(8, activation="tanh")(Counter()(inputs))
+            trunk = keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2")(
+                Counter()(inputs))
             return keras.Model(inputs, [keras.layers.Dense(1)(trunk), keras.layers.Dense(1)(trunk)])
 
         one, four = _twins(make)
         opt_one, opt_four = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
 
-        def task_losses(outputs, y):
-            return {"a": tf.square(outputs[0][:, 0] - y[:, 0]),
+        def task_losses(outputs, y, regularization):
+            return {"a": tf.square(outputs[0][:, 0] - y[:, 0]) + regularization,
                     "b": tf.abs(outputs[1][:, 0] + y[:, 0])}
 
         def pcgrad(grads_a, grads_b):
@@ -151,15 +152,18 @@ class TowerStepTest(tf.test.TestCase):
         @tf.function
         def one_device(x, y):
             with tf.GradientTape(persistent=True) as tape:
-                losses = task_losses(one(x), y)
+                losses = task_losses(one(x), y, tf.add_n(one.losses))
                 mean = {k: tf.reduce_mean(v) for k, v in losses.items()}
             grads = [shared(one, tape.gradient(mean[k], one.trainable_variables)) for k in "ab"]
             opt_one.apply_gradients(zip(pcgrad(*grads), one.trainable_variables))
 
         @tf.function
         def four_towers(x, y):
-            out = towers.tower_step(lambda tower, s: (task_losses(tower(four, s[0]), s[1]), None),
-                                    (x, y), DEVICES, {k: four.trainable_variables for k in "ab"})
+            def fn(tower, shard):  # tower.losses: the regularisation of the calls so far
+                outputs = tower(four, shard[0])
+                return task_losses(outputs, shard[1], tower.losses), None
+
+            out = towers.tower_step(fn, (x, y), DEVICES, {k: four.trainable_variables for k in "ab"})
             grads = [shared(four, out.grads[k]) for k in "ab"]
             opt_four.apply_gradients(zip(pcgrad(*grads), four.trainable_variables))
 

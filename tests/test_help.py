@@ -75,7 +75,7 @@ class TowersTrainHelpTest(parameterized.TestCase):
 
 class BenchmarkHelpTest(parameterized.TestCase):
 
-    # compare_strategies imports TensorFlow before its flags, the other two do not.
+    # compare_strategies imports TensorFlow before its flags, the others do not.
     @parameterized.parameters("compare_strategies", "accumulation_memory", "multi_worker",
                               "custom_step")
     def test_lists_the_flags_the_benchmark_defines(self, name):
