@@ -307,6 +307,15 @@ class TowerStepMisuseTest(tf.test.TestCase):
         return lambda: towers.tower_step(
             fn, self.x, DEVICES, wrt or {"l": self.model.trainable_variables}, **kwargs)
 
+    def test_the_trainers_checks_in_its_words(self):
+        fn = lambda t, x: ({"l": t(self.model, x)[:, 0]}, None)  # noqa: E731
+        wrt = {"l": self.model.trainable_variables}
+        self.assertOneLine(lambda: towers.tower_step(fn, self.x[:0], DEVICES, wrt),
+                           r"^the batch is empty \(batch size 0\)")
+        self.assertOneLine(lambda: towers.tower_step(fn, self.x, ["/device:CPU:9"], wrt),
+                           r"devices \['/device:CPU:9'\] do not exist")
+        self.assertOneLine(lambda: towers.tower_step(fn, self.x, [], wrt), "devices is empty")
+
     def test_a_loss_reduced_to_a_scalar(self):
         self.assertOneLine(self.step(lambda t, x: ({"l": tf.reduce_mean(t(self.model, x))},
                                                    None)),
