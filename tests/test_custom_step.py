@@ -330,6 +330,11 @@ class TowerStepMisuseTest(tf.test.TestCase):
                                      batch_losses={"l": lambda aux: aux}),
                            r"batch_losses\['l'\] returned shape \(6, 2\)")
 
+    def test_batch_losses_without_aux(self):
+        self.assertOneLine(self.step(lambda t, x: ({}, None),
+                                     batch_losses={"l": lambda aux: tf.reduce_sum(aux)}),
+                           r"fn returned aux None")
+
     def test_wrt_that_is_not_a_dict_of_variables(self):
         self.assertOneLine(self.step(lambda t, x: ({}, None), wrt=[1]), "wrt must be a dict")
 

@@ -222,6 +222,9 @@ def _whole_batch(batch_losses, towers, sizes, main_device, wrt):
     (value, per tower its cotangents (one per aux leaf, or None), its direct gradients
     w.r.t. wrt[name] (variables the loss itself reads))."""
     if towers[0].aux is None:
+        if batch_losses:
+            raise ValueError(f"batch_losses {sorted(batch_losses)} are computed from fn's aux, "
+                             "but fn returned aux None; return the outputs they need as aux.")
         return None, {}
     with tf.device(main_device), tf.name_scope("whole_batch"):
         parts = [tf.nest.map_structure(tf.identity, handle.aux) for handle in towers]
