@@ -231,6 +231,28 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
             for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
                 self.assertAllClose(want, got, atol=TOLERANCE)
 
+    def test_class_weight_on_a_list_of_arrays_weighs_missing_classes_1_as_keras_fit(self):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(16, 4)).astype("float32")
+        y = np.arange(16) % CLASSES
+        class_weight = {0: 0.5, 1: 3.0}  # class 2 not in it: Keras weighs it 1
+
+        def model():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([keras.Input((4,)), keras.layers.Dense(CLASSES)])
+
+        keras_model = model()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce())
+        expected = keras_model.fit(x, y, batch_size=8, shuffle=False, class_weight=class_weight,
+                                   verbose=0).history
+        trainer = towers.TowerTrainer(model(), _sce(), keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3])
+        history = trainer.fit([(x[:8], y[:8]), (x[8:], y[8:])], class_weight=class_weight,
+                              verbose=False).history
+        self.assertAllClose(history["loss"], expected["loss"], atol=TOLERANCE)
+        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
 
 class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
     """What compile refuses is refused in one line, before anything is applied."""
