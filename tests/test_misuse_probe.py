@@ -208,6 +208,9 @@ class ProbeTest(tf.test.TestCase):
              r"^x holds a SparseTensor"),
             ("shards for another number of towers", lambda: step(split.Shards([(x, y)] * 2)),
              "shards", r"^the batch comes in 2 shards but the step has 3 towers"),
+            ("fractional labels after integer ones", lambda: step((x, y + 0.5)), "labels",
+             r"^the labels of a sparse categorical crossentropy loss are float32 and hold "
+             r"\d.5, not a class id"),
             ("data_ended without a cluster", lambda: step((x, y), data_ended=True),
              "data_ended", r"^data_ended=True is for a worker of a cluster"),
         ])

@@ -154,8 +154,9 @@ def check_sparse_labels(objective, y_true):
     """Raises ValueError if a sparse categorical crossentropy term's labels are floats
     that are not whole numbers, which Keras would cast to class ids silently (1.7 -> 1).
 
-    Eager, once (on the first batch: nothing per step), after `objective.terms` was
-    called with targets of y_true's structure. Whole-number floats are class ids.
+    Eager, once per batch structure (its first batch: nothing per step), after
+    `objective.terms` was called with targets of y_true's structure. Whole-number
+    floats are class ids.
     """
     targets = tf.nest.flatten(y_true)
     for index in objective.sparse_targets or ():

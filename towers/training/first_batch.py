@@ -92,12 +92,16 @@ def _peeked(data):
 def check_batch(trainer, batch):
     """Checks a batch (Tensors, or split.Shards of them) of a structure the steps have
     not been traced for, before it is: the model and the loss run eagerly on its first
-    examples (check_examples), on the main device. A batch of no rows (a cluster
-    worker's part) passes: its structure is that of a batch the worker had."""
-    first = batch[0] if isinstance(batch, split.Shards) else batch
-    if split.batch_size(first) != 0:
+    examples (check_examples), and a sparse loss's labels, all of them, are class ids
+    (float labels for a trainer set up on integer ones are a new structure), on the main
+    device. A batch of no rows (a cluster worker's part) passes: its structure is that
+    of a batch the worker had."""
+    parts = batch if isinstance(batch, split.Shards) else [batch]
+    if split.batch_size(parts[0]) != 0:
         with tf.device(trainer.setup.main_device):
-            check_examples(trainer, first)
+            check_examples(trainer, parts[0])
+            for part in parts:
+                losses.check_sparse_labels(trainer.objective, split.unpack_batch(part)[1])
 
 
 def check_spec(trainer, spec):
