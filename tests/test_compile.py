@@ -265,6 +265,8 @@ class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
         ("weights_not_numbers", dict(loss="mse", loss_weights={"cls": "big"}), "loss_weights"),
         ("metrics_a_string", dict(loss="mse", metrics="accuracy"), r"metrics=\['accuracy'\]"),
         ("unknown_metric", dict(loss="mse", metrics=["no_such_metric"]), "no_such_metric"),
+        ("too_many_loss_weights", dict(loss=[_sce(), _sce()], loss_weights=[1.0, 2.0, 3.0]),
+         r"^loss_weights holds 3 weight\(s\) but the loss 2"),
     )
     def test_bad_forms_refused_at_construction(self, arguments, message):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -276,7 +278,6 @@ class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
         ("loss_for_an_output_that_is_not_there", dict(loss={"tags": _sce(), "nope": _sce()})),
         ("metrics_for_an_output_that_is_not_there",
          dict(loss={"tags": _sce(), "cls": _sce()}, metrics={"nope": ["accuracy"]})),
-        ("too_many_loss_weights", dict(loss=[_sce(), _sce()], loss_weights=[1.0, 2.0, 3.0])),
     )
     def test_forms_that_do_not_fit_the_outputs_refused_at_the_first_step(self, arguments):
         trainer = towers.TowerTrainer(two_heads_model(), optimizer=keras.optimizers.SGD(),

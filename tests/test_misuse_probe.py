@@ -73,6 +73,7 @@ class ProbeTest(tf.test.TestCase):
             "pipeline_schedule": ["bogus"], "steps_per_execution": [0, "2"],
             "prefetch_to_devices": ["yes"], "embedding_lookup": ["bogus"],
             "weighted_metrics": ["accuracy"], "pipeline_cuts": ["up"], "loss_weights": ["a"],
+            "jit_compile": ["no", 1],
         }
         self.assert_all_refused([
             (f"{option}={value!r}", lambda option=option, value=value: _trainer(
@@ -94,6 +95,16 @@ class ProbeTest(tf.test.TestCase):
              r"^loss 'no_such_loss' is not a Keras loss name"),
             ("loss a number", lambda: _trainer(loss=42), "loss",
              r"^loss must be a keras.losses.Loss, a loss name or a callable"),
+            ("loss an empty list", lambda: towers.TowerTrainer(
+                reference.make_model(), [], keras.optimizers.SGD(0.1), devices=DEVICES), "loss",
+             r"^loss \[\] holds no loss"),
+            ("loss a class", lambda: _trainer(loss=keras.losses.MeanSquaredError), "loss",
+             r"^loss MeanSquaredError is a class; pass an instance"),
+            ("loss_weights fewer than the losses", lambda: _two_loss_trainer(loss_weights=[1.0]),
+             "loss_weights", r"^loss_weights holds 1 weight\(s\) but the loss 2"),
+            ("loss_weights for an output the model lacks", lambda: _two_loss_trainer(
+                loss_weights={"zz": 1.0}), "loss_weights",
+             r"^loss_weights names \['zz'\], not outputs of the model"),
             ("metrics an unknown name", lambda: _trainer(metrics=["no_such_metric"]),
              "metrics", r"^metrics entry 'no_such_metric' is not a keras.metrics.Metric"),
             ("metrics a number", lambda: _trainer(metrics=[42]), "metrics",
@@ -114,6 +125,10 @@ class ProbeTest(tf.test.TestCase):
                               r"pipeline stages"),
             ("main_device not a name", lambda: _trainer(main_device="banana"), "device",
              r"^device 'banana' is not a device name"),
+            ("main_device that does not exist", lambda: _trainer(main_device="/device:CPU:9"),
+             "main_device", r"^main_device '/device:CPU:9' does not exist"),
+            ("cluster not a Cluster", lambda: _trainer(cluster="x"), "cluster",
+             r"^cluster must be a towers.Cluster .*, got str"),
             ("split layers and XLA", lambda: _trainer(split_model, devices=STAGE_DEVICES,
                                                       jit_compile=True),
              "jit_compile", r"^jit_compile=True cannot compile split layers yet"),
@@ -164,6 +179,9 @@ class ProbeTest(tf.test.TestCase):
             ("metrics for an output the model lacks", _two_loss_trainer(metrics={"zz": ["mae"]}),
              (self.x, targets), "metrics", r"^the metrics do not fit the model's outputs: "
                                            r".*extra key\(s\): \['zz'\]"),
+            ("targets for an output the model lacks", _two_loss_trainer(),
+             (self.x, {"cls": self.y, "zz": targets["value"]}), "y",
+             r"^y has key\(s\) \['zz'\], which name no output of model"),
             ("three targets for two outputs", _two_loss_trainer(),
              (self.x, (self.y, self.y, self.y)), "y",
              r"^y, shapes \(\(8,\), \(8,\), \(8,\)\), does not fit the loss"),
@@ -321,6 +339,11 @@ class ProbeTest(tf.test.TestCase):
             ("tower_gradients, one device name", lambda: towers.tower_gradients(
                 model, loss, (x, y), "/device:CPU:0"), "devices",
              r"^devices must be a list of device names"),
+            ("tower_gradients, model a name", lambda: towers.tower_gradients(
+                "mlp", loss, (x, y), DEVICES), "model", r"^model must be a keras.Model, got str"),
+            ("tower_gradients, devices a grid", lambda: towers.tower_gradients(
+                model, loss, (x, y), [DEVICES[:2]] * 2), "devices",
+             r"is a grid .*: give a flat list, one device per tower"),
             ("tower_gradients, x alone", lambda: towers.tower_gradients(
                 model, loss, (x,), DEVICES), "batch", r"^a batch must be \(x, y\)"),
             ("tower_gradients, an unknown loss", lambda: towers.tower_gradients(

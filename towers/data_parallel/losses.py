@@ -67,6 +67,7 @@ class Objective:
                              f"(one per output with a loss), got {loss_weights!r}.")
         if isinstance(loss, (list, tuple, dict)) and not tf.nest.flatten(loss):
             raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
+        _check_loss_weights(loss, loss_weights, output_names)
         self._recorded, self.counted, self.sparse_targets = None, None, None
         self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
 
@@ -192,6 +193,9 @@ def _check_loss(loss):
     """Raises ValueError unless `loss` is one loss compile takes, with a mean reduction."""
     if loss is None:
         return
+    if isinstance(loss, type):  # callable, but calling it builds a loss, not a value
+        raise ValueError(f"loss {loss.__name__} is a class; pass an instance, "
+                         f"{loss.__name__}(), or a loss name.")
     if isinstance(loss, keras.losses.Loss):
         if loss.reduction not in _MEAN_REDUCTIONS + (_WEIGHTS_MEAN,):
             raise ValueError(
@@ -207,6 +211,22 @@ def _check_loss(loss):
             f"loss must be a keras.losses.Loss, a loss name or a callable(y_true, y_pred) "
             f"returning per-example losses, or a list or dict of them (one per output), "
             f"got {type(loss).__name__}.")
+
+
+def _check_loss_weights(loss, loss_weights, output_names):
+    """Raises ValueError for loss_weights that cannot fit `loss` whatever the batch: a
+    dict naming an output the model (of `output_names`, where known) lacks, or, beside
+    a list or dict of losses, another number of weights than of losses (Keras's rule)."""
+    if isinstance(loss_weights, dict) and output_names:
+        unknown = [name for name in loss_weights if name not in output_names]
+        if unknown:
+            raise ValueError(f"loss_weights names {unknown}, not outputs of the model; its "
+                             f"outputs are {list(output_names)}.")
+    if isinstance(loss, (list, tuple, dict)) and isinstance(loss_weights, (list, tuple, dict)):
+        num_losses, num_weights = len(tf.nest.flatten(loss)), len(tf.nest.flatten(loss_weights))
+        if num_losses != num_weights:
+            raise ValueError(f"loss_weights holds {num_weights} weight(s) but the loss "
+                             f"{num_losses}: give one weight per loss, in the loss's form.")
 
 
 def _known_loss(name):

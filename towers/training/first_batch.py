@@ -142,6 +142,10 @@ def check_examples(trainer, batch, shown=None):
         raise ValueError(
             f"model {trainer.model.name!r} failed on x, {_shapes(shown[0])}: "
             f"{errors.root_cause(error)}. Check that x matches the model's inputs.") from None
+    if isinstance(y, dict) and isinstance(y_pred, dict) and set(y) - set(y_pred):
+        raise ValueError(
+            f"y has key(s) {sorted(set(y) - set(y_pred))}, which name no output of model "
+            f"{trainer.model.name!r}; its outputs are {sorted(y_pred)}: key y by output name.")
     num_outputs = len(tf.nest.flatten(y_pred))
     if num_outputs > 1 and tf.is_tensor(y):  # Keras would pair its rows with the outputs
         raise ValueError(
