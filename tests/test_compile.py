@@ -52,6 +52,12 @@ def masked_model(kind, labels):
                                                   name="head")(h))
 
 
+def _linear_model():
+    """Four features -> CLASSES logits, one Dense layer, the same weights every call."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(CLASSES)])
+
+
 def two_heads_model():
     """Per-token tags (masked) and a class per sequence (not masked, L2-regularised): a
     loss term counted over the batch's tokens beside one over its rows."""
@@ -236,20 +242,30 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
         x = rng.normal(size=(16, 4)).astype("float32")
         y = np.arange(16) % CLASSES
         class_weight = {0: 0.5, 1: 3.0}  # class 2 not in it: Keras weighs it 1
-
-        def model():
-            keras.utils.set_random_seed(0)
-            return keras.Sequential([keras.Input((4,)), keras.layers.Dense(CLASSES)])
-
-        keras_model = model()
+        keras_model = _linear_model()
         keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce())
         expected = keras_model.fit(x, y, batch_size=8, shuffle=False, class_weight=class_weight,
                                    verbose=0).history
-        trainer = towers.TowerTrainer(model(), _sce(), keras.optimizers.SGD(0.5),
+        trainer = towers.TowerTrainer(_linear_model(), _sce(), keras.optimizers.SGD(0.5),
                                       devices=DEVICES[:3])
         history = trainer.fit([(x[:8], y[:8]), (x[8:], y[8:])], class_weight=class_weight,
                               verbose=False).history
         self.assertAllClose(history["loss"], expected["loss"], atol=TOLERANCE)
+        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
+    def test_sample_weights_as_a_column_equal_keras(self):
+        # (rows, 1) weights make Keras's (rows,) loss values a column, not a square.
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(8, 4)).astype("float32")
+        y, weights = np.arange(8) % CLASSES, rng.uniform(0.5, 2.0, (8, 1)).astype("float32")
+        keras_model = _linear_model()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce())
+        expected = keras_model.train_on_batch(x, y, sample_weight=weights)
+        trainer = towers.TowerTrainer(_linear_model(), _sce(), keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3])
+        self.assertAllClose(trainer.train_step((x, y, weights))["loss"], expected,
+                            atol=TOLERANCE)
         for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
             self.assertAllClose(want, got, atol=TOLERANCE)
 

@@ -220,6 +220,9 @@ class ProbeTest(tf.test.TestCase):
              r"^y, shape \(8,\), does not fit the loss"),
             ("two labels per row", lambda: step((x, np.stack([y, y], 1))), "y",
              r"^y, shape \(8, 2\), does not fit the loss"),
+            ("two sample weights per row", lambda: step((x, y, np.ones((8, 2), "float32"))),
+             "sample_weight", r"^sample_weight, shape \(8, 2\), does not fit the loss: weights "
+                              r"of shape \(None, 2\) for loss values of shape \(None,\)"),
             ("strings for sample weights", lambda: step((x, y, np.full(8, "a"))),
              "sample_weight", r"^sample_weight, shape \(8,\), does not fit the loss"),
             ("a SparseTensor x", lambda: step((tf.sparse.from_dense(x), y)), "x",

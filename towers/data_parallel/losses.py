@@ -135,7 +135,7 @@ def term(loss, y_true, y_pred, sample_weight=None):
     if mask is not None:
         weight = _times(tf.cast(mask, tf.float32), weight)
     if weight is not None:
-        weight = _along_rows(weight, values)
+        values, weight = _matched(values, weight)
         values = values * weight
     per_row = tf.cast(tf.reduce_prod(tf.shape(values)[1:]), tf.float32)
     rows = tf.cast(tf.shape(values)[0], tf.float32)
@@ -276,14 +276,26 @@ def _checked_losses(values, y_pred):
 
 def _times(mask, weight):
     """A 0/1 float mask times the sample weights, ranks matched as Keras matches them."""
-    return mask if weight is None else mask * _along_rows(weight, mask)
+    if weight is None:
+        return mask
+    mask, weight = _matched(mask, weight)
+    return mask * weight
 
 
-def _along_rows(weight, values):
-    """`weight` shaped to multiply `values` as Keras does (squeeze_or_expand_to_same_rank);
-    where Keras would refuse a weight of lower rank (one weight per row of per-token
-    values), it is broadcast along the row instead."""
+def _matched(values, weight):
+    """(values, weight) shaped to multiply as Keras does (squeeze_or_expand_to_same_rank:
+    weights (rows, 1) make values (rows,) a column); where Keras would refuse a weight of
+    lower rank (one weight per row of per-token values), it is broadcast along the row.
+
+    Raises:
+      ValueError: weights that would spread the values over more entries than they
+        have (Keras multiplies (rows,) values by (rows, rows) weights into a square).
+    """
     values, weight = compat.same_rank(values, weight)
     while weight.shape.rank < values.shape.rank:
         weight = tf.expand_dims(weight, -1)
-    return weight
+    if weight.shape.rank > values.shape.rank or any(
+            v == 1 and w not in (1, None) for v, w in zip(values.shape, weight.shape)):
+        raise ValueError(f"weights of shape {(None, *weight.shape[1:])} for loss values of "
+                         f"shape {(None, *values.shape[1:])}")
+    return values, weight
