@@ -205,11 +205,22 @@ def batch_size(batch):
     if len(static) == 1 and all(leaf.shape[0] is not None for leaf in leaves):
         return static.pop()
     sizes = [tf.shape(leaf, out_type=tf.int32)[0] for leaf in leaves]
-    checks = [tf.debugging.assert_equal(
-        size, sizes[0], message="the parts of the batch disagree on batch size (dim 0)")
-        for size in sizes[1:]]
-    with tf.control_dependencies(checks):
+    # The message names every part and, when it fails, gives each one's rows.
+    check = tf.debugging.Assert(tf.reduce_all(tf.equal(tf.stack(sizes), sizes[0])), [
+        f"the parts of the batch disagree on batch size (dim 0); rows of "
+        f"{_part_names(batch)}:", *sizes])
+    with tf.control_dependencies([check]):
         return tf.identity(sizes[0])
+
+
+def _part_names(batch):
+    """'x, y' (or "x/ids, x/mask, y, sample_weight"): the paths of a batch's leaves, for
+    messages; of another structure its leaves' paths ("0", "1/a", ...)."""
+    paths = [list(path) for path, _ in keras.tree.flatten_with_path(batch)]
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        for path in paths:
+            path[0] = ("x", "y", "sample_weight")[path[0]]
+    return ", ".join("/".join(str(key) for key in path) for path in paths)
 
 
 def _describe(batch):
