@@ -26,11 +26,15 @@ def as_batch(batch):
     """(x, y[, sample_weight]) as a tuple of Tensors (nested parts kept), through as_tensor.
 
     Raises:
-      ValueError: a part that is ragged or sparse, or a Python list of numbers (which
-        would be read as one input per number), in one line naming it.
+      ValueError: a part that is (or holds) None, ragged or sparse, or a Python list of
+        numbers (which would be read as one input per number), in one line naming it.
     """
     for name, part in zip(("x", "y", "sample_weight"), batch):
         leaves = tf.nest.flatten(part)
+        if any(leaf is None for leaf in leaves):
+            raise ValueError(
+                f"{name} {'is' if part is None else 'holds'} None; every part of a batch "
+                "(x, y[, sample_weight]) is an array or Tensor with one row per example.")
         composite = [leaf for leaf in leaves
                      if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor))]
         if composite:
@@ -186,10 +190,13 @@ def batch_size(batch):
     Tensor (with a run-time check that all parts agree).
 
     Raises:
-      ValueError: a part is a scalar, or the parts disagree on dim 0.
+      ValueError: a part is None or a scalar, or the parts disagree on dim 0.
     """
     if isinstance(batch, Shards):
         return sum(batch_size(shard) for shard in batch)
+    if any(leaf is None for leaf in tf.nest.flatten(batch)):
+        raise ValueError(f"the batch {'is' if batch is None else 'holds'} None; give arrays "
+                         "or Tensors, each with the batch as dim 0.")
     leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(batch)]
     if not leaves:
         raise ValueError("the batch holds no tensors.")
