@@ -262,6 +262,11 @@ class ProbeTest(tf.test.TestCase):
              "Dataset", r"^ShardIterator needs a tf.data.Dataset, got list"),
             ("shard_iterator buffer_size 0", lambda: trainer.shard_iterator(
                 self.dataset, buffer_size=0), "buffer_size", r"^buffer_size must be an integer"),
+            ("evaluate None", lambda: trainer.evaluate(None), "data",
+             r"^data must be a batch \(x, y\[, sample_weight\]\), a tf.data.Dataset or an "
+             r"iterable of .* batches, got NoneType"),
+            ("evaluate a number", lambda: trainer.evaluate(3), "data",
+             r"^data must be a batch .*, got int"),
             ("evaluate no batches", lambda: trainer.evaluate([]), "batches",
              r"^evaluate got no batches"),
             ("evaluate an empty dataset", lambda: trainer.evaluate(self.dataset.take(0)),
@@ -290,7 +295,24 @@ class ProbeTest(tf.test.TestCase):
             for name, values in {"epochs": [0, 1.5, "2"],
                                  "steps_per_epoch": [0, 2.5],
                                  "max_steps": [0]}.items() for value in values]
+        cases += [(f"verbose={value!r}", lambda value=value: fit(batches, verbose=value),
+                   "verbose", r"^verbose must be 'auto', 0 \(silent\), 1 \(a progress bar\) or "
+                              r"2 \(log lines\)") for value in ("loud", 3)]
+        cases += [(f"dataset {value!r}", lambda value=value: fit(value), "dataset",
+                   r"^dataset must be a tf.data.Dataset or an iterable of .* batches, or a "
+                   r"callable epoch -> one of those, got ") for value in (None, 42)]
         self.assert_all_refused(cases + [
+            ("epochs=None", lambda: fit(batches, epochs=None), "epochs",
+             r"^epochs must be a positive integer, got None"),
+            ("validation_data empty", lambda: fit(batches, validation_data=[]),
+             "validation_data", r"^validation_data has no batches"),
+            ("validation_data a number", lambda: fit(batches, validation_data=3),
+             "validation_data", r"^validation_data must be a batch .*, got int"),
+            ("checkpointer a folder", lambda: fit(batches, checkpointer="dir"), "checkpointer",
+             r"^checkpointer must be a towers.Checkpointer\(directory, trainer.model, "
+             r"trainer.optimizer\), got str"),
+            ("log_dir a file", lambda: fit(batches, log_dir=self.a_file), "log_dir",
+             r"^log_dir=.* cannot hold TensorBoard summaries: Not a directory"),
             ("validation_data x alone", lambda: fit(batches, validation_data=(x,)),
              "validation_data", r"^validation_data: a batch must be \(x, y\)"),
             ("validation_data a string", lambda: fit(batches, validation_data="val"),
@@ -352,6 +374,13 @@ class ProbeTest(tf.test.TestCase):
                 grads, weights=[1.0]), "weights", r"^got 1 weights for 2 towers"),
             ("average_gradients, a negative weight", lambda: towers.average_gradients(
                 grads, weights=[1.0, -1.0]), "weights", r"^weights must be non-negative"),
+            ("average_gradients, device not a name", lambda: towers.average_gradients(
+                grads, device="banana"), "device", r"^device 'banana' is not a device name"),
+            ("average_gradients, towers' shapes differ", lambda: towers.average_gradients(
+                [[tf.ones(2)], [tf.ones(3)]]), "gradients of variable 0",
+             r"^the towers' gradients of variable 0 have shapes \[\(2,\), \(3,\)\]"),
+            ("average_gradients of strings", lambda: towers.average_gradients([["a"], ["b"]]),
+             "gradient 0", r"^tower 0's gradient 0 is a str; give a Tensor"),
             ("tower_gradients, one device name", lambda: towers.tower_gradients(
                 model, loss, (x, y), "/device:CPU:0"), "devices",
              r"^devices must be a list of device names"),
@@ -368,6 +397,11 @@ class ProbeTest(tf.test.TestCase):
                 model, loss, (x, y), DEVICES, main_device="banana"), "device",
              r"^device 'banana' is not a device name"),
         ])
+
+    def test_documented_answers_that_are_not_mistakes(self):
+        # docs/api.md: "if every weight is 0 the result is all zeros" (every tower empty).
+        averaged = towers.average_gradients([[tf.ones(2)], [tf.ones(2)]], weights=[0.0, 0.0])
+        self.assertAllEqual(averaged[0], [0.0, 0.0])
 
     def test_configure_devices(self):
         configure = towers.configure_devices
@@ -399,6 +433,15 @@ class ProbeTest(tf.test.TestCase):
              "checkpoints", r"^cannot write checkpoints to .*: Not a directory"),
             ("max_to_keep 0", checkpointer(max_to_keep=0), "max_to_keep",
              r"positive integer or `None` for `max_to_keep`, got 0"),
+            ("directory None", lambda: towers.Checkpointer(
+                None, self.trainer.model, self.trainer.optimizer), "directory",
+             r"^directory must be a folder path \(a str\), got NoneType"),
+            ("model a name", lambda: towers.Checkpointer(
+                self.directory, "mlp", self.trainer.optimizer), "model",
+             r"^model must be a keras.Model, got str"),
+            ("optimizer a name", lambda: towers.Checkpointer(
+                self.directory, self.trainer.model, "sgd"), "optimizer",
+             r"^optimizer must be a keras.optimizers.Optimizer, got str"),
         ])
 
     def test_split_model_cuts(self):

@@ -70,11 +70,13 @@ def check_validation(trainer, validation_data):
         batch = validation_data
     else:
         batch, validation_data = _peeked(validation_data)
-    if batch is not None:
-        try:
-            check_batch(trainer, split.checked_batch(batch))
-        except ValueError as error:
-            raise ValueError(f"validation_data: {error}") from None
+    if batch is None:
+        raise ValueError("validation_data has no batches; pass a batch, a non-empty dataset "
+                         "or None.")
+    try:
+        check_batch(trainer, split.checked_batch(batch))
+    except ValueError as error:
+        raise ValueError(f"validation_data: {error}") from None
     return validation_data
 
 
