@@ -237,7 +237,7 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
             for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
                 self.assertAllClose(want, got, atol=TOLERANCE)
 
-    def test_class_weight_on_a_list_of_arrays_weighs_missing_classes_1_as_keras_fit(self):
+    def test_class_weight_weighs_missing_classes_1_as_keras_fit_on_arrays(self):
         rng = np.random.default_rng(0)
         x = rng.normal(size=(16, 4)).astype("float32")
         y = np.arange(16) % CLASSES
@@ -246,13 +246,14 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
         keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce())
         expected = keras_model.fit(x, y, batch_size=8, shuffle=False, class_weight=class_weight,
                                    verbose=0).history
-        trainer = towers.TowerTrainer(_linear_model(), _sce(), keras.optimizers.SGD(0.5),
-                                      devices=DEVICES[:3])
-        history = trainer.fit([(x[:8], y[:8]), (x[8:], y[8:])], class_weight=class_weight,
-                              verbose=False).history
-        self.assertAllClose(history["loss"], expected["loss"], atol=TOLERANCE)
-        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
-            self.assertAllClose(want, got, atol=TOLERANCE)
+        for batches in ([(x[:8], y[:8]), (x[8:], y[8:])],  # a list of NumPy batches
+                        tf.data.Dataset.from_tensor_slices((x, y)).batch(8)):
+            trainer = towers.TowerTrainer(_linear_model(), _sce(), keras.optimizers.SGD(0.5),
+                                          devices=DEVICES[:3])
+            history = trainer.fit(batches, class_weight=class_weight, verbose=False).history
+            self.assertAllClose(history["loss"], expected["loss"], atol=TOLERANCE)
+            for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+                self.assertAllClose(want, got, atol=TOLERANCE)
 
     def test_sample_weights_as_a_column_equal_keras(self):
         # (rows, 1) weights make Keras's (rows,) loss values a column, not a square.
