@@ -230,9 +230,9 @@ class _Progress:
 
     def __init__(self, epoch, epochs, steps, verbose):
         self._header = f"epoch {epoch + 1}/{epochs}"
-        auto = isinstance(verbose, str)  # "auto"; else 0, 1 or 2, False or True
-        show_bar = verbose == 1 if not auto else sys.stdout.isatty()
-        self._log_lines = verbose == 2 if not auto else not show_bar
+        auto = verbose == "auto"  # else 0, 1 or 2 (False and True are 0 and 1)
+        show_bar = sys.stdout.isatty() if auto else verbose == 1
+        self._log_lines = not show_bar if auto else verbose == 2
         self._log_every = max(1, steps // 10) if steps else 10
         self._bar = None
         if show_bar:
