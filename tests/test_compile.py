@@ -283,7 +283,7 @@ class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
         ("metrics_a_string", dict(loss="mse", metrics="accuracy"), r"metrics=\['accuracy'\]"),
         ("unknown_metric", dict(loss="mse", metrics=["no_such_metric"]), "no_such_metric"),
         ("too_many_loss_weights", dict(loss=[_sce(), _sce()], loss_weights=[1.0, 2.0, 3.0]),
-         r"^loss_weights holds 3 weight\(s\) but the loss 2"),
+         r"^loss_weights holds 3 weight\(s\) but the loss 2 loss\(es\)"),
     )
     def test_bad_forms_refused_at_construction(self, arguments, message):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

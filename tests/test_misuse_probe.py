@@ -101,7 +101,7 @@ class ProbeTest(tf.test.TestCase):
             ("loss a class", lambda: _trainer(loss=keras.losses.MeanSquaredError), "loss",
              r"^loss MeanSquaredError is a class; pass an instance"),
             ("loss_weights fewer than the losses", lambda: _two_loss_trainer(loss_weights=[1.0]),
-             "loss_weights", r"^loss_weights holds 1 weight\(s\) but the loss 2"),
+             "loss_weights", r"^loss_weights holds 1 weight\(s\) but the loss 2 loss\(es\)"),
             ("loss_weights for an output the model lacks", lambda: _two_loss_trainer(
                 loss_weights={"zz": 1.0}), "loss_weights",
              r"^loss_weights names \['zz'\], not outputs of the model"),

@@ -226,7 +226,8 @@ def _check_loss_weights(loss, loss_weights, output_names):
         num_losses, num_weights = len(tf.nest.flatten(loss)), len(tf.nest.flatten(loss_weights))
         if num_losses != num_weights:
             raise ValueError(f"loss_weights holds {num_weights} weight(s) but the loss "
-                             f"{num_losses}: give one weight per loss, in the loss's form.")
+                             f"{num_losses} loss(es): give one weight per loss, in the "
+                             "loss's form.")
 
 
 def _known_loss(name):
