@@ -52,6 +52,12 @@ def masked_model(kind, labels):
                                                   name="head")(h))
 
 
+def _linear_model():
+    """Four features -> CLASSES logits, one Dense layer, the same weights every call."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(CLASSES)])
+
+
 def two_heads_model():
     """Per-token tags (masked) and a class per sequence (not masked, L2-regularised): a
     loss term counted over the batch's tokens beside one over its rows."""
@@ -231,6 +237,39 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
             for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
                 self.assertAllClose(want, got, atol=TOLERANCE)
 
+    def test_class_weight_weighs_missing_classes_1_as_keras_fit_on_arrays(self):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(16, 4)).astype("float32")
+        y = np.arange(16) % CLASSES
+        class_weight = {0: 0.5, 1: 3.0}  # class 2 not in it: Keras weighs it 1
+        keras_model = _linear_model()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce())
+        expected = keras_model.fit(x, y, batch_size=8, shuffle=False, class_weight=class_weight,
+                                   verbose=0).history
+        for batches in ([(x[:8], y[:8]), (x[8:], y[8:])],  # a list of NumPy batches
+                        tf.data.Dataset.from_tensor_slices((x, y)).batch(8)):
+            trainer = towers.TowerTrainer(_linear_model(), _sce(), keras.optimizers.SGD(0.5),
+                                          devices=DEVICES[:3])
+            history = trainer.fit(batches, class_weight=class_weight, verbose=False).history
+            self.assertAllClose(history["loss"], expected["loss"], atol=TOLERANCE)
+            for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+                self.assertAllClose(want, got, atol=TOLERANCE)
+
+    def test_sample_weights_as_a_column_equal_keras(self):
+        # (rows, 1) weights make Keras's (rows,) loss values a column, not a square.
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(8, 4)).astype("float32")
+        y, weights = np.arange(8) % CLASSES, rng.uniform(0.5, 2.0, (8, 1)).astype("float32")
+        keras_model = _linear_model()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce())
+        expected = keras_model.train_on_batch(x, y, sample_weight=weights)
+        trainer = towers.TowerTrainer(_linear_model(), _sce(), keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3])
+        self.assertAllClose(trainer.train_step((x, y, weights))["loss"], expected,
+                            atol=TOLERANCE)
+        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
 
 class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
     """What compile refuses is refused in one line, before anything is applied."""
@@ -243,6 +282,8 @@ class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
         ("weights_not_numbers", dict(loss="mse", loss_weights={"cls": "big"}), "loss_weights"),
         ("metrics_a_string", dict(loss="mse", metrics="accuracy"), r"metrics=\['accuracy'\]"),
         ("unknown_metric", dict(loss="mse", metrics=["no_such_metric"]), "no_such_metric"),
+        ("too_many_loss_weights", dict(loss=[_sce(), _sce()], loss_weights=[1.0, 2.0, 3.0]),
+         r"^loss_weights holds 3 weight\(s\) but the loss 2 loss\(es\)"),
     )
     def test_bad_forms_refused_at_construction(self, arguments, message):
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -254,7 +295,6 @@ class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
         ("loss_for_an_output_that_is_not_there", dict(loss={"tags": _sce(), "nope": _sce()})),
         ("metrics_for_an_output_that_is_not_there",
          dict(loss={"tags": _sce(), "cls": _sce()}, metrics={"nope": ["accuracy"]})),
-        ("too_many_loss_weights", dict(loss=[_sce(), _sce()], loss_weights=[1.0, 2.0, 3.0])),
     )
     def test_forms_that_do_not_fit_the_outputs_refused_at_the_first_step(self, arguments):
         trainer = towers.TowerTrainer(two_heads_model(), optimizer=keras.optimizers.SGD(),

@@ -73,6 +73,7 @@ class ProbeTest(tf.test.TestCase):
             "pipeline_schedule": ["bogus"], "steps_per_execution": [0, "2"],
             "prefetch_to_devices": ["yes"], "embedding_lookup": ["bogus"],
             "weighted_metrics": ["accuracy"], "pipeline_cuts": ["up"], "loss_weights": ["a"],
+            "jit_compile": ["no", 1],
         }
         self.assert_all_refused([
             (f"{option}={value!r}", lambda option=option, value=value: _trainer(
@@ -94,6 +95,16 @@ class ProbeTest(tf.test.TestCase):
              r"^loss 'no_such_loss' is not a Keras loss name"),
             ("loss a number", lambda: _trainer(loss=42), "loss",
              r"^loss must be a keras.losses.Loss, a loss name or a callable"),
+            ("loss an empty list", lambda: towers.TowerTrainer(
+                reference.make_model(), [], keras.optimizers.SGD(0.1), devices=DEVICES), "loss",
+             r"^loss \[\] holds no loss"),
+            ("loss a class", lambda: _trainer(loss=keras.losses.MeanSquaredError), "loss",
+             r"^loss MeanSquaredError is a class; pass an instance"),
+            ("loss_weights fewer than the losses", lambda: _two_loss_trainer(loss_weights=[1.0]),
+             "loss_weights", r"^loss_weights holds 1 weight\(s\) but the loss 2 loss\(es\)"),
+            ("loss_weights for an output the model lacks", lambda: _two_loss_trainer(
+                loss_weights={"zz": 1.0}), "loss_weights",
+             r"^loss_weights names \['zz'\], not outputs of the model"),
             ("metrics an unknown name", lambda: _trainer(metrics=["no_such_metric"]),
              "metrics", r"^metrics entry 'no_such_metric' is not a keras.metrics.Metric"),
             ("metrics a number", lambda: _trainer(metrics=[42]), "metrics",
@@ -114,6 +125,10 @@ class ProbeTest(tf.test.TestCase):
                               r"pipeline stages"),
             ("main_device not a name", lambda: _trainer(main_device="banana"), "device",
              r"^device 'banana' is not a device name"),
+            ("main_device that does not exist", lambda: _trainer(main_device="/device:CPU:9"),
+             "main_device", r"^main_device '/device:CPU:9' does not exist"),
+            ("cluster not a Cluster", lambda: _trainer(cluster="x"), "cluster",
+             r"^cluster must be a towers.Cluster .*, got str"),
             ("split layers and XLA", lambda: _trainer(split_model, devices=STAGE_DEVICES,
                                                       jit_compile=True),
              "jit_compile", r"^jit_compile=True cannot compile split layers yet"),
@@ -164,6 +179,9 @@ class ProbeTest(tf.test.TestCase):
             ("metrics for an output the model lacks", _two_loss_trainer(metrics={"zz": ["mae"]}),
              (self.x, targets), "metrics", r"^the metrics do not fit the model's outputs: "
                                            r".*extra key\(s\): \['zz'\]"),
+            ("targets for an output the model lacks", _two_loss_trainer(),
+             (self.x, {"cls": self.y, "zz": targets["value"]}), "y",
+             r"^y has key\(s\) \['zz'\], which name no output of model"),
             ("three targets for two outputs", _two_loss_trainer(),
              (self.x, (self.y, self.y, self.y)), "y",
              r"^y, shapes \(\(8,\), \(8,\), \(8,\)\), does not fit the loss"),
@@ -189,6 +207,8 @@ class ProbeTest(tf.test.TestCase):
             ("four parts", lambda: step((x, y, w, w)), "batch", not_a_batch + "tuple of length 4"),
             ("x alone", lambda: step(x), "batch", not_a_batch + "ndarray"),
             ("a dict", lambda: step({"x": x, "y": y}), "batch", not_a_batch + "dict"),
+            ("y None", lambda: step((x, None)), "y", r"^y is None; every part of a batch"),
+            ("x None", lambda: step((None, y)), "x", r"^x is None; every part of a batch"),
             ("fewer labels than rows", lambda: step((x, y[:7])), "batch",
              r"^the parts of the batch disagree on batch size \(dim 0\): \(\(8, 5\), \(7,\)\)"),
             ("fewer sample weights than rows", lambda: step((x, y, w[:7])), "sample weights",
@@ -202,12 +222,18 @@ class ProbeTest(tf.test.TestCase):
              r"^y, shape \(8,\), does not fit the loss"),
             ("two labels per row", lambda: step((x, np.stack([y, y], 1))), "y",
              r"^y, shape \(8, 2\), does not fit the loss"),
+            ("two sample weights per row", lambda: step((x, y, np.ones((8, 2), "float32"))),
+             "sample_weight", r"^sample_weight, shape \(8, 2\), does not fit the loss: weights "
+                              r"of shape \(None, 2\) for loss values of shape \(None,\)"),
             ("strings for sample weights", lambda: step((x, y, np.full(8, "a"))),
              "sample_weight", r"^sample_weight, shape \(8,\), does not fit the loss"),
             ("a SparseTensor x", lambda: step((tf.sparse.from_dense(x), y)), "x",
              r"^x holds a SparseTensor"),
             ("shards for another number of towers", lambda: step(split.Shards([(x, y)] * 2)),
              "shards", r"^the batch comes in 2 shards but the step has 3 towers"),
+            ("fractional labels after integer ones", lambda: step((x, y + 0.5)), "labels",
+             r"^the labels of a sparse categorical crossentropy loss are float32 and hold "
+             r"\d.5, not a class id"),
             ("data_ended without a cluster", lambda: step((x, y), data_ended=True),
              "data_ended", r"^data_ended=True is for a worker of a cluster"),
         ])
@@ -224,16 +250,25 @@ class ProbeTest(tf.test.TestCase):
                 iter(self.dataset), "2"), "num_steps", r"^num_steps must be an integer >= 1"),
             ("train_steps num_steps None", lambda: trainer.train_steps(
                 iter(self.dataset), None), "num_steps", r"^num_steps must be an integer >= 1"),
+            ("train_steps a dataset of another width", lambda: trainer.train_steps(
+                iter(narrow), 1), "x",
+             r"^x has shape \(None, 4\) but model .* takes inputs of shape \(None, 5\)"),
             ("shard_iterator of a list", lambda: trainer.shard_iterator([(x, y)]),
              "Dataset", r"^ShardIterator needs a tf.data.Dataset, got list"),
             ("shard_iterator buffer_size 0", lambda: trainer.shard_iterator(
                 self.dataset, buffer_size=0), "buffer_size", r"^buffer_size must be an integer"),
+            ("evaluate None", lambda: trainer.evaluate(None), "data",
+             r"^data must be a batch \(x, y\[, sample_weight\]\), a tf.data.Dataset or an "
+             r"iterable of .* batches, got NoneType"),
+            ("evaluate a number", lambda: trainer.evaluate(3), "data",
+             r"^data must be a batch .*, got int"),
             ("evaluate no batches", lambda: trainer.evaluate([]), "batches",
              r"^evaluate got no batches"),
             ("evaluate an empty dataset", lambda: trainer.evaluate(self.dataset.take(0)),
              "batches", r"^evaluate got no batches"),
             ("evaluate x alone", lambda: trainer.evaluate(x), "batch",
              r"^a batch must be \(x, y\) or \(x, y, sample_weight\), got a ndarray"),
+            ("evaluate y None", lambda: trainer.evaluate((x, None)), "y", r"^y is None"),
             ("evaluate fewer labels than rows", lambda: trainer.evaluate((x, y[:7])), "batch",
              r"^the parts of the batch disagree on batch size"),
             ("evaluate one-hot labels", lambda: trainer.evaluate(
@@ -255,7 +290,24 @@ class ProbeTest(tf.test.TestCase):
             for name, values in {"epochs": [0, 1.5, "2"],
                                  "steps_per_epoch": [0, 2.5],
                                  "max_steps": [0]}.items() for value in values]
+        cases += [(f"verbose={value!r}", lambda value=value: fit(batches, verbose=value),
+                   "verbose", r"^verbose must be 'auto', 0 \(silent\), 1 \(a progress bar\) or "
+                              r"2 \(log lines\)") for value in ("loud", 3)]
+        cases += [(f"dataset {value!r}", lambda value=value: fit(value), "dataset",
+                   r"^dataset must be a tf.data.Dataset or an iterable of .* batches, or a "
+                   r"callable epoch -> one of those, got ") for value in (None, 42)]
         self.assert_all_refused(cases + [
+            ("epochs=None", lambda: fit(batches, epochs=None), "epochs",
+             r"^epochs must be a positive integer, got None"),
+            ("validation_data empty", lambda: fit(batches, validation_data=[]),
+             "validation_data", r"^validation_data has no batches"),
+            ("validation_data a number", lambda: fit(batches, validation_data=3),
+             "validation_data", r"^validation_data must be a batch .*, got int"),
+            ("checkpointer a folder", lambda: fit(batches, checkpointer="dir"), "checkpointer",
+             r"^checkpointer must be a towers.Checkpointer\(directory, trainer.model, "
+             r"trainer.optimizer\), got str"),
+            ("log_dir a file", lambda: fit(batches, log_dir=self.a_file), "log_dir",
+             r"^log_dir=.* cannot hold TensorBoard summaries: Not a directory"),
             ("validation_data x alone", lambda: fit(batches, validation_data=(x,)),
              "validation_data", r"^validation_data: a batch must be \(x, y\)"),
             ("validation_data a string", lambda: fit(batches, validation_data="val"),
@@ -304,6 +356,8 @@ class ProbeTest(tf.test.TestCase):
              "batch", r"^the parts of the batch disagree on batch size"),
             ("split_batch of nothing", lambda: towers.split_batch((), 2), "batch",
              r"^the batch holds no tensors"),
+            ("split_batch of None", lambda: towers.split_batch(None, 2), "batch",
+             r"^the batch is None"),
             ("average_gradients of no towers", lambda: towers.average_gradients([]),
              "tower_grads", r"^tower_grads must be a non-empty list"),
             ("average_gradients of a tensor", lambda: towers.average_gradients(tf.ones([2, 3])),
@@ -315,9 +369,21 @@ class ProbeTest(tf.test.TestCase):
                 grads, weights=[1.0]), "weights", r"^got 1 weights for 2 towers"),
             ("average_gradients, a negative weight", lambda: towers.average_gradients(
                 grads, weights=[1.0, -1.0]), "weights", r"^weights must be non-negative"),
+            ("average_gradients, device not a name", lambda: towers.average_gradients(
+                grads, device="banana"), "device", r"^device 'banana' is not a device name"),
+            ("average_gradients, towers' shapes differ", lambda: towers.average_gradients(
+                [[tf.ones(2)], [tf.ones(3)]]), "gradients of variable 0",
+             r"^the towers' gradients of variable 0 have shapes \[\(2,\), \(3,\)\]"),
+            ("average_gradients of strings", lambda: towers.average_gradients([["a"], ["b"]]),
+             "gradient 0", r"^tower 0's gradient 0 is a str; give a Tensor"),
             ("tower_gradients, one device name", lambda: towers.tower_gradients(
                 model, loss, (x, y), "/device:CPU:0"), "devices",
              r"^devices must be a list of device names"),
+            ("tower_gradients, model a name", lambda: towers.tower_gradients(
+                "mlp", loss, (x, y), DEVICES), "model", r"^model must be a keras.Model, got str"),
+            ("tower_gradients, devices a grid", lambda: towers.tower_gradients(
+                model, loss, (x, y), [DEVICES[:2]] * 2), "devices",
+             r"is a grid .*: give a flat list, one device per tower"),
             ("tower_gradients, x alone", lambda: towers.tower_gradients(
                 model, loss, (x,), DEVICES), "batch", r"^a batch must be \(x, y\)"),
             ("tower_gradients, an unknown loss", lambda: towers.tower_gradients(
@@ -326,6 +392,11 @@ class ProbeTest(tf.test.TestCase):
                 model, loss, (x, y), DEVICES, main_device="banana"), "device",
              r"^device 'banana' is not a device name"),
         ])
+
+    def test_documented_answers_that_are_not_mistakes(self):
+        # docs/api.md: "if every weight is 0 the result is all zeros" (every tower empty).
+        averaged = towers.average_gradients([[tf.ones(2)], [tf.ones(2)]], weights=[0.0, 0.0])
+        self.assertAllEqual(averaged[0], [0.0, 0.0])
 
     def test_configure_devices(self):
         configure = towers.configure_devices
@@ -357,6 +428,15 @@ class ProbeTest(tf.test.TestCase):
              "checkpoints", r"^cannot write checkpoints to .*: Not a directory"),
             ("max_to_keep 0", checkpointer(max_to_keep=0), "max_to_keep",
              r"positive integer or `None` for `max_to_keep`, got 0"),
+            ("directory None", lambda: towers.Checkpointer(
+                None, self.trainer.model, self.trainer.optimizer), "directory",
+             r"^directory must be a folder path \(a str\), got NoneType"),
+            ("model a name", lambda: towers.Checkpointer(
+                self.directory, "mlp", self.trainer.optimizer), "model",
+             r"^model must be a keras.Model, got str"),
+            ("optimizer a name", lambda: towers.Checkpointer(
+                self.directory, self.trainer.model, "sgd"), "optimizer",
+             r"^optimizer must be a keras.optimizers.Optimizer, got str"),
         ])
 
     def test_split_model_cuts(self):

@@ -16,7 +16,6 @@ from keras.src.backend.common import masking, stateless_scope
 from keras.src.backend.config import keras_home
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import compile_utils
-from keras.src.trainers.data_adapters import tf_dataset_adapter
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.debug.lib import debug_events_reader
 from tensorflow.python.eager import context as eager_context
@@ -100,16 +99,6 @@ CompileMetrics = compile_utils.CompileMetrics
 # Keras's container for `compile(metrics=..., weighted_metrics=...)`: per-output metrics,
 # names such as "cls_accuracy", "accuracy" picked by the targets' shape. Public alternative:
 # `model.compile(metrics=...)` + `model.compute_metrics`, which would compile the user's model.
-
-
-def class_weight_map_fn(class_weight):
-    """Keras's fn(x, y[, sample_weight]) -> (x, y, class weights) that keras.Model.fit
-    maps over a tf.data.Dataset for `class_weight`, with its checks (ValueError for
-    sample weights given too, or labels of several outputs).
-
-    Public alternative: `model.fit(..., class_weight=...)` only.
-    """
-    return tf_dataset_adapter.make_class_weight_map_fn(class_weight)
 
 
 def stateless_value(variable):

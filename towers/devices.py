@@ -121,13 +121,16 @@ def device_grid(devices, num_stages=None):
     return [[canonical_name(d) for d in row] for row in devices]
 
 
-def check_devices_exist(devices):
-    """Raises ValueError naming any device in `devices` that TensorFlow does not have."""
+def check_devices_exist(devices, argument="devices"):
+    """Raises ValueError naming any device in `devices` that TensorFlow does not have,
+    and `argument`, the argument they were given as ("main_device": one device)."""
     available = [canonical_name(d.name) for d in tf.config.list_logical_devices()]
     missing = [d for d in dict.fromkeys(devices) if d not in available]
     if missing:
+        what = (f"{argument} {missing} do not exist" if argument == "devices"
+                else f"{argument} {missing[0]!r} does not exist")
         raise ValueError(
-            f"devices {missing} do not exist; available devices are {available}. "
+            f"{what}; available devices are {available}. "
             "Call towers.configure_devices(num_towers=N) before anything else in "
             "TensorFlow runs to create more.")
 

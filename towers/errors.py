@@ -9,6 +9,7 @@ _WHERE = re.compile(r"(Graph execution error:|Detected at node|<stack traces|Fil
 # Keras's bold type in a terminal, and an eager op's "{{function_node ...}}" label.
 _STYLES = re.compile(r"\x1b\[[0-9;]*m")
 _FUNCTION_NODE = re.compile(r"\{\{function_node [^}]*\}\}\s*")
+_ASSERTION = "assertion failed: "
 
 
 class DeviceConfigError(RuntimeError):
@@ -51,7 +52,8 @@ def root_cause(error):
 
     A graph error's message starts with where it happened ("Graph execution
     error", "Detected at node", a stack); this is its first line that says
-    what, without the "(0) INVALID_ARGUMENT:" label and the node names.
+    what, without the "(0) INVALID_ARGUMENT:" label and the node names; a failed
+    tf.debugging.Assert's "assertion failed: [message] [3] [4]" as "message 3 4".
     """
     text = _STYLES.sub("", str(getattr(error, "message", error))).strip()
     for line in text.splitlines():
@@ -59,7 +61,10 @@ def root_cause(error):
         if line and not _WHERE.match(line):
             line = re.sub(r"^\(\d+\) [A-Z_]+:\s*", "", line)
             line = _FUNCTION_NODE.sub("", line)
-            return re.split(r"\s*(?:\{\{node|\[\[|\[Op:)", line)[0].rstrip(".")
+            line = re.split(r"\s*(?:\{\{node|\[\[|\[Op:)", line)[0].rstrip(".")
+            if line.startswith(_ASSERTION):
+                line = " ".join(re.findall(r"\[([^\[\]]*)\]", line[len(_ASSERTION):]))
+            return line
     return text.splitlines()[0] if text else type(error).__name__
 
 

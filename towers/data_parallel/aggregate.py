@@ -3,7 +3,10 @@
 import contextlib
 import numbers
 
+import numpy as np
 import tensorflow as tf
+
+from towers import devices as devices_lib
 
 
 def gather(tower_values, device):
@@ -52,8 +55,17 @@ def average_gradients(tower_grads, weights=None, device=None):
     Returns:
       list of per-variable means. Where every tower gives tf.IndexedSlices the
       mean stays tf.IndexedSlices (indices concatenated, values scaled).
+
+    Raises:
+      ValueError: tower_grads not a list of equal-length lists, a gradient that is not
+        a Tensor, NumPy array, tf.IndexedSlices or None, towers' gradients of one
+        variable of other shapes, weights not one non-negative number per tower, or
+        a device that is not a device name; in one line, before anything is computed.
     """
     _check_tower_grads(tower_grads)
+    _check_gradients(tower_grads)
+    if device is not None:
+        devices_lib.canonical_name(device)  # a ValueError naming it, not TensorFlow's
     with _placed(device):
         fractions = _weight_fractions(weights, len(tower_grads))
         return sum_gradients([[None if grad is None else scale(grad, fraction)
@@ -164,6 +176,25 @@ def _check_tower_grads(tower_grads):
         raise ValueError(
             f"every tower must give one gradient per variable, but the towers' lists "
             f"have lengths {lengths}.")
+
+
+def _check_gradients(tower_grads):
+    """Raises ValueError for a gradient of no tensor type, or one variable's gradients of
+    shapes that differ between towers (known statically)."""
+    for tower, grads in enumerate(tower_grads):
+        for index, grad in enumerate(grads):
+            if not (grad is None or tf.is_tensor(grad) or
+                    isinstance(grad, (tf.IndexedSlices, np.ndarray))):
+                raise ValueError(f"tower {tower}'s gradient {index} is a "
+                                 f"{type(grad).__name__}; give a Tensor, NumPy array, "
+                                 "tf.IndexedSlices or None.")
+    for index, grads in enumerate(zip(*tower_grads)):
+        shapes = [tf.TensorShape(grad.shape) for grad in grads
+                  if grad is not None and not isinstance(grad, tf.IndexedSlices)]
+        if any(not shape.is_compatible_with(shapes[0]) for shape in shapes):
+            raise ValueError(f"the towers' gradients of variable {index} have shapes "
+                             f"{[tuple(shape) for shape in shapes]}; every tower gives the "
+                             "variable's gradient, of the variable's shape.")
 
 
 def _weight_fractions(weights, num_towers):

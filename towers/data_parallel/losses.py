@@ -67,6 +67,7 @@ class Objective:
                              f"(one per output with a loss), got {loss_weights!r}.")
         if isinstance(loss, (list, tuple, dict)) and not tf.nest.flatten(loss):
             raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
+        _check_loss_weights(loss, loss_weights, output_names)
         self._recorded, self.counted, self.sparse_targets = None, None, None
         self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
 
@@ -134,7 +135,7 @@ def term(loss, y_true, y_pred, sample_weight=None):
     if mask is not None:
         weight = _times(tf.cast(mask, tf.float32), weight)
     if weight is not None:
-        weight = _along_rows(weight, values)
+        values, weight = _matched(values, weight)
         values = values * weight
     per_row = tf.cast(tf.reduce_prod(tf.shape(values)[1:]), tf.float32)
     rows = tf.cast(tf.shape(values)[0], tf.float32)
@@ -154,8 +155,9 @@ def check_sparse_labels(objective, y_true):
     """Raises ValueError if a sparse categorical crossentropy term's labels are floats
     that are not whole numbers, which Keras would cast to class ids silently (1.7 -> 1).
 
-    Eager, once (on the first batch: nothing per step), after `objective.terms` was
-    called with targets of y_true's structure. Whole-number floats are class ids.
+    Eager, once per batch structure (its first batch: nothing per step), after
+    `objective.terms` was called with targets of y_true's structure. Whole-number
+    floats are class ids.
     """
     targets = tf.nest.flatten(y_true)
     for index in objective.sparse_targets or ():
@@ -191,6 +193,9 @@ def _check_loss(loss):
     """Raises ValueError unless `loss` is one loss compile takes, with a mean reduction."""
     if loss is None:
         return
+    if isinstance(loss, type):  # callable, but calling it builds a loss, not a value
+        raise ValueError(f"loss {loss.__name__} is a class; pass an instance, "
+                         f"{loss.__name__}(), or a loss name.")
     if isinstance(loss, keras.losses.Loss):
         if loss.reduction not in _MEAN_REDUCTIONS + (_WEIGHTS_MEAN,):
             raise ValueError(
@@ -206,6 +211,23 @@ def _check_loss(loss):
             f"loss must be a keras.losses.Loss, a loss name or a callable(y_true, y_pred) "
             f"returning per-example losses, or a list or dict of them (one per output), "
             f"got {type(loss).__name__}.")
+
+
+def _check_loss_weights(loss, loss_weights, output_names):
+    """Raises ValueError for loss_weights that cannot fit `loss` whatever the batch: a
+    dict naming an output the model (of `output_names`, where known) lacks, or, beside
+    a list or dict of losses, another number of weights than of losses (Keras's rule)."""
+    if isinstance(loss_weights, dict) and output_names:
+        unknown = [name for name in loss_weights if name not in output_names]
+        if unknown:
+            raise ValueError(f"loss_weights names {unknown}, not outputs of the model; its "
+                             f"outputs are {list(output_names)}.")
+    if isinstance(loss, (list, tuple, dict)) and isinstance(loss_weights, (list, tuple, dict)):
+        num_losses, num_weights = len(tf.nest.flatten(loss)), len(tf.nest.flatten(loss_weights))
+        if num_losses != num_weights:
+            raise ValueError(f"loss_weights holds {num_weights} weight(s) but the loss "
+                             f"{num_losses} loss(es): give one weight per loss, in the "
+                             "loss's form.")
 
 
 def _known_loss(name):
@@ -255,14 +277,26 @@ def _checked_losses(values, y_pred):
 
 def _times(mask, weight):
     """A 0/1 float mask times the sample weights, ranks matched as Keras matches them."""
-    return mask if weight is None else mask * _along_rows(weight, mask)
+    if weight is None:
+        return mask
+    mask, weight = _matched(mask, weight)
+    return mask * weight
 
 
-def _along_rows(weight, values):
-    """`weight` shaped to multiply `values` as Keras does (squeeze_or_expand_to_same_rank);
-    where Keras would refuse a weight of lower rank (one weight per row of per-token
-    values), it is broadcast along the row instead."""
+def _matched(values, weight):
+    """(values, weight) shaped to multiply as Keras does (squeeze_or_expand_to_same_rank:
+    weights (rows, 1) make values (rows,) a column); where Keras would refuse a weight of
+    lower rank (one weight per row of per-token values), it is broadcast along the row.
+
+    Raises:
+      ValueError: weights that would spread the values over more entries than they
+        have (Keras multiplies (rows,) values by (rows, rows) weights into a square).
+    """
     values, weight = compat.same_rank(values, weight)
     while weight.shape.rank < values.shape.rank:
         weight = tf.expand_dims(weight, -1)
-    return weight
+    if weight.shape.rank > values.shape.rank or any(
+            v == 1 and w not in (1, None) for v, w in zip(values.shape, weight.shape)):
+        raise ValueError(f"weights of shape {(None, *weight.shape[1:])} for loss values of "
+                         f"shape {(None, *values.shape[1:])}")
+    return values, weight

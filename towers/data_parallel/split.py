@@ -26,11 +26,15 @@ def as_batch(batch):
     """(x, y[, sample_weight]) as a tuple of Tensors (nested parts kept), through as_tensor.
 
     Raises:
-      ValueError: a part that is ragged or sparse, or a Python list of numbers (which
-        would be read as one input per number), in one line naming it.
+      ValueError: a part that is (or holds) None, ragged or sparse, or a Python list of
+        numbers (which would be read as one input per number), in one line naming it.
     """
     for name, part in zip(("x", "y", "sample_weight"), batch):
         leaves = tf.nest.flatten(part)
+        if any(leaf is None for leaf in leaves):
+            raise ValueError(
+                f"{name} {'is' if part is None else 'holds'} None; every part of a batch "
+                "(x, y[, sample_weight]) is an array or Tensor with one row per example.")
         composite = [leaf for leaf in leaves
                      if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor))]
         if composite:
@@ -186,10 +190,13 @@ def batch_size(batch):
     Tensor (with a run-time check that all parts agree).
 
     Raises:
-      ValueError: a part is a scalar, or the parts disagree on dim 0.
+      ValueError: a part is None or a scalar, or the parts disagree on dim 0.
     """
     if isinstance(batch, Shards):
         return sum(batch_size(shard) for shard in batch)
+    if any(leaf is None for leaf in tf.nest.flatten(batch)):
+        raise ValueError(f"the batch {'is' if batch is None else 'holds'} None; give arrays "
+                         "or Tensors, each with the batch as dim 0.")
     leaves = [tf.convert_to_tensor(leaf) for leaf in tf.nest.flatten(batch)]
     if not leaves:
         raise ValueError("the batch holds no tensors.")
@@ -205,11 +212,22 @@ def batch_size(batch):
     if len(static) == 1 and all(leaf.shape[0] is not None for leaf in leaves):
         return static.pop()
     sizes = [tf.shape(leaf, out_type=tf.int32)[0] for leaf in leaves]
-    checks = [tf.debugging.assert_equal(
-        size, sizes[0], message="the parts of the batch disagree on batch size (dim 0)")
-        for size in sizes[1:]]
-    with tf.control_dependencies(checks):
+    # The message names every part and, when it fails, gives each one's rows.
+    check = tf.debugging.Assert(tf.reduce_all(tf.equal(tf.stack(sizes), sizes[0])), [
+        f"the parts of the batch disagree on batch size (dim 0); rows of "
+        f"{_part_names(batch)}:", *sizes])
+    with tf.control_dependencies([check]):
         return tf.identity(sizes[0])
+
+
+def _part_names(batch):
+    """'x, y' (or "x/ids, x/mask, y, sample_weight"): the paths of a batch's leaves, for
+    messages; of another structure its leaves' paths ("0", "1/a", ...)."""
+    paths = [list(path) for path, _ in keras.tree.flatten_with_path(batch)]
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
+        for path in paths:
+            path[0] = ("x", "y", "sample_weight")[path[0]]
+    return ", ".join("/".join(str(key) for key in path) for path in paths)
 
 
 def _describe(batch):

@@ -69,13 +69,21 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
       main_device, and {"loss": scalar Tensor}.
 
     Raises:
-      ValueError: as TowerTrainer: no devices, one that does not exist, or (without a
-        cluster) a batch of no rows; nothing is computed.
+      ValueError: as TowerTrainer: a model that is not a keras.Model, no devices, one
+        that does not exist, a grid of devices, or (without a cluster) a batch of no
+        rows; nothing is computed.
     """
     options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
-    grid = devices_lib.device_grid(devices_lib.device_list(devices))
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+    devices = devices_lib.device_list(devices)
+    if any(isinstance(device, (list, tuple)) for device in devices):
+        raise ValueError(f"devices {devices} is a grid (rows of devices); tower_gradients "
+                         "runs no pipeline stages: give a flat list, one device per tower.")
+    grid = devices_lib.device_grid(devices)
     main_device = devices_lib.canonical_name(main_device or grid[0][0])
-    devices_lib.check_devices_exist(sum(grid, []) + [main_device])
+    devices_lib.check_devices_exist(sum(grid, []))
+    devices_lib.check_devices_exist([main_device], "main_device")
     if not isinstance(batch, split.Shards):
         loss, batch = _without_labels(loss, batch)
     if cluster is None:

@@ -171,6 +171,9 @@ def join(cluster):
 
 def watchdog(cluster):
     """The Watchdog of `cluster`, which this process must have joined."""
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a towers.Cluster (the one towers.join_cluster "
+                         f"joined), got {type(cluster).__name__}.")
     if _joined is None or _joined.cluster != cluster:
         raise ValueError(f"this process has not joined {cluster}; call "
                          "towers.join_cluster(cluster) first, on every worker.")

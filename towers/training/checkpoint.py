@@ -9,6 +9,7 @@ checkpoint: a half-written checkpoint is never loaded.
 import os
 import tempfile
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -35,6 +36,14 @@ class Checkpointer:
 
     def __init__(self, directory, model, optimizer, every_steps=None, max_to_keep=3,
                  writer=True):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ValueError(f"directory must be a folder path (a str), got "
+                             f"{type(directory).__name__}.")
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ValueError(f"optimizer must be a keras.optimizers.Optimizer, got "
+                             f"{type(optimizer).__name__}.")
         if every_steps is not None and (isinstance(every_steps, bool)
                                         or not isinstance(every_steps, int) or every_steps < 1):
             raise ValueError(f"every_steps must be a positive integer or None, got {every_steps!r}.")

@@ -70,11 +70,13 @@ def check_validation(trainer, validation_data):
         batch = validation_data
     else:
         batch, validation_data = _peeked(validation_data)
-    if batch is not None:
-        try:
-            check_batch(trainer, split.checked_batch(batch))
-        except ValueError as error:
-            raise ValueError(f"validation_data: {error}") from None
+    if batch is None:
+        raise ValueError("validation_data has no batches; pass a batch, a non-empty dataset "
+                         "or None.")
+    try:
+        check_batch(trainer, split.checked_batch(batch))
+    except ValueError as error:
+        raise ValueError(f"validation_data: {error}") from None
     return validation_data
 
 
@@ -92,12 +94,16 @@ def _peeked(data):
 def check_batch(trainer, batch):
     """Checks a batch (Tensors, or split.Shards of them) of a structure the steps have
     not been traced for, before it is: the model and the loss run eagerly on its first
-    examples (check_examples), on the main device. A batch of no rows (a cluster
-    worker's part) passes: its structure is that of a batch the worker had."""
-    first = batch[0] if isinstance(batch, split.Shards) else batch
-    if split.batch_size(first) != 0:
+    examples (check_examples), and a sparse loss's labels, all of them, are class ids
+    (float labels for a trainer set up on integer ones are a new structure), on the main
+    device. A batch of no rows (a cluster worker's part) passes: its structure is that
+    of a batch the worker had."""
+    parts = batch if isinstance(batch, split.Shards) else [batch]
+    if split.batch_size(parts[0]) != 0:
         with tf.device(trainer.setup.main_device):
-            check_examples(trainer, first)
+            check_examples(trainer, parts[0])
+            for part in parts:
+                losses.check_sparse_labels(trainer.objective, split.unpack_batch(part)[1])
 
 
 def check_spec(trainer, spec):
@@ -138,6 +144,10 @@ def check_examples(trainer, batch, shown=None):
         raise ValueError(
             f"model {trainer.model.name!r} failed on x, {_shapes(shown[0])}: "
             f"{errors.root_cause(error)}. Check that x matches the model's inputs.") from None
+    if isinstance(y, dict) and isinstance(y_pred, dict) and set(y) - set(y_pred):
+        raise ValueError(
+            f"y has key(s) {sorted(set(y) - set(y_pred))}, which name no output of model "
+            f"{trainer.model.name!r}; its outputs are {sorted(y_pred)}: key y by output name.")
     num_outputs = len(tf.nest.flatten(y_pred))
     if num_outputs > 1 and tf.is_tensor(y):  # Keras would pair its rows with the outputs
         raise ValueError(

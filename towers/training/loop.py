@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from towers import errors
 from towers.errors import Preempted
 from towers.training import callbacks as callbacks_lib, class_weights, executions
 from towers.training import first_batch, preemption, resume
@@ -25,10 +26,10 @@ def evaluate(trainer, data, callbacks=None):
     keras.callbacks.CallbackList, whose on_test_* hooks are called as
     keras.Model.evaluate calls them.
     """
+    batches = [data] if isinstance(data, tuple) else _batches("data", data)
     callbacks = callbacks or keras.callbacks.CallbackList()
     trainer.metrics.reset()
     callbacks.on_test_begin()
-    batches = [data] if isinstance(data, tuple) else data
     means, logs = _LossMeans(trainer.objective), {}
     for index, batch in enumerate(batches):
         callbacks.on_test_batch_begin(index)
@@ -65,7 +66,8 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
       every worker restores. A worker whose data ends before the others' takes
       part in their steps with an empty part; every worker's epoch ends after
       the last step any worker had a batch for (docs/multi_worker.md).
-      verbose: "auto" (a progress bar on a terminal, else log lines), True, False.
+      verbose: "auto" (a progress bar on a terminal, else log lines), 0 or False
+        (nothing), 1 or True (a progress bar), 2 (log lines).
       callbacks: keras.callbacks.Callback objects, called as keras.Model.fit
         calls them (see callbacks.py); a keras.callbacks.ProgbarLogger among
         them replaces the trainer's own progress output.
@@ -83,21 +85,31 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             f"fit takes batches, not x and y: its second argument is epochs, got an array of "
             f"shape {tuple(epochs.shape)}. Pass one dataset of (x, y) batches, e.g. "
             "fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)) or fit([(x, y)]).")
+    if epochs is None:
+        raise ValueError("epochs must be a positive integer, got None.")
     epochs, steps_per_epoch, max_steps = _positive_integers(
         epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
+    if not callable(dataset):
+        _batches("dataset", dataset, f"{_BATCHES}, or a callable epoch -> one of those")
+    if verbose not in ("auto", 0, 1, 2):  # True and False are 1 and 0
+        raise ValueError(f"verbose must be 'auto', 0 (silent), 1 (a progress bar) or 2 (log "
+                         f"lines), as keras.Model.fit takes it, got {verbose!r}.")
+    if validation_data is not None and not isinstance(validation_data, tuple):
+        _batches("validation_data", validation_data)
     dataset = class_weights.weighted(dataset, class_weight)
-    epoch, skip = 0, 0
     if checkpointer is not None:
         resume.check_binding(trainer, checkpointer)
+    chief = trainer.cluster is None or trainer.cluster.is_chief
+    saver = checkpointer if chief else None
+    summaries = _Summaries(log_dir if chief else None)  # a log_dir refused before any work
+    epoch, skip = 0, 0
+    if checkpointer is not None:
         dataset = resume.build_for_restore(trainer, checkpointer, dataset)
         if checkpointer.restore():
             epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
     if validation_data is not None:  # refused before the first epoch, not after it
         dataset = first_batch.set_up_before_fit(trainer, dataset, "to check validation_data")
         validation_data = first_batch.check_validation(trainer, validation_data)
-    chief = trainer.cluster is None or trainer.cluster.is_chief
-    saver = checkpointer if chief else None
-    summaries = _Summaries(log_dir if chief else None)
     history, callbacks, own_progress = callbacks_lib.callback_list(
         trainer, callbacks, epochs, steps_per_epoch, verbose)
     shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
@@ -218,8 +230,9 @@ class _Progress:
 
     def __init__(self, epoch, epochs, steps, verbose):
         self._header = f"epoch {epoch + 1}/{epochs}"
-        show_bar = verbose is True or (verbose == "auto" and sys.stdout.isatty())
-        self._log_lines = verbose == "auto" and not show_bar
+        auto = verbose == "auto"  # else 0, 1 or 2 (False and True are 0 and 1)
+        show_bar = sys.stdout.isatty() if auto else verbose == 1
+        self._log_lines = not show_bar if auto else verbose == 2
         self._log_every = max(1, steps // 10) if steps else 10
         self._bar = None
         if show_bar:
@@ -243,7 +256,13 @@ class _Summaries:
     """TensorBoard scalars: train/* every step, eval/* after each evaluation."""
 
     def __init__(self, log_dir):
-        self._writer = tf.summary.create_file_writer(log_dir) if log_dir else None
+        """Raises ValueError, in one line, for a log_dir that cannot hold summaries."""
+        try:
+            self._writer = tf.summary.create_file_writer(log_dir) if log_dir else None
+        except (tf.errors.OpError, TypeError) as error:
+            raise ValueError(f"log_dir={log_dir!r} cannot hold TensorBoard summaries: "
+                             f"{errors.root_cause(error)}; give a folder that can be made "
+                             "and written.") from None
 
     def train(self, trainer, logs):
         if self._writer is None:  # reading the step and learning rate costs host syncs
@@ -261,6 +280,17 @@ class _Summaries:
             for name, value in logs.items():
                 tf.summary.scalar(f"{prefix}/{name}", value)
         self._writer.flush()
+
+
+_BATCHES = "a tf.data.Dataset or an iterable of (x, y[, sample_weight]) batches"
+
+
+def _batches(name, data, forms=f"a batch (x, y[, sample_weight]), {_BATCHES}"):
+    """`data`, refused in one line naming `name` and the `forms` it may take unless it
+    is iterable (a tf.data.Dataset, an iterator, a list of batches)."""
+    if not (hasattr(data, "__iter__") or hasattr(data, "__getitem__")):
+        raise ValueError(f"{name} must be {forms}, got {type(data).__name__}.")
+    return data
 
 
 def _reached(trainer, max_steps):

@@ -32,7 +32,8 @@ def step_setup(model, devices, main_device, pipeline_cuts, options, cluster):
     tower_devices = [row[0] for row in grid]
     if part_rows is not None:
         setup.parts = op_grid.PartGrid(model, tower_devices, part_rows, main_device)
-    devices_lib.check_devices_exist(sum(setup.column_grid, []) + [main_device])
+    devices_lib.check_devices_exist(sum(setup.column_grid, []))
+    devices_lib.check_devices_exist([main_device], "main_device")
     # A split layer's part columns are not checked: where towers share a part's
     # device, its gradients are summed there, with nothing to exchange.
     for k in range(len(setup.stage_devices)):

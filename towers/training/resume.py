@@ -9,12 +9,16 @@ step builds it, next to each variable.
 
 import tensorflow as tf
 
-from towers.training import first_batch, trainable
+from towers.training import checkpoint, first_batch, trainable
 
 
 def check_binding(trainer, checkpointer):
     """Raises ValueError, in one line, when `checkpointer` saves another model or
-    optimizer than the trainer's: it would save them under the trainer's step count."""
+    optimizer than the trainer's (it would save them under the trainer's step count),
+    or is no Checkpointer."""
+    if not isinstance(checkpointer, checkpoint.Checkpointer):
+        raise ValueError(f"checkpointer must be a towers.Checkpointer(directory, "
+                         f"trainer.model, trainer.optimizer), got {type(checkpointer).__name__}.")
     if checkpointer.model is not trainer.model:
         raise ValueError(
             f"checkpointer is bound to model {checkpointer.model.name!r}, not to the "

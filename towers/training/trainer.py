@@ -73,6 +73,8 @@ class TowerTrainer:
                  prefetch_to_devices="auto", embedding_lookup="table"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        if not isinstance(jit_compile, bool):
+            raise ValueError(f"jit_compile must be True or False, got {jit_compile!r}.")
         output_names = getattr(model, "output_names", None)
         self.objective = losses.Objective(loss, loss_weights, output_names)
         self.metrics = metrics_lib.Metrics(metrics, weighted_metrics, output_names)
@@ -99,7 +101,7 @@ class TowerTrainer:
         self.main_device = self.setup.main_device
         self.steps_per_execution = executions.check_steps_per_execution(steps_per_execution)
         self.prefetch_to_devices = prefetch.resolve(prefetch_to_devices, self.input_devices)
-        self.jit_compile = bool(jit_compile)
+        self.jit_compile = jit_compile
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
         self.signals = None if cluster is None else worker_signals.WorkerSignals(cluster)
