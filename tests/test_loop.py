@@ -90,7 +90,7 @@ class FitTest(tf.test.TestCase):
         self.assertEqual((trainer.step, history.epoch), (5, [0, 1, 2]))
 
     def test_bad_epochs(self):
-        with self.assertRaisesRegex(ValueError, "epochs must be a positive integer"):
+        with self.assertRaisesRegex(ValueError, "epochs must be an integer >= 1"):
             _trainer().fit([], epochs=0)
 
 

@@ -210,7 +210,7 @@ class MisuseTest(tf.test.TestCase):
                             ("steps_per_epoch", -1), ("max_steps", np.float32(3))):
             self.assertRefused(lambda: self.trainer.fit([(self.x, self.y)], verbose=False,
                                                         **{name: value}),
-                               name, rf"^{name} must be a positive integer, got")
+                               name, rf"^{name} must be an integer >= 1, got")
 
     def test_fit_counts_as_numpy_integers(self):
         # np.int64 as a count (a NumPy computation's result) trains as the int would.
@@ -223,6 +223,14 @@ class MisuseTest(tf.test.TestCase):
         self.assertLen(history.history["loss"], 2)
         for want, got in zip(_state(expected), _state(trainer)):
             self.assertAllClose(want, got, atol=1e-6)
+
+    def test_other_counts_as_numpy_integers(self):
+        options = towers.TowerOptions(accum_steps=np.int64(2), micro_batches=np.int32(1))
+        self.assertEqual((type(options.accum_steps), options.accum_steps), (int, 2))
+        self.assertEqual(_trainer(steps_per_execution=np.int64(3)).steps_per_execution, 3)
+        checkpointer = towers.Checkpointer(self.create_tempdir().full_path, self.trainer.model,
+                                           self.trainer.optimizer, every_steps=np.int64(5))
+        self.assertEqual(checkpointer.every_steps, 5)
 
     def test_fit_with_one_callback_not_in_a_list(self):
         self.assertRefused(

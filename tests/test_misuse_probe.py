@@ -286,7 +286,7 @@ class ProbeTest(tf.test.TestCase):
         other_optimizer = towers.Checkpointer(os.path.join(self.directory, "other_optimizer"),
                                               self.trainer.model, keras.optimizers.SGD())
         cases = [(f"{name}={value!r}", lambda name=name, value=value: fit(
-            batches, **{name: value}), name, rf"^{name} must be a positive integer, got")
+            batches, **{name: value}), name, rf"^{name} must be an integer >= 1, got")
             for name, values in {"epochs": [0, 1.5, "2"],
                                  "steps_per_epoch": [0, 2.5],
                                  "max_steps": [0]}.items() for value in values]
@@ -298,7 +298,7 @@ class ProbeTest(tf.test.TestCase):
                    r"callable epoch -> one of those, got ") for value in (None, 42)]
         self.assert_all_refused(cases + [
             ("epochs=None", lambda: fit(batches, epochs=None), "epochs",
-             r"^epochs must be a positive integer, got None"),
+             r"^epochs must be an integer >= 1, got None"),
             ("validation_data empty", lambda: fit(batches, validation_data=[]),
              "validation_data", r"^validation_data has no batches"),
             ("validation_data a number", lambda: fit(batches, validation_data=3),
@@ -421,7 +421,7 @@ class ProbeTest(tf.test.TestCase):
                                                **kwargs)
 
         cases = [(f"every_steps={value!r}", checkpointer(every_steps=value), "every_steps",
-                  r"^every_steps must be a positive integer or None")
+                  r"^every_steps must be an integer >= 1, got")
                  for value in (0, 1.5)]
         self.assert_all_refused(cases + [
             ("a directory under a file", checkpointer(os.path.join(self.a_file, "ckpt")),

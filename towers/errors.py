@@ -1,5 +1,6 @@
 """Exceptions that towers raises for problems a user can fix, and TensorFlow's errors in one line."""
 
+import numbers
 import re
 
 # Lines of a TensorFlow graph error (or of a Keras layer's call) that say where, not what.
@@ -45,6 +46,14 @@ class Preempted(RuntimeError):
         saved = (f"a checkpoint is saved in {directory}; rerun the same command to resume"
                  if directory else "nothing was saved (no checkpoint directory was given)")
         super().__init__(f"stopped by {signal_name} after step {step}: {saved}.")
+
+
+def positive_integer(name, value):
+    """`value` as a Python int where it is an integer >= 1 (any integral number,
+    np.int64(3) too); ValueError naming `name` for anything else (a float, a bool, 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
 
 
 def root_cause(error):

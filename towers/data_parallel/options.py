@@ -3,6 +3,7 @@
 import dataclasses
 from typing import Optional, Union
 
+from towers import errors
 from towers.data_parallel import exchange, replicas as replicas_lib
 from towers.model_parallel import schedule
 
@@ -57,9 +58,9 @@ class TowerOptions:
     embedding_lookup: str = "table"
 
     def __post_init__(self):
-        if isinstance(self.accum_steps, bool) or not isinstance(self.accum_steps, int) \
-                or self.accum_steps < 1:
-            raise ValueError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}.")
+        # Frozen: the checked counts are set as Python ints (np.int64(2) is taken too).
+        for name in ("accum_steps", "micro_batches"):
+            object.__setattr__(self, name, errors.positive_integer(name, getattr(self, name)))
         if self.clip_global_norm is not None and not (
                 isinstance(self.clip_global_norm, (int, float))
                 and not isinstance(self.clip_global_norm, bool) and self.clip_global_norm > 0):
@@ -81,10 +82,6 @@ class TowerOptions:
                              f"{self.aggregation!r}.")
         if not isinstance(self.pack_gradients, bool):
             raise ValueError(f"pack_gradients must be True or False, got {self.pack_gradients!r}.")
-        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
-                or self.micro_batches < 1:
-            raise ValueError(
-                f"micro_batches must be an integer >= 1, got {self.micro_batches!r}.")
         if self.micro_batches > 1 and self.accum_steps > 1:
             raise ValueError(
                 f"accum_steps={self.accum_steps} and micro_batches={self.micro_batches} both "

@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from towers import errors
 from towers.op_parallel import joined, plan as op_plan
 from towers.training import checkpoint_match
 
@@ -44,9 +45,8 @@ class Checkpointer:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"optimizer must be a keras.optimizers.Optimizer, got "
                              f"{type(optimizer).__name__}.")
-        if every_steps is not None and (isinstance(every_steps, bool)
-                                        or not isinstance(every_steps, int) or every_steps < 1):
-            raise ValueError(f"every_steps must be a positive integer or None, got {every_steps!r}.")
+        if every_steps is not None:
+            every_steps = errors.positive_integer("every_steps", every_steps)
         if writer:
             _check_writable(directory)
         self.directory = directory

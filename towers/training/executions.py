@@ -7,11 +7,11 @@ past the epoch's end or max_steps (`limit`).
 """
 
 import itertools
-import numbers
 
 import tensorflow as tf
 from absl import logging
 
+from towers import errors
 from towers.data_parallel import split
 from towers.training import compiled_steps, prefetch
 
@@ -188,15 +188,9 @@ def check_call(iterator, num_steps):
             f"iterator must be a tf.data iterator (iter(dataset)) or trainer.shard_iterator("
             f"dataset), got a {type(iterator).__name__}; call train_step for each of other "
             "batches.")
-    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) \
-            or num_steps < 1:
-        raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}.")
+    errors.positive_integer("num_steps", num_steps)
 
 
 def check_steps_per_execution(steps_per_execution):
     """steps_per_execution, checked: an integer >= 1."""
-    if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
-            or steps_per_execution < 1:
-        raise ValueError(f"steps_per_execution must be an integer >= 1, got "
-                         f"{steps_per_execution!r}.")
-    return steps_per_execution
+    return errors.positive_integer("steps_per_execution", steps_per_execution)

@@ -4,7 +4,6 @@ The trainer owns the step; this module only decides which batches to feed it
 and how to summarise what comes back.
 """
 
-import numbers
 import sys
 import time
 
@@ -86,7 +85,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             f"shape {tuple(epochs.shape)}. Pass one dataset of (x, y) batches, e.g. "
             "fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)) or fit([(x, y)]).")
     if epochs is None:
-        raise ValueError("epochs must be a positive integer, got None.")
+        raise ValueError("epochs must be an integer >= 1, got None.")
     epochs, steps_per_epoch, max_steps = _positive_integers(
         epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
     if not callable(dataset):
@@ -300,11 +299,8 @@ def _reached(trainer, max_steps):
 def _positive_integers(**values):
     """The values, each None or an integer >= 1 (any integral number, np.int64(3) too),
     as Python ints; ValueError, naming it, for anything else (a float, a bool, 0)."""
-    for name, value in values.items():
-        if value is not None and (isinstance(value, bool)
-                                  or not isinstance(value, numbers.Integral) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return tuple(None if value is None else int(value) for value in values.values())
+    return tuple(None if value is None else errors.positive_integer(name, value)
+                 for name, value in values.items())
 
 
 def _bar_values(logs):
