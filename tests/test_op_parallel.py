@@ -470,6 +470,58 @@ class BadPlanTest(tf.test.TestCase, parameterized.TestCase):
             towers.split_layers(model, {"dense": "column"}, DEVICES[:2])
 
 
+def _constrained(seed=0, **dense_options):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="up", **dense_options),
+                             keras.layers.Dense(3, name="out")])
+
+
+class ExactnessTest(tf.test.TestCase, parameterized.TestCase):
+    """What a split would compute per part instead of on the whole weight: refused."""
+
+    @parameterized.named_parameters(
+        ("norm_across_a_row_split", {"kernel_constraint": keras.constraints.MaxNorm(2.0, axis=0)},
+         "row", r"kernel has the constraint MaxNorm\(axis=0\), which would read the whole"),
+        ("norm_across_a_column_split", {"kernel_constraint": keras.constraints.UnitNorm(axis=1)},
+         "column", r"kernel has the constraint UnitNorm\(axis=1\)"),
+        ("orthogonal_regularizer",
+         {"kernel_regularizer": keras.regularizers.OrthogonalRegularizer()}, "column",
+         "kernel has the regulariser OrthogonalRegularizer, which reads the whole weight"))
+    def test_a_weight_rule_over_the_cut_is_refused(self, options, how, message):
+        with self.assertRaisesRegex(ValueError, message) as caught:
+            towers.split_layers(_constrained(**options), {"up": how}, DEVICES[:2])
+        self.assertNotIn("\n", str(caught.exception))
+
+    @parameterized.named_parameters(
+        ("lamb", lambda: keras.optimizers.Lamb(), "optimizer Lamb updates each variable"),
+        ("adafactor", lambda: keras.optimizers.Adafactor(), "optimizer Adafactor updates"),
+        ("loss_scaled_lamb", lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Lamb()),
+         "optimizer Lamb updates"),
+        ("clipnorm", lambda: keras.optimizers.SGD(0.1, clipnorm=1.0),
+         "clipnorm=1.0 clips each variable by its own norm"))
+    def test_an_optimizer_that_reads_a_whole_variable_is_refused(self, optimizer, message):
+        split = towers.split_layers(_constrained(), {"up": "column"}, DEVICES[:2])
+        with self.assertRaisesRegex(ValueError, message) as caught:
+            towers.TowerTrainer(split, "mse", optimizer(), devices=[DEVICES[:2]])
+        self.assertNotIn("\n", str(caught.exception))
+
+    def test_a_norm_along_an_uncut_axis_and_global_clipnorm_train_as_one_device(self):
+        # MaxNorm(axis=0) bounds each output unit's column, whole within a column part.
+        options = {"kernel_constraint": keras.constraints.MaxNorm(0.3, axis=0)}
+        whole = _constrained(**options)
+        whole.compile(keras.optimizers.SGD(0.5, global_clipnorm=0.5), "mse")
+        split = towers.split_layers(_constrained(**options), {"up": "column"}, DEVICES[:2])
+        trainer = towers.TowerTrainer(split, "mse", keras.optimizers.SGD(0.5, global_clipnorm=0.5),
+                                      devices=[DEVICES[:2], DEVICES[2:]])
+        rng = np.random.default_rng(0)
+        for _ in range(2):
+            x, y = rng.normal(size=(6, 4)).astype("float32"), rng.normal(size=(6, 3))
+            whole.train_on_batch(x, y)
+            trainer.train_step((x, y))
+        for want, got in zip(whole.get_weights(), towers.join_layers(split).get_weights()):
+            self.assertAllClose(want, got, atol=1e-5)
+
+
 class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
     """towers-train --tensor_parallel / --split_plan, run in this process (train.train())."""
 

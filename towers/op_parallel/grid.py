@@ -9,7 +9,7 @@ split_layers created them; the towers' gradients of part j meet there (steps
 
 from towers import devices as devices_lib
 from towers.model_parallel import stages as stages_lib
-from towers.op_parallel import layers as layers_lib
+from towers.op_parallel import exactness, layers as layers_lib
 from towers.op_parallel.plan import PARALLEL_FORMS, is_split
 
 
@@ -88,10 +88,12 @@ class PartGrid(stages_lib.VariableGroups):
         return layers_lib.tower_row(self.rows[tower_index][1:])
 
 
-def check_split_model(model, pipeline_cuts, variable_placement, jit_compile):
-    """Refuses, in one line, what split layers cannot be combined with yet."""
+def check_split_model(model, optimizer, pipeline_cuts, variable_placement, jit_compile):
+    """Refuses, in one line, what split layers cannot be combined with yet, and an
+    optimizer whose update a split would change (exactness.check_optimizer)."""
     if not is_split(model):
         return
+    exactness.check_optimizer(optimizer)
     if jit_compile:
         raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
                          "tower for one device, and a split layer's parts run on several; "

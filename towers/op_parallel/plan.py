@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import devices as devices_lib
+from towers.op_parallel import exactness
 from towers.op_parallel.dense import DENSE_EQUATION, ColumnDense, RowDense, split_axes
 from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
 
@@ -189,6 +190,7 @@ def _check(model, plan, devices):
         if how == "heads" and layer.get_config().get("use_gate"):
             raise ValueError(f"plan[{name!r}] = 'heads': a gated MultiHeadAttention "
                              "(use_gate=True) is not split yet; place it whole instead.")
+        exactness.check_layer(name, layer, how)
         units, what = _split_size(layer, how)
         try:
             part_sizes(units, len(devices))
