@@ -204,14 +204,19 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllEqual(whole.sum(axis=1) != 0, np.isin(np.arange(11), ids))
 
     def test_heads_parts_hold_their_heads(self):
-        attention = self._split_text().get_layer("att")
+        split = self._split_text()
+        attention = split.get_layer("att")
         self.assertEqual([part.num_heads for part in attention.parts], [2, 1, 1])
         for j, part in enumerate(attention.parts):
             self.assertEqual({_device_of(v) for v in part.weights}, {PARTS[j]})
-        # The output bias is added once: part 0's; the others' stay zero, untrained.
-        biases = [part.output_dense.bias for part in attention.parts]
-        self.assertEqual([b.trainable for b in biases], [True, False, False])
-        self.assertAllEqual(biases[1], np.zeros(6))
+        # The output bias is added once: part 0 holds it, the others have none, so that
+        # making the model trainable again cannot train a second one.
+        self.assertEqual([part.output_dense.bias is None for part in attention.parts],
+                         [False, True, True])
+        before = len(split.trainable_variables)
+        split.trainable = False
+        split.trainable = True
+        self.assertLen(split.trainable_variables, before)
 
     def test_branches_placed_whole(self):
         model = _branches()

@@ -155,6 +155,17 @@ def move_variable(variable, device):
             aggregation=old.aggregation, synchronization=old.synchronization)
 
 
+def drop_weight(layer, attribute):
+    """Removes the weight `layer.<attribute>` (e.g. an EinsumDense's "bias") from `layer`:
+    the attribute becomes None, and the variable leaves the layer's weights.
+
+    Public alternative: none; a Keras layer adds weights (add_weight), never drops one.
+    """
+    variable = getattr(layer, attribute)
+    setattr(layer, attribute, None)
+    layer._untrack_variable(variable)
+
+
 # ---------------------------------------------------------------------------------------
 # Keras: optimizers
 

@@ -240,8 +240,8 @@ class HeadsAttention(keras.layers.Layer):
     """MultiHeadAttention with its heads split: part j holds heads [start_j, end_j) on
     devices[j] (their query, key and value projections and their slice of the output
     projection) and computes their attention there; the parts' outputs are summed.
-    Part 0 holds the output bias; the others' is zero and not trained, so it is added
-    once."""
+    Part 0 holds the output bias, the others none, so it is added once (a frozen zero
+    bias would be trained again by `model.trainable = True`)."""
 
     def __init__(self, attention_config, devices, **kwargs):
         """attention_config: the layer's get_config(), its output_shape given (each part's
@@ -260,8 +260,7 @@ class HeadsAttention(keras.layers.Layer):
         for j, (device, part) in enumerate(zip(self.devices, self.parts)):
             build_part(part, device, query_shape, value_shape, key_shape)
             if j > 0 and part.use_bias:
-                part.output_dense.bias.assign(ops.zeros_like(part.output_dense.bias))
-                part.output_dense.bias.trainable = False
+                compat.drop_weight(part.output_dense, "bias")
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
              attention_mask=None, return_attention_scores=False, training=None,
