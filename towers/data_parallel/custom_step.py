@@ -190,7 +190,7 @@ class Tower:
                                     if targets else [None] * len(variables))
         self._tape = None  # the activations may now be freed
 
-    def merged_state(self):
+    def changed_state(self):
         """{id(variable): (variable, its new value on this tower)} for every one changed."""
         return {key: (self._variables[key], value) for key, value in self._changed.items()}
 
@@ -269,12 +269,12 @@ def _assign_state(towers, sizes, main_device):
     rule (aggregate.state_rules) and written once."""
     changed = {}
     for handle in towers:
-        for key, (variable, _) in handle.merged_state().items():
+        for key, (variable, _) in handle.changed_state().items():
             changed[key] = variable
     if not changed:
         return
     variables = list(changed.values())
-    tower_states = [[handle.merged_state().get(id(v), (None, None))[1] for v in variables]
+    tower_states = [[handle.changed_state().get(id(v), (None, None))[1] for v in variables]
                     for handle in towers]
     merged = aggregate.merge_state(tower_states, [v.value for v in variables],
                                    aggregate.state_rules(variables), sizes, main_device)
