@@ -2,6 +2,9 @@
 replaced inside its parent (a keras-io style TransformerBlock), on functional and
 subclassed models; exact against the unsplit model and Keras on one device."""
 
+import shutil
+import tempfile
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -98,6 +101,25 @@ def _subclassed(seed=0):
     return model
 
 
+class FunctionalClassifier(keras.Model):
+    """The same network as a Functional subclass (as keras_hub's backbones are), its
+    config its constructor's arguments."""
+
+    def __init__(self, **kwargs):
+        ids = keras.Input((SEQUENCE,), dtype="int32")
+        x = TokenAndPositionEmbedding(SEQUENCE, VOCAB, WIDTH, name="embed")(ids)
+        x = TransformerBlock(WIDTH, HEADS, FFN, name="block")(x)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        super().__init__(ids, keras.layers.Dense(CLASSES, name="head")(x), **kwargs)
+
+    def get_config(self):
+        return {"name": self.name}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
 def _batch(seed, rows=6):
     rng = np.random.default_rng(seed)
     return (rng.integers(0, VOCAB, (rows, SEQUENCE)).astype("int32"),
@@ -192,6 +214,52 @@ class NestedPlanTest(tf.test.TestCase):
             for actual, wanted in zip(joined.get_weights(), model.get_weights(), strict=True):
                 self.assertAllEqual(actual, wanted)
             self.assertAllClose(joined(x), model(x), atol=1e-6, rtol=0)
+
+    def test_functional_subclass_and_nested_sequential(self):
+        keras.utils.set_random_seed(0)
+        inner = keras.Sequential([keras.layers.Dense(6, activation="relu", name="a"),
+                                  keras.layers.Dense(4, name="b")], name="inner")
+        sequential = keras.Sequential([keras.Input((5,)), inner, keras.layers.Dense(3, name="c")])
+        keras.utils.set_random_seed(0)
+        for model, plan, x in (
+                (FunctionalClassifier(), {"head": "column", "block/ffn/*": 0, "embed/*": "vocab",
+                                          "block/att": "heads"}, _batch(5)[0]),
+                (sequential, {"inner/a": "column", "inner/b": "row", "c": 1},
+                 np.random.default_rng(0).normal(size=(3, 5)).astype("float32"))):
+            parted = towers.split_layers(model, plan, PARTS)
+            self.assertIs(type(parted), type(model))
+            self.assertAllClose(parted(x), model(x), atol=TOLERANCE, rtol=0)
+            joined = towers.join_layers(parted)
+            self.assertIs(type(joined), type(model))
+            for actual, wanted in zip(joined.get_weights(), model.get_weights(), strict=True):
+                self.assertAllEqual(actual, wanted)
+
+    def test_checkpoint_restores_unsplit(self):
+        # Saved from 2 parts, restored into the unsplit model, trained on: as if the
+        # unsplit model had trained all along on the same towers (momentum slots moved).
+        batches = [_batch(seed) for seed in (6, 7, 8)]
+        directory = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, directory)
+
+        def trainer(model):
+            trainer = towers.TowerTrainer(
+                model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                keras.optimizers.SGD(0.1, momentum=0.9), devices=DEVICES[:2])
+            trainer.optimizer.build(model.trainable_variables)
+            return trainer, towers.Checkpointer(directory, model, trainer.optimizer)
+
+        expected, _ = trainer(_functional())
+        for batch in batches:
+            expected.train_step(batch)
+        saving, checkpointer = trainer(towers.split_layers(_functional(), PLAN, PARTS))
+        for batch in batches[:2]:
+            saving.train_step(batch)
+        checkpointer.save(epoch=0, batch_in_epoch=2)
+        restoring, checkpointer = trainer(_functional(seed=1))
+        self.assertIsNotNone(checkpointer.restore())
+        restoring.train_step(batches[2])
+        for actual, wanted in zip(restoring.model.get_weights(), expected.model.get_weights()):
+            self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)
 
     def test_refused_in_one_line(self):
         model = _functional()
