@@ -139,8 +139,9 @@ def join_layers(model):
     except (TypeError, ValueError) as error:
         raise ValueError(f"join_layers rebuilds model {model.name!r} from its layers' "
                          f"configs, and one lists a split layer ({type(error).__name__}: "
-                         f"{paths.first_line(error)}); split the layer holding it "
-                         "instead.") from None
+                         f"{paths.first_line(error)}); have that layer build its "
+                         "sublayers in its constructor, as keras-io's and keras_hub's "
+                         "layers do.") from None
     joined.set_weights(joined_values(model))
     return joined
 
