@@ -102,11 +102,22 @@ def _matches(names, levels):
         fnmatch.fnmatchcase(name, level) for name, level in zip(names, levels))
 
 
-def locate(model, position):
-    """(parent, layer) at `position` (a Target's) in `model`."""
+def locate(model, position, like=None):
+    """(parent, layer) at `position` (a Target's) in `model`.
+
+    Raises:
+      ValueError: one line where the layer there is not of `like`'s type (the layer at
+        that position in the model `model` was copied from).
+    """
     parent, layer = None, model
     for index in position:
-        parent, layer = layer, compat.sublayers(layer)[index]
+        sublayers = compat.sublayers(layer)
+        parent, layer = layer, sublayers[index] if index < len(sublayers) else None
+    if like is not None and type(layer) is not type(like):
+        raise ValueError(f"the copy of model {model.name!r} rebuilt from its config holds "
+                         f"{type(layer).__name__} where the model holds {like.name!r} "
+                         f"({type(like).__name__}); give {type(model).__name__} a "
+                         "get_config() that rebuilds it as it is.")
     return parent, layer
 
 
@@ -152,6 +163,7 @@ def rebuild(model, clone_function):
 
 
 def first_line(error):
+    """The first line of `error`'s message (a one-line error quotes no more)."""
     return (str(error).strip().splitlines() or [""])[0]
 
 
@@ -166,5 +178,6 @@ def install(parent, layer, form):
 
 
 def build_shapes_are_one(layer):
-    """Whether `layer` was built for one input shape (what Placed builds from)."""
+    """Whether `layer` was built for one input shape (what Placed builds from; a layer
+    without variables may not have been built at all)."""
     return "input_shape" in (layer.get_build_config() or {})

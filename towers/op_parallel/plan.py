@@ -71,18 +71,18 @@ def _split_by_paths(model, plan, devices):
     """split_layers for a plan of paths: a copy of the model, each layer the plan names
     replaced inside its parent, in the copy, by its parallel form."""
     targets = paths.resolve(model, plan)
-    for target in targets:
-        layer = paths.locate(model, target.position)[1]
+    originals = [paths.locate(model, target.position)[1] for target in targets]
+    for target, layer in zip(targets, originals):
         check_layer(target.key, layer, target.how, devices)
         if isinstance(target.how, int) and not paths.build_shapes_are_one(layer):
             raise ValueError(f"plan[{target.key!r}] = {target.how} places {target.path!r}, "
-                             f"a {type(layer).__name__} built for several inputs, and a "
+                             f"a {type(layer).__name__} not built for one input, and a "
                              "placed nested layer takes one; place its parent instead.")
     devices_lib.check_devices_exist(devices)
     with tf.device(devices[0]):
         parted = paths.copy_model(model)
-        for target in targets:
-            parent, layer = paths.locate(parted, target.position)
+        for target, original in zip(targets, originals):
+            parent, layer = paths.locate(parted, target.position, like=original)
             form = parallel_form(layer, target.how, devices)
             paths.install(parent, layer, form)
             write_split(form, layer.get_weights())
