@@ -41,7 +41,7 @@ class JoinedTwin:
         parted_slots, twin_slots = _by_name(self._optimizer), _by_name(self.optimizer)
         # join_layers keeps each top-level layer's place (a subclassed model's rebuilt
         # layers may have new names).
-        for twin_layer, parted in zip(self.model.layers, self._parted.layers, strict=True):
+        for twin_layer, parted in zip(self.model.layers, self._parted.layers):
             if not twin_layer.weights:
                 continue
             for kind in [None] + _slot_kinds(twin_layer, twin_slots):

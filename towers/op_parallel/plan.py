@@ -159,7 +159,7 @@ def write_split(layer, values, write=lambda variable, value: variable.assign(val
     """Writes `values`, the weights of the layer `layer` stands for, into it: cut into
     the parts of each parallel form in it. `write(variable, value)` as joined_values'
     read."""
-    for (axis, variables), value in zip(_layout(layer), values, strict=True):
+    for (axis, variables), value in zip(_layout(layer), values):
         if axis is None:
             write(variables[0], value)
             continue
