@@ -496,9 +496,9 @@ class ProbeTest(tf.test.TestCase):
              "devices", r"^devices \['/device:CPU:8', '/device:CPU:9'\] do not exist"),
             ("an unbuilt model", split({"d": "column"}, model=unbuilt), "model",
              r"^model .* is not built"),
-            ("a subclassed model", split({"dense": "column"},
-                                         model=reference.subclassed_model()), "model",
-             r"^split_layers needs a functional or Sequential keras.Model"),
+            ("a subclassed model's attribute name, not its layer's",
+             split({"dense": "column"}, model=reference.subclassed_model()), "plan key",
+             r"^plan key 'dense' matches no layer"),
             ("join_layers of a name", lambda: towers.join_layers("mlp"), "join_layers",
              r"^join_layers takes the keras.Model split_layers returned, got str"),
         ])

@@ -121,6 +121,102 @@ def nested_layers(model):
     return model._flatten_layers(include_self=False)
 
 
+def sublayers(layer):
+    """The layers `layer` holds directly (its attributes' and its graph's), in the order
+    `layer.weights` lists their weights after its own.
+
+    Public alternative: `model.layers` for a keras.Model; a plain Layer has none.
+    """
+    return list(layer._layers)
+
+
+def own_weights(layer):
+    """The weights `layer` creates itself, not its sublayers': the first of
+    `layer.weights`, in that order.
+
+    Public alternative: none; `layer.weights` lists its sublayers' too.
+    """
+    weights, seen = [], set()
+    for weight in layer._trainable_variables + layer._non_trainable_variables:
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            weights.append(weight)
+    return weights
+
+
+def replace_sublayer(parent, old, new):
+    """Puts layer `new` wherever `parent` holds layer `old`: its attributes (directly or
+    in a list, tuple or dict), its tracked sublayers (at `old`'s place, so
+    `parent.weights` keeps its order and drops `old`'s) and, where `parent` runs a
+    functional graph (Functional, Sequential), the graph's nodes, so that `parent`'s
+    own call runs `new`. `old` is left untracked by `parent`.
+
+    Public alternative: none. `setattr(parent, name, new)` tracks `new` last (or is
+    refused: a built layer's state is locked) and keeps `old` tracked, its variables
+    among `parent.weights`; a graph's nodes cannot be changed at all.
+    """
+    tracker = parent._tracker
+    store = tracker.config["layers"][1]
+    lists = {id(store): store, id(parent._layers): parent._layers}
+    places = [(layers, _index_of(layers, old)) for layers in lists.values()
+              if _index_of(layers, old) is not None]
+    was_locked = tracker.locked
+    tracker.unlock()
+    try:
+        for name, value in list(vars(parent).items()):
+            if name == "_layers":  # put in order below
+                continue
+            if value is old:  # Keras tracks `new` (at the end), TensorFlow's checkpoint follows
+                setattr(parent, name, new)
+            elif isinstance(value, list):
+                for i, item in enumerate(list(value)):
+                    if item is old:
+                        value[i] = new
+            elif isinstance(value, tuple) and any(item is old for item in value):
+                setattr(parent, name, type(value)(new if item is old else item
+                                                  for item in value))
+            elif isinstance(value, dict):
+                for key, item in list(value.items()):
+                    if item is old:
+                        value[key] = new
+    finally:
+        if was_locked:
+            tracker.lock()
+    for layers, index in places:  # `new` at `old`'s place, once
+        while _index_of(layers, new) is not None:
+            list.pop(layers, _index_of(layers, new))
+        list.__setitem__(layers, _index_of(layers, old), new)
+    tracker.stored_ids["layers"].discard(id(old))
+    tracker.stored_ids["layers"].add(id(new))
+    graph = functional_graph(parent)
+    if graph is not None:
+        _replace_in_graph(graph, old, new)
+        if graph is not parent:  # a Sequential's inner Functional tracks it too
+            replace_sublayer(graph, old, new)
+
+
+def _index_of(layers, layer):
+    return next((i for i, item in enumerate(layers) if item is layer), None)
+
+
+def _replace_in_graph(graph, old, new):
+    """Each node of `graph` that calls `old` calls `new`, its outputs' history saying so."""
+    for i, operation in enumerate(graph._operations):
+        if operation is old:
+            graph._operations[i] = new
+    for operations in graph._operations_by_depth.values():
+        for i, operation in enumerate(operations):
+            if operation is old:
+                operations[i] = new
+    for node in [node for nodes in graph._nodes_by_depth.values() for node in nodes]:
+        if node.operation is old:
+            node.operation = new
+            new._inbound_nodes.append(node)
+            for i, tensor in enumerate(node.outputs):
+                tensor._keras_history = type(tensor._keras_history)(
+                    new, len(new._inbound_nodes) - 1, i)
+
+
 def functional_graph(model):
     """The keras.Model whose graph of layers `model` runs: a built Sequential's inner
     Functional, else `model` itself (None for a subclassed model, which has none).

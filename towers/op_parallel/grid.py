@@ -10,7 +10,7 @@ split_layers created them; the towers' gradients of part j meet there (steps
 from towers import devices as devices_lib
 from towers.model_parallel import stages as stages_lib
 from towers.op_parallel import exactness, layers as layers_lib
-from towers.op_parallel.plan import PARALLEL_FORMS, is_split
+from towers.op_parallel.plan import is_split, parallel_forms
 
 
 def tower_and_part_devices(model, devices):
@@ -46,7 +46,7 @@ def tower_and_part_devices(model, devices):
 
 def part_devices(model):
     """The devices the split layers of `model` put their parts on (split_layers' list)."""
-    lists = {tuple(layer.devices) for layer in model.layers if isinstance(layer, PARALLEL_FORMS)}
+    lists = {tuple(layer.devices) for layer in parallel_forms(model)}
     if len(lists) > 1:
         raise ValueError(
             f"model {model.name!r} has layers split over different devices, {sorted(lists)}; "
@@ -67,12 +67,11 @@ class PartGrid(stages_lib.VariableGroups):
 
     def __init__(self, model, tower_devices, part_rows, main_device):
         self._column_of = {}  # id of a part's variable -> its column (the others: 0)
-        for layer in model.layers:
-            if isinstance(layer, PARALLEL_FORMS):
-                parts = layer.parts.items() if isinstance(layer.parts, dict) else enumerate(
-                    layer.parts)
-                for j, part in parts:
-                    self._column_of.update({id(v): 1 + j for v in part.weights})
+        for layer in parallel_forms(model):  # nested ones too
+            parts = layer.parts.items() if isinstance(layer.parts, dict) else enumerate(
+                layer.parts)
+            for j, part in parts:
+                self._column_of.update({id(v): 1 + j for v in part.weights})
         self.rows = [[device] + list(row) for device, row in zip(tower_devices, part_rows)]
         self.devices = [main_device] + list(part_rows[0])
         super().__init__(model)

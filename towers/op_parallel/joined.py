@@ -39,11 +39,11 @@ class JoinedTwin:
 
     def _copy(self, to_twin):
         parted_slots, twin_slots = _by_name(self._optimizer), _by_name(self.optimizer)
-        parted_layers = {layer.name: layer for layer in self._parted.layers}
-        for twin_layer in self.model.layers:
+        # join_layers keeps each top-level layer's place (a subclassed model's rebuilt
+        # layers may have new names).
+        for twin_layer, parted in zip(self.model.layers, self._parted.layers):
             if not twin_layer.weights:
                 continue
-            parted = parted_layers[twin_layer.name]
             for kind in [None] + _slot_kinds(twin_layer, twin_slots):
                 def variable(weight, slots, kind=kind):
                     """The weight, or its slot of `kind` (None for a weight without slots)."""

@@ -1,16 +1,19 @@
 """split_layers: a model with the layers a plan names replaced by their parallel forms;
 join_layers: the model back with the original layer types and the full weights.
 
-A plan is {layer name: how}: "column" or "row" (Dense, EinsumDense), "vocab" (Embedding),
-"heads" (MultiHeadAttention), or an int j (the whole layer on devices[j]).
+A plan is {layer path: how}: "column" or "row" (Dense, EinsumDense), "vocab" (Embedding),
+"heads" (MultiHeadAttention), or an int j (the whole layer on devices[j]). A path is a
+top-level layer's name, or names down to a nested layer ("block_0/ffn/dense"), each
+level a shell wildcard (paths.py).
 """
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from towers import compat
 from towers import devices as devices_lib
-from towers.op_parallel import exactness
+from towers.op_parallel import exactness, paths
 from towers.op_parallel.dense import DENSE_EQUATION, ColumnDense, RowDense, split_axes
 from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
 
@@ -25,9 +28,15 @@ def split_layers(model, plan, devices):
     replaced by its parallel form (its part j's variables on devices[j]); every other
     layer's variables on devices[0]. `model` is left as it was.
 
+    A nested layer's form takes its place inside its parent (paths.py), so the parent's
+    own call runs it: any model whose config rebuilds it works, subclassed too.
+
     Args:
-      model: a built functional or Sequential keras.Model.
-      plan: {layer name: "column" | "row" | "vocab" | "heads" | int}.
+      model: a built keras.Model: functional, Sequential, a Functional subclass or
+        subclassed.
+      plan: {layer path: "column" | "row" | "vocab" | "heads" | int}; a path is a
+        top-level layer's name or "/"-joined names down to a nested layer, each level
+        a shell wildcard ("block_*/ffn/dense_?").
       devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
 
     Raises:
@@ -38,27 +47,16 @@ def split_layers(model, plan, devices):
         raise ValueError(f"devices must be a list of device names, one per part, e.g. "
                          f"['/device:CPU:0', '/device:CPU:1'], got {devices!r}.")
     devices = [devices_lib.canonical_name(d) for d in devices]
+    _check_arguments(model, plan, devices)
+    if paths.reaches_inside(model, plan):
+        return _split_by_paths(model, plan, devices)
     _check(model, plan, devices)
     devices_lib.check_devices_exist(devices)
     by_name = {layer.name: layer for layer in model.layers}
 
     def clone(layer):
         how = plan.get(layer.name)
-        if how is None:
-            return _copy(layer)
-        if isinstance(how, int):
-            return Placed(_copy(layer), devices, how)
-        config = layer.get_config()
-        if how in ("column", "row"):
-            form = ColumnDense if how == "column" else RowDense
-            return form(config, type(layer).__name__, devices, _split_size(layer, how)[0],
-                        activity_regularizer=layer.activity_regularizer)
-        if how == "vocab":
-            return VocabEmbedding(config, devices)
-        if how == "heads":
-            if config["output_shape"] is None:  # the query's width, which the parts cannot see
-                config["output_shape"] = int(layer.output_dense.kernel.shape[-1])
-            return HeadsAttention(config, devices)
+        return _copy(layer) if how is None else parallel_form(layer, how, devices)
 
     with tf.device(devices[0]):
         parted = keras.models.clone_model(model, clone_function=clone)
@@ -69,49 +67,99 @@ def split_layers(model, plan, devices):
     return parted
 
 
+def _split_by_paths(model, plan, devices):
+    """split_layers for a plan of paths: a copy of the model, each layer the plan names
+    replaced inside its parent, in the copy, by its parallel form."""
+    targets = paths.resolve(model, plan)
+    originals = [paths.locate(model, target.position)[1] for target in targets]
+    for target, layer in zip(targets, originals):
+        check_layer(target.key, layer, target.how, devices)
+        if isinstance(target.how, int) and not paths.build_shapes_are_one(layer):
+            raise ValueError(f"plan[{target.key!r}] = {target.how} places {target.path!r}, "
+                             f"a {type(layer).__name__} not built for one input, and a "
+                             "placed nested layer takes one; place its parent instead.")
+    devices_lib.check_devices_exist(devices)
+    with tf.device(devices[0]):
+        parted = paths.copy_model(model)
+        for target, original in zip(targets, originals):
+            parent, layer = paths.locate(parted, target.position, like=original)
+            form = parallel_form(layer, target.how, devices)
+            paths.install(parent, layer, form)
+            write_split(form, layer.get_weights())
+    return parted
+
+
+def parallel_form(layer, how, devices):
+    """The parallel form of `layer` for `how` (a plan's value), not built."""
+    if isinstance(how, int):
+        form = Placed(_copy(layer), devices, how)
+    elif how in ("column", "row"):
+        form = (ColumnDense if how == "column" else RowDense)(
+            layer.get_config(), _base_class(layer, how).__name__, devices,
+            _split_size(layer, how)[0], activity_regularizer=layer.activity_regularizer)
+    elif how == "vocab":
+        form = VocabEmbedding(layer.get_config(), devices)
+    else:
+        config = layer.get_config()
+        if config["output_shape"] is None:  # the query's width, which the parts cannot see
+            config["output_shape"] = int(layer.output_dense.kernel.shape[-1])
+        form = HeadsAttention(config, devices)
+    form.original_class = type(layer)  # join_layers gives back a user's subclass as it was
+    return form
+
+
 def join_layers(model):
     """`model` with every parallel form replaced by the layer it stands for, with the
-    full (joined) weights: to export, serve or compare. Variables on the current device."""
+    full (joined) weights: to export, serve or compare. Variables on the current device.
+
+    A functional or Sequential model is cloned layer by layer (nested ones too); a
+    subclassed one, or a Functional subclass, is rebuilt from its config, which holds
+    its original layers. A layer holding a split one is rebuilt from its config too,
+    so a split layer held directly by a nested Functional or Sequential whose config
+    another layer's config lists cannot be joined (refused in one line).
+    """
     if not isinstance(model, keras.Model):
         raise ValueError(f"join_layers takes the keras.Model split_layers returned, got "
                          f"{type(model).__name__}.")
 
     def clone(layer):
         if isinstance(layer, (ColumnDense, RowDense)):
-            return getattr(keras.layers, layer.layer_class).from_config(layer.layer_config)
+            cls = getattr(layer, "original_class", getattr(keras.layers, layer.layer_class))
+            return cls.from_config(layer.layer_config)
         if isinstance(layer, VocabEmbedding):
-            return keras.layers.Embedding.from_config(layer.embedding_config)
+            cls = getattr(layer, "original_class", keras.layers.Embedding)
+            return cls.from_config(layer.embedding_config)
         if isinstance(layer, HeadsAttention):
-            return keras.layers.MultiHeadAttention.from_config(layer.attention_config)
+            cls = getattr(layer, "original_class", keras.layers.MultiHeadAttention)
+            return cls.from_config(layer.attention_config)
         return _copy(layer.layer if isinstance(layer, Placed) else layer)
 
-    joined = keras.models.clone_model(model, clone_function=clone)
-    by_name = {layer.name: layer for layer in model.layers}
-    for layer in joined.layers:
-        if layer.weights:
-            layer.set_weights(joined_values(by_name[layer.name]))
+    try:
+        joined = paths.rebuild(model, clone)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"join_layers rebuilds model {model.name!r} from its layers' "
+                         f"configs, and one lists a split layer ({type(error).__name__}: "
+                         f"{paths.first_line(error)}); have that layer build its "
+                         "sublayers in its constructor, as keras-io's and keras_hub's "
+                         "layers do.") from None
+    joined.set_weights(joined_values(model))
     return joined
 
 
 def joined_values(layer, read=lambda variable: variable.numpy()):
     """The weights (NumPy arrays) of the layer `layer` stands for, in that layer's order:
-    its parts' joined, for a parallel form; else its own. `read`: a variable's value
-    (an optimizer slot's can stand in for it)."""
-    if not isinstance(layer, PARALLEL_FORMS):
-        return [read(weight) for weight in layer.weights]
+    a parallel form's parts' joined, nested ones' too; else its own. `read`: a
+    variable's value (an optimizer slot's can stand in for it)."""
     return [read(variables[0]) if axis is None else
             np.concatenate([read(v) for v in variables], axis)
-            for axis, variables in layer.layout()]
+            for axis, variables in _layout(layer)]
 
 
 def write_split(layer, values, write=lambda variable, value: variable.assign(value)):
     """Writes `values`, the weights of the layer `layer` stands for, into it: cut into
-    its parts for a parallel form. `write(variable, value)` as joined_values' read."""
-    if not isinstance(layer, PARALLEL_FORMS):
-        for weight, value in zip(layer.weights, values):
-            write(weight, value)
-        return
-    for (axis, variables), value in zip(layer.layout(), values):
+    the parts of each parallel form in it. `write(variable, value)` as joined_values'
+    read."""
+    for (axis, variables), value in zip(_layout(layer), values):
         if axis is None:
             write(variables[0], value)
             continue
@@ -120,9 +168,37 @@ def write_split(layer, values, write=lambda variable, value: variable.assign(val
             write(variable, piece)
 
 
+def _layout(layer):
+    """Per weight of the layer `layer` stands for, in its order (Keras's: a layer's own
+    weights, then each sublayer's, each once): (axis, variables), the variables that
+    hold it joined along axis (None: one variable holds it whole)."""
+    groups, seen = [], set()
+
+    def visit(layer):
+        is_form = isinstance(layer, PARALLEL_FORMS)
+        for axis, variables in (layer.layout() if is_form else
+                                [(None, [w]) for w in compat.own_weights(layer)]):
+            if id(variables[0]) not in seen:
+                seen.add(id(variables[0]))
+                groups.append((axis, variables))
+        if not is_form:
+            for sublayer in compat.sublayers(layer):
+                visit(sublayer)
+
+    visit(layer)
+    return groups
+
+
 def is_split(model):
-    """Whether `model` holds parallel forms of layers (split_layers' result)."""
-    return any(isinstance(layer, PARALLEL_FORMS) for layer in model.layers)
+    """Whether `model` holds parallel forms of layers (split_layers' result), nested
+    ones too."""
+    return bool(parallel_forms(model))
+
+
+def parallel_forms(model):
+    """The parallel forms inside `model`, at any depth."""
+    return [layer for layer in compat.nested_layers(model)
+            if isinstance(layer, PARALLEL_FORMS)]
 
 
 def _copy(layer):
@@ -144,56 +220,76 @@ def _split_size(layer, how):
     return layer.input_dim, "rows"
 
 
-def _check(model, plan, devices):
-    if not isinstance(model, keras.Model) or not (
-            isinstance(model, keras.Sequential) or model.__class__.__name__ == "Functional"):
-        raise ValueError(f"split_layers needs a functional or Sequential keras.Model, got "
-                         f"{type(model).__name__}: a subclassed model's layers cannot be "
-                         "replaced from outside; build it with the functional API.")
+def _check_arguments(model, plan, devices):
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"split_layers needs a built keras.Model (functional, Sequential or "
+                         f"subclassed), got {type(model).__name__}.")
     if not model.built:
         raise ValueError(f"model {model.name!r} is not built; call it on a batch (or build "
                          "it) before split_layers.")
     if not isinstance(plan, dict) or not plan:
-        raise ValueError(f"plan must be a non-empty dict {{layer name: how}}, got {plan!r}.")
+        raise ValueError(f"plan must be a non-empty dict {{layer path: how}}, got {plan!r}.")
     if not devices:
         raise ValueError("devices must name at least one device, one per part.")
+
+
+def _check(model, plan, devices):
+    """Checks a plan of top-level layer names (no paths)."""
     layers = {layer.name: layer for layer in model.layers}
     for name, how in plan.items():
         if name not in layers:
             raise ValueError(f"plan names layer {name!r}, which model {model.name!r} does not "
                              f"have; its layers are {sorted(layers)}.")
-        layer = layers[name]
-        if isinstance(how, bool) or not isinstance(how, (int, str)):
-            raise ValueError(f"plan[{name!r}] must be one of {sorted(KINDS)} or a device "
-                             f"index, got {how!r}.")
-        if isinstance(how, int):
-            if not 0 <= how < len(devices):
-                raise ValueError(f"plan[{name!r}] = {how} is not a device index: there are "
-                                 f"{len(devices)} devices, 0 to {len(devices) - 1}.")
-            continue
-        if how not in KINDS:
-            raise ValueError(f"plan[{name!r}] = {how!r} is not a kind; use one of "
-                             f"{sorted(KINDS)} or a device index.")
-        if type(layer) not in KINDS[how]:
-            kinds = " or ".join(kind.__name__ for kind in KINDS[how])
-            raise ValueError(f"plan[{name!r}] = {how!r} splits {kinds} layers, but {name!r} "
-                             f"is {type(layer).__name__}.")
-        if isinstance(layer, keras.layers.EinsumDense):
-            try:
-                split_axes(layer.equation, layer.bias_axes, how)
-            except ValueError as error:
-                raise ValueError(f"plan[{name!r}] = {how!r}: {error}") from None
-        if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-            raise ValueError(f"plan[{name!r}] = {how!r}: layer {name!r} has LoRA or is "
-                             "quantized, which split layers do not carry; split the layer "
-                             "before enabling LoRA or quantizing, or place it whole.")
-        if how == "heads" and layer.get_config().get("use_gate"):
-            raise ValueError(f"plan[{name!r}] = 'heads': a gated MultiHeadAttention "
-                             "(use_gate=True) is not split yet; place it whole instead.")
-        exactness.check_layer(name, layer, how)
-        units, what = _split_size(layer, how)
+        check_layer(name, layers[name], how, devices)
+
+
+def check_layer(key, layer, how, devices):
+    """Refuses, in one line naming plan[key], a value `how` that cannot split or place
+    `layer` over `devices`."""
+    if isinstance(how, bool) or not isinstance(how, (int, str)):
+        raise ValueError(f"plan[{key!r}] must be one of {sorted(KINDS)} or a device "
+                         f"index, got {how!r}.")
+    if isinstance(how, int):
+        if not 0 <= how < len(devices):
+            raise ValueError(f"plan[{key!r}] = {how} is not a device index: there are "
+                             f"{len(devices)} devices, 0 to {len(devices) - 1}.")
+        return
+    if how not in KINDS:
+        raise ValueError(f"plan[{key!r}] = {how!r} is not a kind; use one of "
+                         f"{sorted(KINDS)} or a device index.")
+    base = _base_class(layer, how)
+    if base is None:
+        kinds = " or ".join(kind.__name__ for kind in KINDS[how])
+        raise ValueError(f"plan[{key!r}] = {how!r} splits {kinds} layers, but {layer.name!r} "
+                         f"is {type(layer).__name__}.")
+    changed = [method for method in ("call", "build")
+               if getattr(type(layer), method) is not getattr(base, method)]
+    if changed:
+        raise ValueError(f"plan[{key!r}] = {how!r}: {layer.name!r} is a {type(layer).__name__}, "
+                         f"a {base.__name__} subclass with its own {' and '.join(changed)}, "
+                         f"which the parallel form (running {base.__name__}'s) would drop; "
+                         "place it whole (a device index) instead.")
+    if isinstance(layer, keras.layers.EinsumDense):
         try:
-            part_sizes(units, len(devices))
-        except ValueError:
-            raise ValueError(f"plan[{name!r}] = {how!r} splits {units} {what} into "
-                             f"{len(devices)} parts; give at most {units} devices.") from None
+            split_axes(layer.equation, layer.bias_axes, how)
+        except ValueError as error:
+            raise ValueError(f"plan[{key!r}] = {how!r}: {error}") from None
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        raise ValueError(f"plan[{key!r}] = {how!r}: layer {layer.name!r} has LoRA or is "
+                         "quantized, which split layers do not carry; split the layer "
+                         "before enabling LoRA or quantizing, or place it whole.")
+    if how == "heads" and layer.get_config().get("use_gate"):
+        raise ValueError(f"plan[{key!r}] = 'heads': a gated MultiHeadAttention "
+                         "(use_gate=True) is not split yet; place it whole instead.")
+    exactness.check_layer(key, layer, how)
+    units, what = _split_size(layer, how)
+    try:
+        part_sizes(units, len(devices))
+    except ValueError:
+        raise ValueError(f"plan[{key!r}] = {how!r} splits {units} {what} into "
+                         f"{len(devices)} parts; give at most {units} devices.") from None
+
+
+def _base_class(layer, how):
+    """The layer type of KINDS[how] `layer` is (a subclass of), or None."""
+    return next((kind for kind in KINDS[how] if isinstance(layer, kind)), None)
