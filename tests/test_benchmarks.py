@@ -310,22 +310,23 @@ if __name__ == "__main__":
 
 
 class MemoryBenchmarkTest(tf.test.TestCase):
-    """benchmarks/memory.py's counts, in-process on one small configuration each."""
+    """benchmarks/memory.py's counts (its harness), in-process on one small configuration
+    each."""
 
     def _measure(self, name):
-        from benchmarks import memory
+        from benchmarks.harness import memory
         return memory.measure({**memory.CONFIGS[name], "name": name, "width": 8, "layers": 2,
                                "global_batch_size": 6, "steps": 1})
 
     def test_bytes_held_where_each_variable_lives(self):
         # MLP 256 -> 8 -> 8 -> 10: its variables' bytes, counted by hand.
         variables = 4 * (256 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10)
-        held = self._measure("towers, 2")["held"]
+        held = self._measure("towers_2")["held"]
         self.assertEqual(list(held), ["/device:CPU:0"])  # main placement: all on the main device
         self.assertEqual(held["/device:CPU:0"]["variables"], variables)
         self.assertEqual(held["/device:CPU:0"]["gradient_sums"], variables)
         self.assertBetween(held["/device:CPU:0"]["slots"] - 2 * variables, 0, 64)  # Adam's m, v
-        split = self._measure("split, T=2")["held"]
+        split = self._measure("split_t2")["held"]
         self.assertEqual(sorted(split), ["/device:CPU:0", "/device:CPU:1"])
         self.assertEqual(sum(kinds["variables"] for kinds in split.values()), variables)
         # The column layer's kernel and bias, and the row layer's kernel, halved; the row
