@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from towers import compat
 from towers import devices as devices_lib
-from towers.op_parallel import exactness, paths
+from towers.op_parallel import exactness, layouts, paths
 from towers.op_parallel.dense import DENSE_EQUATION, ColumnDense, RowDense, split_axes
 from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
 
@@ -23,7 +23,7 @@ KINDS = {"column": _DENSE_LAYERS, "row": _DENSE_LAYERS,
 PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, HeadsAttention, Placed)
 
 
-def split_layers(model, plan, devices):
+def split_layers(model, plan, devices, *, model_axis="model"):
     """A new keras.Model computing what `model` computes, each layer named in `plan`
     replaced by its parallel form (its part j's variables on devices[j]); every other
     layer's variables on devices[0]. `model` is left as it was.
@@ -37,6 +37,8 @@ def split_layers(model, plan, devices):
       plan: {layer path: "column" | "row" | "vocab" | "heads" | int}; a path is a
         top-level layer's name or "/"-joined names down to a nested layer, each level
         a shell wildcard ("block_*/ffn/dense_?").
+        Or a keras.distribution.LayoutMap: each weight sharded along the mesh axis
+        `model_axis` gets the exact split for that axis (layouts.plan_of).
       devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
 
     Raises:
@@ -47,6 +49,8 @@ def split_layers(model, plan, devices):
         raise ValueError(f"devices must be a list of device names, one per part, e.g. "
                          f"['/device:CPU:0', '/device:CPU:1'], got {devices!r}.")
     devices = [devices_lib.canonical_name(d) for d in devices]
+    if isinstance(plan, keras.distribution.LayoutMap) and isinstance(model, keras.Model):
+        plan = layouts.plan_of(model, plan, len(devices), model_axis)
     _check_arguments(model, plan, devices)
     if paths.reaches_inside(model, plan):
         return _split_by_paths(model, plan, devices)

@@ -1,0 +1,144 @@
+"""A keras.distribution.LayoutMap read as a plan: each weight's layout along the mesh's
+model axis becomes the exact split of its layer.
+
+Keras's LayoutMap says, per variable path (regex keys, full match, as Keras matches
+them), which mesh axis each dimension is sharded along. A weight sharded along the
+model axis maps to the form that cuts it there:
+- a Dense or EinsumDense kernel along an output axis: "column"; along a contracted
+  input axis: "row" (the axis the split forms cut: dense.split_axes);
+- an Embedding table along its rows: "vocab";
+- a MultiHeadAttention's query/key/value kernels along their heads axis (and its
+  output kernel along its heads axis): "heads".
+A weight sharded along another axis of the mesh (the data axis) stays whole: towers
+already splits the batch. A layout with no exact form (a bias or a norm's scale
+sharded alone, a kernel along an axis the forms do not cut) is refused in one line.
+"""
+
+import keras
+from absl import logging
+
+from towers.op_parallel import paths
+from towers.op_parallel.dense import DENSE_EQUATION, split_axes
+
+
+def plan_of(model, layout_map, num_parts, model_axis="model"):
+    """{layer path: kind}, split_layers' plan, of `layout_map` for `model`.
+
+    Args:
+      model: the keras.Model split_layers splits.
+      layout_map: a keras.distribution.LayoutMap.
+      num_parts: the number of devices split_layers was given.
+      model_axis: the mesh axis whose devices are the parts.
+
+    Raises:
+      ValueError: one line: a mesh without `model_axis`, or of another size along it
+        than num_parts; a layout with no exact split; a map that splits nothing.
+    """
+    mesh = layout_map.device_mesh
+    if model_axis not in mesh.axis_names:
+        raise ValueError(f"the layout map's mesh has axes {list(mesh.axis_names)}, not "
+                         f"model_axis={model_axis!r}; name the axis whose devices are the "
+                         "parts with model_axis=.")
+    size = mesh.shape[list(mesh.axis_names).index(model_axis)]
+    if size != num_parts:
+        raise ValueError(f"the layout map's mesh has {size} devices along {model_axis!r} but "
+                         f"split_layers was given {num_parts}; give one device per part.")
+    plan, covered, other_axes = {}, set(), set()
+    for path, layer, _ in paths.walk(model):
+        if any(path.startswith(done + "/") for done in plan):
+            continue  # inside a layer already split (an attention's projections)
+        sharded = {}
+        for variable in layer.weights:
+            axes = _axes(layout_map, variable)
+            other_axes.update(a for a in axes if a is not None and a != model_axis)
+            if model_axis in axes:
+                sharded[variable.path] = (variable, axes.index(model_axis))
+        kind = _kind(layer, sharded) if sharded or isinstance(
+            layer, keras.layers.MultiHeadAttention) else None
+        if kind is not None:
+            plan[path] = kind
+            covered.update(v.path for v in layer.weights)
+    for path, layer, _ in paths.walk(model):
+        for variable in layer.weights:
+            axes = _axes(layout_map, variable)
+            if model_axis in axes and variable.path not in covered:
+                raise ValueError(
+                    f"the layout map shards {variable.path} {tuple(variable.shape)} along "
+                    f"{model_axis!r} (dim {axes.index(model_axis)}), which no split computes "
+                    "exactly (a bias or a scale sharded alone, or a layer towers does not "
+                    "split); leave it whole (None) or shard its layer's kernel.")
+    if not plan:
+        raise ValueError(f"the layout map shards no weight of model {model.name!r} along "
+                         f"{model_axis!r}: nothing to split.")
+    if other_axes:
+        logging.info("split_layers: weights sharded along %s stay whole on their part's "
+                     "device; towers splits the batch itself.", sorted(other_axes))
+    return plan
+
+
+def _axes(layout_map, variable):
+    """The variable's layout as a tuple of mesh axis names (None: not sharded), or ()."""
+    try:
+        layout = layout_map[variable.path]
+    except ValueError as error:  # Keras: the path matches several keys
+        raise ValueError(str(error).replace("\n", " ")) from None
+    if layout is None:
+        return ()
+    axes = tuple(layout.axes if hasattr(layout, "axes") else layout)
+    return tuple(axis for axis in axes)
+
+
+def _kind(layer, sharded):
+    """The split kind `sharded` ({path: (variable, dim along the model axis)}) asks of
+    `layer`, or None where the layer's own weights are not sharded."""
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        return _attention_kind(layer, sharded)
+    kernel = next((dim for (v, dim) in sharded.values() if v.path.endswith("/kernel")), None)
+    if isinstance(layer, keras.layers.Embedding):
+        dims = [dim for _, dim in sharded.values()]
+        if dims == [0]:
+            return "vocab"
+        _refuse(sharded, "an Embedding table is split by its rows (dim 0) only")
+    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and kernel is not None:
+        dense = isinstance(layer, keras.layers.Dense)
+        equation = DENSE_EQUATION if dense else layer.equation
+        bias_axes = "o" if dense else layer.bias_axes
+        for how in ("column", "row"):
+            try:
+                axes = split_axes(equation, bias_axes, how)
+            except ValueError:
+                continue
+            if axes.kernel_axis == kernel:
+                bias = [dim for v, dim in sharded.values() if v.path.endswith("/bias")]
+                if bias and (how == "row" or bias != [axes.bias_axis]):
+                    _refuse(sharded, f"a {how} split keeps the bias "
+                            + ("whole on part 0" if how == "row" else
+                               f"split along its dim {axes.bias_axis}"))
+                return how
+        _refuse(sharded, f"the split forms cut {type(layer).__name__} {layer.name!r}'s kernel "
+                "along its last output axis (column) or its last contracted axis (row)")
+    return None  # sharded weights of another layer: refused as uncovered
+
+
+def _attention_kind(layer, sharded):
+    """'heads' where the query/key/value kernels (d, heads, k) are sharded along heads
+    and the output kernel (heads, k, d), if at all, along heads too; else refused."""
+    projections = {layer.query_dense.kernel.path: 1, layer.key_dense.kernel.path: 1,
+                   layer.value_dense.kernel.path: 1, layer.output_dense.kernel.path: 0}
+    if not sharded:
+        return None
+    if layer.output_dense.bias is not None and layer.output_dense.bias.path in sharded:
+        _refuse(sharded, "a heads split keeps the output bias whole on part 0")
+    for path, (_, dim) in sharded.items():
+        if path.endswith("/bias"):
+            continue  # a projection's bias (heads, k) is split with its heads
+        if projections.get(path) != dim:
+            _refuse(sharded, "a MultiHeadAttention is split by heads: its query, key and "
+                    "value kernels along dim 1, its output kernel along dim 0")
+    return "heads"
+
+
+def _refuse(sharded, why):
+    paths_and_dims = ", ".join(f"{path} dim {dim}" for path, (_, dim) in sharded.items())
+    raise ValueError(f"the layout map shards {paths_and_dims}, which no split computes "
+                     f"exactly: {why}.")
