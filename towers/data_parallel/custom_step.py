@@ -267,15 +267,12 @@ def _losses(towers, whole, main_device):
 def _assign_state(towers, sizes, main_device):
     """Step 6 for state: every variable a call changed, merged over the towers by its
     rule (aggregate.state_rules) and written once."""
-    changed = {}
-    for handle in towers:
-        for key, (variable, _) in handle.changed_state().items():
-            changed[key] = variable
+    states = [handle.changed_state() for handle in towers]
+    changed = {key: variable for state in states for key, (variable, _) in state.items()}
     if not changed:
         return
     variables = list(changed.values())
-    tower_states = [[handle.changed_state().get(id(v), (None, None))[1] for v in variables]
-                    for handle in towers]
+    tower_states = [[state.get(key, (None, None))[1] for key in changed] for state in states]
     merged = aggregate.merge_state(tower_states, [v.value for v in variables],
                                    aggregate.state_rules(variables), sizes, main_device)
     for variable, value in zip(variables, merged):
