@@ -154,6 +154,37 @@ def merge_state(tower_states, old_values, rules, weights=None, device=None):
         return merged
 
 
+def clip_gradients(grads, clip_global_norm, loss_scale=None):
+    """The averaged gradients clipped to a global norm (of the unscaled gradients).
+
+    As tf.clip_by_global_norm on the dense gradients, but each gradient's squared
+    norm and scaling are computed on its own device; only scalars travel. A
+    tf.IndexedSlices counts as its dense form (repeated rows added first), so
+    the norm is the same with any sparse_policy and any number of towers.
+    """
+    if clip_global_norm is None:
+        return grads
+    # Gradients carry the loss scale; clipping them at scale * norm is the same as
+    # clipping the unscaled gradients at norm.
+    limit = clip_global_norm if loss_scale is None else clip_global_norm * loss_scale
+    half_squares = []
+    for grad in grads:
+        if grad is not None:
+            with tf.device(dense_part(grad).device):
+                half_squares.append(half_squared_norm(grad))
+    if not half_squares:
+        return grads
+    global_norm = tf.sqrt(tf.add_n(half_squares) * 2.0)
+    # A non-finite norm makes every gradient NaN, as tf.clip_by_global_norm does.
+    factor = limit * tf.minimum(1.0 / global_norm, 1.0 / limit) + (global_norm - global_norm)
+    return [None if grad is None else _scaled(grad, factor) for grad in grads]
+
+
+def _scaled(grad, factor):
+    with tf.device(dense_part(grad).device):
+        return scale(grad, factor)
+
+
 def all_finite(values):
     """A scalar bool Tensor: True when no Tensor or IndexedSlices in `values` holds NaN or Inf.
 

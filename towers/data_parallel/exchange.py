@@ -195,6 +195,43 @@ def mean_across_workers(values, weight, cluster, device):
                 for s in summed], total
 
 
+def across_workers(result, cluster, main_device, state_rules, old_state):
+    """Step 6 across workers: this worker's step.TowerResult -> the global batch's.
+
+    Gradients, loss and loss terms are averaged weighted by each worker's example
+    count; each state value merges by its rule (aggregate.state_rules): "mean"
+    weighted by examples, "sum" adds every worker's change to `old_state`,
+    "first" is the chief's (an integer rides with the means: mean_across_workers
+    gives the chief's). y_pred stays this worker's own rows.
+    """
+    num_grads, num_terms = len(result.grads), len(result.term_losses)
+    by_rule = {rule: [value if r == rule else None for value, r in zip(result.state, state_rules)]
+               for rule in aggregate.STATE_RULES}
+    chiefs = [None if v is None or v.dtype.is_floating else v for v in by_rule["first"]]
+    shared = list(result.grads) + [result.loss] + list(result.term_losses)
+    merged, examples = mean_across_workers(
+        shared + [m if m is not None else c for m, c in zip(by_rule["mean"], chiefs)],
+        result.examples, cluster, main_device)
+    grads, loss = merged[:num_grads], merged[num_grads]
+    term_losses = merged[num_grads + 1:num_grads + 1 + num_terms]
+    state = merged[num_grads + 1 + num_terms:]
+    float_firsts = [v if v is not None and v.dtype.is_floating else None
+                    for v in by_rule["first"]]
+    if any(v is not None for v in float_firsts):
+        chief_values, _ = mean_across_workers(float_firsts, float(cluster.is_chief),
+                                                       cluster, main_device)
+        state = [c if c is not None else v for c, v in zip(chief_values, state)]
+    if any(v is not None for v in by_rule["sum"]):
+        with tf.device(main_device):
+            changes = [None if v is None else v - old for v, old in zip(by_rule["sum"], old_state)]
+        added = sum_across_workers(changes, cluster, main_device)
+        with tf.device(main_device):
+            state = [v if change is None else old + change
+                     for v, change, old in zip(state, added, old_state)]
+    return result._replace(grads=grads, loss=loss, state=state, examples=examples,
+                           term_losses=term_losses)
+
+
 def sum_across_workers(values, cluster, device):
     """Per value (Tensor or None), its sum over workers: one all-reduce per dtype, packed."""
     [buffers], unpack = _pack([values], [device])

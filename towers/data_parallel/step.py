@@ -246,8 +246,8 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             examples=batch_rows, term_losses=counts.term_losses)
     if setup.cluster is None:
         return result
-    return across_workers(result, setup.cluster, setup.main_device, state_rules,  # 6
-                          state_values)
+    return exchange.across_workers(result, setup.cluster, setup.main_device,       # 6
+                                   state_rules, state_values)
 
 
 def start_tower(setup, objective, shard, rows, batch_rows, weights, state, i, loss_scale,
@@ -292,74 +292,6 @@ def broadcast_columns(columns, values, row, trainable=True, kept=None):
         [replicas_lib.broadcast_weights(columns.select(values, k, trainable), device,
                                         columns.select(kept, k, trainable))
          for k, device in enumerate(row)], trainable)
-
-
-def across_workers(result, cluster, main_device, state_rules, old_state):
-    """Step 6 across workers: this worker's TowerResult -> the global batch's.
-
-    Gradients, loss and loss terms are averaged weighted by each worker's example
-    count; each state value merges by its rule (aggregate.state_rules): "mean"
-    weighted by examples, "sum" adds every worker's change to `old_state`,
-    "first" is the chief's (an integer rides with the means: mean_across_workers
-    gives the chief's). y_pred stays this worker's own rows.
-    """
-    num_grads, num_terms = len(result.grads), len(result.term_losses)
-    by_rule = {rule: [value if r == rule else None for value, r in zip(result.state, state_rules)]
-               for rule in aggregate.STATE_RULES}
-    chiefs = [None if v is None or v.dtype.is_floating else v for v in by_rule["first"]]
-    shared = list(result.grads) + [result.loss] + list(result.term_losses)
-    merged, examples = exchange.mean_across_workers(
-        shared + [m if m is not None else c for m, c in zip(by_rule["mean"], chiefs)],
-        result.examples, cluster, main_device)
-    grads, loss = merged[:num_grads], merged[num_grads]
-    term_losses = merged[num_grads + 1:num_grads + 1 + num_terms]
-    state = merged[num_grads + 1 + num_terms:]
-    float_firsts = [v if v is not None and v.dtype.is_floating else None
-                    for v in by_rule["first"]]
-    if any(v is not None for v in float_firsts):
-        chief_values, _ = exchange.mean_across_workers(float_firsts, float(cluster.is_chief),
-                                                       cluster, main_device)
-        state = [c if c is not None else v for c, v in zip(chief_values, state)]
-    if any(v is not None for v in by_rule["sum"]):
-        with tf.device(main_device):
-            changes = [None if v is None else v - old for v, old in zip(by_rule["sum"], old_state)]
-        added = exchange.sum_across_workers(changes, cluster, main_device)
-        with tf.device(main_device):
-            state = [v if change is None else old + change
-                     for v, change, old in zip(state, added, old_state)]
-    return result._replace(grads=grads, loss=loss, state=state, examples=examples,
-                           term_losses=term_losses)
-
-
-def clip_gradients(grads, clip_global_norm, loss_scale=None):
-    """The averaged gradients clipped to a global norm (of the unscaled gradients).
-
-    As tf.clip_by_global_norm on the dense gradients, but each gradient's squared
-    norm and scaling are computed on its own device; only scalars travel. A
-    tf.IndexedSlices counts as its dense form (repeated rows added first), so
-    the norm is the same with any sparse_policy and any number of towers.
-    """
-    if clip_global_norm is None:
-        return grads
-    # Gradients carry the loss scale; clipping them at scale * norm is the same as
-    # clipping the unscaled gradients at norm.
-    limit = clip_global_norm if loss_scale is None else clip_global_norm * loss_scale
-    half_squares = []
-    for grad in grads:
-        if grad is not None:
-            with tf.device(aggregate.dense_part(grad).device):
-                half_squares.append(aggregate.half_squared_norm(grad))
-    if not half_squares:
-        return grads
-    global_norm = tf.sqrt(tf.add_n(half_squares) * 2.0)
-    # A non-finite norm makes every gradient NaN, as tf.clip_by_global_norm does.
-    scale = limit * tf.minimum(1.0 / global_norm, 1.0 / limit) + (global_norm - global_norm)
-    return [None if grad is None else _scaled(grad, scale) for grad in grads]
-
-
-def _scaled(grad, scale):
-    with tf.device(aggregate.dense_part(grad).device):
-        return aggregate.scale(grad, scale)
 
 
 def apply_update(optimizer, grads, variables, main_device):

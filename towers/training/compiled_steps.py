@@ -10,8 +10,7 @@ import keras
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, forward, losses, split
-from towers.data_parallel.step import apply_update, assign_state, copy_weights
-from towers.data_parallel.step import clip_gradients, run_towers
+from towers.data_parallel.step import apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 
 def train_step(trainer, batch, may_be_empty):
@@ -82,7 +81,7 @@ def _train_step(trainer, batch, may_be_empty):
     setup, scale = trainer.setup, loss_scale(trainer.optimizer)
     result = run_towers(setup, trainer.objective, batch, scale, may_be_empty)      # 1-6
     with tf.device(setup.main_device):
-        grads = clip_gradients(result.grads, setup.options.clip_global_norm, scale)
+        grads = aggregate.clip_gradients(result.grads, setup.options.clip_global_norm, scale)
         grads_finite = aggregate.all_finite(grads)
         # With loss scaling an overflowing gradient is routine: the
         # LossScaleOptimizer skips it and halves the scale. Only the loss decides.
