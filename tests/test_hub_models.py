@@ -61,3 +61,91 @@ class GPT2Test(tf.test.TestCase):
         for trainer in (on_towers, staged):
             for expected, got in zip(want, trainer.model.get_weights()):
                 self.assertAllClose(expected, got, atol=TOLERANCE, rtol=0)
+
+
+# GPT-2's whole LM split by paths: the tied token embedding by vocab (its look-up and
+# the LM head's reverse projection), keras_hub's CachedMultiHeadAttention by heads, the
+# feed-forward pair column -> row. A key reaches the tied embedding by either of its
+# paths (the task model calls the backbone's layer again as its head).
+LM_PLAN = {"token_embedding": "vocab",
+           "*/transformer_layer_*/self_attention": "heads",
+           "*/transformer_layer_*/feedforward_intermediate_dense": "column",
+           "*/transformer_layer_*/feedforward_output_dense": "row"}
+GRID = [DEVICES[:2], DEVICES[2:]]  # 2 towers x 2 parts
+
+
+def _lm(seed=0):
+    return keras_hub.models.GPT2CausalLM(_gpt2(seed), preprocessor=None)
+
+
+def _lm_batches(rows=(7, 5), seed=1):
+    """Per step: (token ids and padding mask, next-token targets, the padding mask as
+    sample weights), as GPT2CausalLM's preprocessor gives them."""
+    return [(x, np.roll(x["token_ids"], -1, axis=1), x["padding_mask"])
+            for x, _ in _batches(rows, seed)]
+
+
+def _lm_trainer(model, devices):
+    return towers.TowerTrainer(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                               keras.optimizers.Adam(0.01), devices=devices)
+
+
+class GPT2CausalLMTest(tf.test.TestCase):
+
+    def test_split_by_paths_trains_as_keras_on_one_device(self):
+        batches = _lm_batches()
+        expected = _lm()
+        expected.compile(keras.optimizers.Adam(0.01),
+                         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         weighted_metrics=[])
+        for x, y, weights in batches:
+            expected.train_on_batch(x, y, sample_weight=weights)
+        parted = towers.split_layers(_lm(), LM_PLAN, DEVICES[:2])
+        embedding = parted.backbone.token_embedding
+        self.assertIs(parted.get_layer("token_embedding"), embedding)  # one form, both uses
+        self.assertEqual([p.embeddings.value.device for p in embedding.parts],
+                         [tf.DeviceSpec.from_string(d).to_string() for d in
+                          ["/job:localhost/replica:0/task:0" + d for d in DEVICES[:2]]])
+        trainer = _lm_trainer(parted, GRID)
+        for batch in batches:
+            trainer.train_step(batch)
+        joined = towers.join_layers(trainer.model)
+        self.assertEqual([w.path for w in joined.weights], [w.path for w in expected.weights])
+        for actual, wanted in zip(joined.get_weights(), expected.get_weights(), strict=True):
+            self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)
+
+    def test_generates_with_its_cache_split_by_heads(self):
+        # CachedMultiHeadAttention's key/value cache (B, 2, S, heads, k) is split by heads
+        # with them: greedy generation from the split LM gives the unsplit one's tokens.
+        lm = _lm()
+        parted = towers.split_layers(lm, LM_PLAN, DEVICES[:2])
+        prompt = {"token_ids": np.array([[5, 7, 9, 0, 0, 0]], "int32"),
+                  "padding_mask": np.array([[1, 1, 1, 0, 0, 0]], "int32")}
+        for model in (lm, parted):
+            model.compile(sampler="greedy")
+        self.assertAllEqual(parted.generate(prompt, stop_token_ids=None)["token_ids"],
+                            lm.generate(prompt, stop_token_ids=None)["token_ids"])
+
+    def test_checkpoint_restores_across_part_counts(self):
+        # Saved from 2 parts, restored into the unsplit LM, trained on: as if the unsplit
+        # LM had trained all along (Adam's slots moved with the weights).
+        batches = _lm_batches(rows=(4, 4, 4), seed=2)
+        directory = self.get_temp_dir()
+
+        def trainer(model):
+            trainer = _lm_trainer(model, DEVICES[:2])
+            trainer.optimizer.build(model.trainable_variables)
+            return trainer, towers.Checkpointer(directory, model, trainer.optimizer)
+
+        expected, _ = trainer(_lm())
+        for batch in batches:
+            expected.train_step(batch)
+        saving, checkpointer = trainer(towers.split_layers(_lm(), LM_PLAN, DEVICES[:2]))
+        for batch in batches[:2]:
+            saving.train_step(batch)
+        checkpointer.save(epoch=0, batch_in_epoch=2)
+        restoring, checkpointer = trainer(_lm(seed=1))
+        self.assertIsNotNone(checkpointer.restore())
+        restoring.train_step(batches[2])
+        for actual, wanted in zip(restoring.model.get_weights(), expected.model.get_weights()):
+            self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)

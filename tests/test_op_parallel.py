@@ -217,6 +217,20 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         split.trainable = True
         self.assertLen(split.trainable_variables, before)
 
+    def test_heads_parts_draw_their_own_dropout_streams(self):
+        # As the layer's heads do: a given seed is offset by the part, so the parts'
+        # dropout masks differ (one seed for all would drop the same entries).
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3, 4))
+        outputs = keras.layers.MultiHeadAttention(2, 2, dropout=0.5, seed=7, name="att")(
+            inputs, inputs)
+        split = towers.split_layers(keras.Model(inputs, outputs), {"att": "heads"}, PARTS[:2])
+        parts = split.get_layer("att").parts
+        self.assertEqual([part.seed for part in parts], [7, 8])
+        masks = [part._dropout_layer(tf.ones((64,)), training=True).numpy() != 0
+                 for part in parts]
+        self.assertGreater(np.mean(masks[0] != masks[1]), 0.25)
+
     def test_branches_placed_whole(self):
         model = _branches()
         x = reference.make_batches(5, num_steps=1)[0][0]

@@ -28,6 +28,27 @@ _CUT_AXES = {"column": {"kernel": 1, "bias": 0}, "row": {"kernel": 0, "bias": No
              "vocab": {"embeddings": 0}}
 
 
+# Subclasses of a kind's layer type with their own call that a split keeps exactly, by
+# module and name (naming keras_hub's classes here keeps it an optional extra). Each
+# part runs the subclass's call on its own pieces:
+# - keras_hub's CachedMultiHeadAttention: with no cache, MultiHeadAttention's projections,
+#   attention and output projection; its key/value cache (B, 2, S, heads, k) runs along
+#   the heads axis, which HeadsAttention splits with the heads.
+_CALLS_KEPT = frozenset({
+    "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention"})
+
+
+def keeps_call(cls, base):
+    """Whether the parts of a split of `base` running `cls`'s call compute what one
+    `cls` computes: every class from `cls` up to `base` that defines its own call or
+    build is one a split keeps (_CALLS_KEPT)."""
+    for klass in cls.__mro__[:cls.__mro__.index(base)]:
+        if ("call" in vars(klass) or "build" in vars(klass)) and \
+                f"{klass.__module__}.{klass.__qualname__}" not in _CALLS_KEPT:
+            return False
+    return True
+
+
 def check_layer(name, layer, how):
     """Raises ValueError where splitting `layer` (plan entry `name`, kind `how`) would
     change what its weights' constraints or regularisers compute."""

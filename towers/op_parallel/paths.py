@@ -41,17 +41,23 @@ def reaches_inside(model, plan):
         "/" in key or _WILDCARDS & set(key) for key in plan if isinstance(key, str))
 
 
-def walk(model):
+def walk(model, repeats=False):
     """(path, layer, position) of every layer inside `model`, parents before their
-    sublayers; a layer held twice once, at its first path. InputLayers are left out."""
+    sublayers; InputLayers left out. A layer held twice (a keras_hub task model calls
+    its backbone's token embedding again as its LM head) is listed once, at its first
+    path; with `repeats`, at each path that holds it (its sublayers at the first)."""
     seen, found = set(), []
 
     def visit(layer, prefix, position):
         for index, sublayer in enumerate(compat.sublayers(layer)):
-            if id(sublayer) in seen or isinstance(sublayer, keras.layers.InputLayer):
+            if isinstance(sublayer, keras.layers.InputLayer):
+                continue
+            path = f"{prefix}{sublayer.name}"
+            if id(sublayer) in seen:
+                if repeats:
+                    found.append((path, sublayer, position + (index,)))
                 continue
             seen.add(id(sublayer))
-            path = f"{prefix}{sublayer.name}"
             found.append((path, sublayer, position + (index,)))
             visit(sublayer, path + "/", position + (index,))
 
@@ -67,14 +73,17 @@ def resolve(model, plan):
         layer two keys give different values, or for a layer inside another one the
         plan names.
     """
-    layers = walk(model)
+    layers = walk(model, repeats=True)  # a layer held twice is named by either path
+    first = {}  # id(layer) -> (its first path, its first position)
+    for path, layer, position in layers:
+        first.setdefault(id(layer), (path, position))
     named = {}  # position -> Target
     for key, how in plan.items():
         if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
             raise ValueError(f"plan keys must be layer paths such as 'block_0/ffn/dense' "
                              f"(levels '/'-separated, shell wildcards allowed), got {key!r}.")
         levels = key.split("/")
-        matches = [(path, position) for path, _, position in layers
+        matches = [first[id(layer)] for path, layer, _ in layers
                    if _matches(path.split("/"), levels)]
         if not matches:
             depth = [path for path, _, _ in layers if path.count("/") == len(levels) - 1]
@@ -167,14 +176,19 @@ def first_line(error):
     return (str(error).strip().splitlines() or [""])[0]
 
 
-def install(parent, layer, form):
+def install(model, layer, form):
     """Builds `form` for the shapes `layer` was built for, its variables' paths under
-    `layer`'s parent's (as `layer`'s), and puts it in `layer`'s place in `parent`."""
+    `layer`'s parent's (as `layer`'s), and puts it in `layer`'s place in every layer of
+    `model` that holds it (a backbone's token embedding and the task model calling it
+    again as its LM head: the one form serves both)."""
     with contextlib.ExitStack() as scopes:
         for name in (layer.path or "").split("/")[:-1]:  # Keras takes one level at a time
             scopes.enter_context(keras.name_scope(name))
         form.build_from_config(layer.get_build_config())
-    compat.replace_sublayer(parent, layer, form)
+    holders = [model] + [held for _, held, _ in walk(model)]
+    for parent in holders:
+        if any(sublayer is layer for sublayer in compat.sublayers(parent)):
+            compat.replace_sublayer(parent, layer, form)
 
 
 def build_shapes_are_one(layer):

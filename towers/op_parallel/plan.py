@@ -18,8 +18,10 @@ from towers.op_parallel.dense import DENSE_EQUATION, ColumnDense, RowDense, spli
 from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
 
 _DENSE_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense)
+# Per kind, the layer types it splits, the most specific first.
 KINDS = {"column": _DENSE_LAYERS, "row": _DENSE_LAYERS,
-         "vocab": (keras.layers.Embedding,), "heads": (keras.layers.MultiHeadAttention,)}
+         "vocab": (keras.layers.ReversibleEmbedding, keras.layers.Embedding),
+         "heads": (keras.layers.MultiHeadAttention,)}
 PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, HeadsAttention, Placed)
 
 
@@ -86,9 +88,9 @@ def _split_by_paths(model, plan, devices):
     with tf.device(devices[0]):
         parted = paths.copy_model(model)
         for target, original in zip(targets, originals):
-            parent, layer = paths.locate(parted, target.position, like=original)
+            _, layer = paths.locate(parted, target.position, like=original)
             form = parallel_form(layer, target.how, devices)
-            paths.install(parent, layer, form)
+            paths.install(parted, layer, form)
             write_split(form, layer.get_weights())
     return parted
 
@@ -107,7 +109,10 @@ def parallel_form(layer, how, devices):
         config = layer.get_config()
         if config["output_shape"] is None:  # the query's width, which the parts cannot see
             config["output_shape"] = int(layer.output_dense.kernel.shape[-1])
-        form = HeadsAttention(config, devices)
+        # A subclass whose call the split keeps (check_layer) runs its own on each part.
+        own_call = type(layer).call is not keras.layers.MultiHeadAttention.call
+        form = HeadsAttention(config, devices, keras.saving.get_registered_name(
+            type(layer) if own_call else keras.layers.MultiHeadAttention))
     form.original_class = type(layer)  # join_layers gives back a user's subclass as it was
     return form
 
@@ -264,12 +269,13 @@ def check_layer(key, layer, how, devices):
                          f"{sorted(KINDS)} or a device index.")
     base = _base_class(layer, how)
     if base is None:
-        kinds = " or ".join(kind.__name__ for kind in KINDS[how])
+        kinds = " or ".join(kind.__name__ for kind in KINDS[how]  # ReversibleEmbedding
+                            if not any(kind is not k and issubclass(kind, k) for k in KINDS[how]))
         raise ValueError(f"plan[{key!r}] = {how!r} splits {kinds} layers, but {layer.name!r} "
                          f"is {type(layer).__name__}.")
     changed = [method for method in ("call", "build")
                if getattr(type(layer), method) is not getattr(base, method)]
-    if changed:
+    if changed and not (how == "heads" and exactness.keeps_call(type(layer), base)):
         raise ValueError(f"plan[{key!r}] = {how!r}: {layer.name!r} is a {type(layer).__name__}, "
                          f"a {base.__name__} subclass with its own {' and '.join(changed)}, "
                          f"which the parallel form (running {base.__name__}'s) would drop; "
