@@ -85,6 +85,12 @@ def _lm_batches(rows=(7, 5), seed=1):
             for x, _ in _batches(rows, seed)]
 
 
+def _device(variable):
+    """The short name ("/device:CPU:1") of the device `variable` lives on."""
+    spec = tf.DeviceSpec.from_string(variable.value.device)
+    return f"/device:{spec.device_type}:{spec.device_index}"
+
+
 def _lm_trainer(model, devices):
     return towers.TowerTrainer(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                                keras.optimizers.Adam(0.01), devices=devices)
@@ -92,27 +98,39 @@ def _lm_trainer(model, devices):
 
 class GPT2CausalLMTest(tf.test.TestCase):
 
-    def test_split_by_paths_trains_as_keras_on_one_device(self):
-        batches = _lm_batches()
+    def test_split_by_paths_trains_as_keras_on_one_device_and_restores_unsplit(self):
+        batches = _lm_batches(rows=(7, 5, 4))
         expected = _lm()
         expected.compile(keras.optimizers.Adam(0.01),
                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                          weighted_metrics=[])
+        wanted = []  # Keras's weights after each step
         for x, y, weights in batches:
             expected.train_on_batch(x, y, sample_weight=weights)
+            wanted.append(expected.get_weights())
         parted = towers.split_layers(_lm(), LM_PLAN, DEVICES[:2])
         embedding = parted.backbone.token_embedding
         self.assertIs(parted.get_layer("token_embedding"), embedding)  # one form, both uses
-        self.assertEqual([p.embeddings.value.device for p in embedding.parts],
-                         [tf.DeviceSpec.from_string(d).to_string() for d in
-                          ["/job:localhost/replica:0/task:0" + d for d in DEVICES[:2]]])
+        self.assertEqual([_device(part.embeddings) for part in embedding.parts], DEVICES[:2])
         trainer = _lm_trainer(parted, GRID)
-        for batch in batches:
+        checkpointer = towers.Checkpointer(self.get_temp_dir(), parted, trainer.optimizer)
+        for batch in batches[:2]:
             trainer.train_step(batch)
         joined = towers.join_layers(trainer.model)
         self.assertEqual([w.path for w in joined.weights], [w.path for w in expected.weights])
-        for actual, wanted in zip(joined.get_weights(), expected.get_weights(), strict=True):
-            self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)
+        for actual, want in zip(joined.get_weights(), wanted[1], strict=True):
+            self.assertAllClose(actual, want, atol=TOLERANCE, rtol=0)
+        # Saved from 2 parts, restored into the unsplit LM on 2 towers (Adam's slots
+        # moved with the weights), trained on: Keras's third step.
+        checkpointer.save(epoch=0, batch_in_epoch=2)
+        unsplit = _lm(seed=1)
+        restoring = _lm_trainer(unsplit, DEVICES[:2])
+        restoring.optimizer.build(unsplit.trainable_variables)
+        self.assertIsNotNone(towers.Checkpointer(
+            checkpointer.directory, unsplit, restoring.optimizer).restore())
+        restoring.train_step(batches[2])
+        for actual, want in zip(unsplit.get_weights(), wanted[2], strict=True):
+            self.assertAllClose(actual, want, atol=TOLERANCE, rtol=0)
 
     def test_generates_with_its_cache_split_by_heads(self):
         # CachedMultiHeadAttention's key/value cache (B, 2, S, heads, k) is split by heads
@@ -126,26 +144,24 @@ class GPT2CausalLMTest(tf.test.TestCase):
         self.assertAllEqual(parted.generate(prompt, stop_token_ids=None)["token_ids"],
                             lm.generate(prompt, stop_token_ids=None)["token_ids"])
 
-    def test_checkpoint_restores_across_part_counts(self):
-        # Saved from 2 parts, restored into the unsplit LM, trained on: as if the unsplit
-        # LM had trained all along (Adam's slots moved with the weights).
-        batches = _lm_batches(rows=(4, 4, 4), seed=2)
-        directory = self.get_temp_dir()
 
-        def trainer(model):
-            trainer = _lm_trainer(model, DEVICES[:2])
-            trainer.optimizer.build(model.trainable_variables)
-            return trainer, towers.Checkpointer(directory, model, trainer.optimizer)
+class CommandLineTest(tf.test.TestCase):
+    """towers-train with a keras_hub model from examples/ and --split_plan paths."""
 
-        expected, _ = trainer(_lm())
-        for batch in batches:
-            expected.train_step(batch)
-        saving, checkpointer = trainer(towers.split_layers(_lm(), LM_PLAN, DEVICES[:2]))
-        for batch in batches[:2]:
-            saving.train_step(batch)
-        checkpointer.save(epoch=0, batch_in_epoch=2)
-        restoring, checkpointer = trainer(_lm(seed=1))
-        self.assertIsNotNone(checkpointer.restore())
-        restoring.train_step(batches[2])
-        for actual, wanted in zip(restoring.model.get_weights(), expected.model.get_weights()):
-            self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)
+    def test_split_plan_paths_train_as_the_unsplit_model(self):
+        from absl.testing import flagsaver
+
+        from towers.cli import train
+        quick = dict(model="examples.hub_transformer:gpt2_classifier", num_towers=2,
+                     global_batch_size=16, steps=2, optimizer="adam")
+        plan = ["*/token_embedding:vocab", "*/transformer_layer_*/self_attention:heads",
+                "*/transformer_layer_*/feedforward_intermediate_dense:column",
+                "*/transformer_layer_*/feedforward_output_dense:row"]
+        with flagsaver.flagsaver(**quick):
+            whole = train.train()
+        with flagsaver.flagsaver(**quick, tensor_parallel=2, split_plan=plan):
+            parted = train.train()
+        self.assertEqual(parted["devices"], [DEVICES[:2], DEVICES[2:]])
+        self.assertEqual(list(parted["split_plan"].values()), ["vocab", "heads", "column", "row"])
+        self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+        self.assertAllClose(parted["train_loss"], whole["train_loss"], atol=1e-5, rtol=0)

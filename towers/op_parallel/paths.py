@@ -139,8 +139,7 @@ def copy_model(model):
       ValueError: one line where the model's config does not rebuild it.
     """
     try:
-        copy = rebuild(model, lambda layer: layer.__class__.from_config(
-            layer.get_config()) if layer.weights else layer)
+        copy = rebuild(model, copy_layer)
     except (TypeError, ValueError, NotImplementedError) as error:
         raise ValueError(
             f"split_layers works on a copy of model {model.name!r} rebuilt from its "
@@ -157,14 +156,31 @@ def copy_model(model):
     return copy
 
 
+def copy_layer(layer):
+    """A new layer like `layer`; a layer (or op) without variables is shared, not copied:
+    it has nothing to place, and its config may not rebuild it (a Lambda's function)."""
+    if not getattr(layer, "weights", None):
+        return layer
+    return layer.__class__.from_config(layer.get_config())
+
+
 def rebuild(model, clone_function):
     """A new built model like `model`, with new variables: a plain functional or
     Sequential model by keras.models.clone_model, `clone_function` giving each layer's
-    replacement (nested functional and Sequential models cloned the same way); any
-    other (subclassed, a Functional subclass) from its get_config(), as Keras's saving
-    rebuilds it, its layers those its constructor makes."""
+    replacement, nested plain functional and Sequential models cloned the same way (a
+    layer they share cloned once); any other model (subclassed, a Functional subclass
+    such as a keras_hub backbone), at the top or nested, from its get_config(), as
+    Keras's saving rebuilds it, its layers those its constructor makes."""
+    clones = {}  # id(layer) -> its clone, across nesting levels
+
+    def clone(layer):
+        if id(layer) not in clones:
+            clones[id(layer)] = (keras.models.clone_model(layer, clone_function=clone)
+                                 if is_graph_model(layer) else clone_function(layer))
+        return clones[id(layer)]
+
     if is_graph_model(model):
-        return keras.models.clone_model(model, clone_function=clone_function, recursive=True)
+        return keras.models.clone_model(model, clone_function=clone)
     copy = type(model).from_config(model.get_config())
     if not copy.weights:
         copy.build_from_config(model.get_build_config())

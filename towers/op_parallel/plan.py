@@ -62,7 +62,7 @@ def split_layers(model, plan, devices, *, model_axis="model"):
 
     def clone(layer):
         how = plan.get(layer.name)
-        return _copy(layer) if how is None else parallel_form(layer, how, devices)
+        return paths.copy_layer(layer) if how is None else parallel_form(layer, how, devices)
 
     with tf.device(devices[0]):
         parted = keras.models.clone_model(model, clone_function=clone)
@@ -98,7 +98,7 @@ def _split_by_paths(model, plan, devices):
 def parallel_form(layer, how, devices):
     """The parallel form of `layer` for `how` (a plan's value), not built."""
     if isinstance(how, int):
-        form = Placed(_copy(layer), devices, how)
+        form = Placed(paths.copy_layer(layer), devices, how)
     elif how in ("column", "row"):
         form = (ColumnDense if how == "column" else RowDense)(
             layer.get_config(), _base_class(layer, how).__name__, devices,
@@ -141,7 +141,7 @@ def join_layers(model):
         if isinstance(layer, HeadsAttention):
             cls = getattr(layer, "original_class", keras.layers.MultiHeadAttention)
             return cls.from_config(layer.attention_config)
-        return _copy(layer.layer if isinstance(layer, Placed) else layer)
+        return paths.copy_layer(layer.layer if isinstance(layer, Placed) else layer)
 
     try:
         joined = paths.rebuild(model, clone)
@@ -208,14 +208,6 @@ def parallel_forms(model):
     """The parallel forms inside `model`, at any depth."""
     return [layer for layer in compat.nested_layers(model)
             if isinstance(layer, PARALLEL_FORMS)]
-
-
-def _copy(layer):
-    """A new layer like `layer`; a layer (or op) without variables is shared, not copied:
-    it has nothing to place, and its config may not rebuild it (a Lambda's function)."""
-    if not getattr(layer, "weights", None):
-        return layer
-    return layer.__class__.from_config(layer.get_config())
 
 
 def _split_size(layer, how):
