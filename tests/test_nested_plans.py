@@ -23,6 +23,8 @@ PLAN = {"token_and_position_embedding/token_emb": "vocab",
         "transformer_*/ffn/up": "column",
         "transformer_block/f?n/d*": "row",
         "out": 1}
+SUBCLASSED_PLAN = {"embed/token_emb": "vocab", "block/att": "heads", "block/ffn/up": "column",
+                   "block/ffn/down": "row", "out": 1}
 
 
 class PlainDense(keras.layers.Dense):
@@ -181,28 +183,28 @@ class NestedPlanTest(tf.test.TestCase):
 
     def test_trains_on_towers_by_parts_as_keras_on_one_device(self):
         batches = [_batch(seed) for seed in (2, 3)]
-        expected = _functional()
-        expected.compile(keras.optimizers.SGD(0.1),
-                         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                         jit_compile=False)
-        for x, y in batches:
-            expected.train_on_batch(x, y)
-        trainer = towers.TowerTrainer(
-            towers.split_layers(_functional(), PLAN, PARTS),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            keras.optimizers.SGD(0.1), devices=GRID)
-        for batch in batches:
-            trainer.train_step(batch)
-        joined = towers.join_layers(trainer.model)
-        self.assertEqual([w.shape for w in joined.weights], [w.shape for w in expected.weights])
-        for actual, wanted in zip(joined.get_weights(), expected.get_weights()):
-            self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)
+        for build, plan in ((_functional, PLAN), (_subclassed, SUBCLASSED_PLAN)):
+            expected = build()
+            expected.compile(keras.optimizers.SGD(0.1),
+                             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                             jit_compile=False)
+            for x, y in batches:
+                expected.train_on_batch(x, y)
+            trainer = towers.TowerTrainer(
+                towers.split_layers(build(), plan, PARTS),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                keras.optimizers.SGD(0.1), devices=GRID)
+            for batch in batches:
+                trainer.train_step(batch)
+            joined = towers.join_layers(trainer.model)
+            self.assertEqual([w.shape for w in joined.weights],
+                             [w.shape for w in expected.weights])
+            for actual, wanted in zip(joined.get_weights(), expected.get_weights()):
+                self.assertAllClose(actual, wanted, atol=TOLERANCE, rtol=0)
 
     def test_join_gives_the_original_structure_and_weights_back(self):
         for build, plan in ((_functional, PLAN),
-                            (_subclassed, {"embed/token_emb": "vocab", "block/att": "heads",
-                                           "block/ffn/up": "column", "block/ffn/down": "row",
-                                           "out": 1})):
+                            (_subclassed, SUBCLASSED_PLAN)):
             model = build()
             x, _ = _batch(4)
             parted = towers.split_layers(model, plan, PARTS)
