@@ -31,8 +31,8 @@ EinsumDense's output_shape argument (column); the bias's axis (column; None: no 
 the equation's letter cut."""
 
 # Per split: which letters it may cut, said as the refusals say it.
-_CUT = {"column": "output-only letter (in the kernel and the output, not the input)",
-        "row": "contracted letter (in the input and the kernel, not the output)"}
+_CUT = {"column": "an output-only letter (in the kernel and the output, not the input)",
+        "row": "a contracted letter (in the input and the kernel, not the output)"}
 
 
 def split_kind(how):
@@ -78,11 +78,11 @@ def split_axes(equation, bias_axes, how, letter=None):
     left, inputs, kernel, outputs = _parse(equation)
     letters = _letters(inputs, kernel, outputs, how)
     if not letters:
-        raise ValueError(f"a {how!r} split needs an {_CUT[how]}, and {equation!r} has none.")
+        raise ValueError(f"a {how!r} split needs {_CUT[how]}, and {equation!r} has none.")
     if letter is None:
         letter = letters[-1]
     elif letter not in letters:
-        raise ValueError(f"a {how!r} split of {equation!r} cuts an {_CUT[how]}: "
+        raise ValueError(f"a {how!r} split of {equation!r} cuts {_CUT[how]}: "
                          f"{' or '.join(map(repr, letters))}, not {letter!r}.")
     spec = outputs if how == "column" else inputs
     # Keras elides on the left of both sides or on the right of both: with "..." in
@@ -118,8 +118,8 @@ def kind_of_kernel_axis(equation, axis):
         letters = _letters(inputs, kernel, outputs, how)
         if letter in letters:
             return how if letter == letters[-1] else f"{how}:{letter}"
-    raise ValueError(f"kernel dim {axis} is {letter!r} in {equation!r}, neither an "
-                     f"{_CUT['column']} (a column split) nor a {_CUT['row']} (a row split)")
+    raise ValueError(f"kernel dim {axis} is {letter!r} in {equation!r}, but a column split "
+                     f"cuts {_CUT['column']} and a row split {_CUT['row']}")
 
 
 def is_elementwise(activation):
