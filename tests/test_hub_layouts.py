@@ -56,6 +56,7 @@ class HubLayoutMapTest(tf.test.TestCase):
             keras_model.train_on_batch(x, y)
         backbone = build()
         parted = towers.split_layers(backbone, _layout_map(backbone), DEVICES[:2])
+        self.assertLen(parallel_forms(parted), 7)  # 4 projections, 3 feed-forward layers
         for form in parallel_forms(parted):
             for j, part in enumerate(form.parts):
                 self.assertEqual({_device_of(w) for w in part.weights}, {DEVICES[j]}, form.path)
