@@ -1,15 +1,23 @@
 """split_layers with a keras.distribution.LayoutMap: each weight's layout along the mesh's
 model axis read as the exact split, against the same plan written by hand."""
 
+import functools
+import tempfile
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
-from towers.op_parallel import dense, layers
+from towers.cli import plans
+from towers.op_parallel import dense, layers, layouts
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def _device_of(variable):
+    return towers.devices.canonical_name(variable.value.device)
 
 
 def _mesh(parts=2, axes=("data", "model")):
@@ -105,6 +113,109 @@ class LayoutMapTest(tf.test.TestCase, parameterized.TestCase):
             trainer.train_step((x, y))
         for want, got in zip(keras_model.get_weights(), towers.join_layers(split).get_weights()):
             self.assertAllClose(want, got, atol=1e-5)
+
+
+def _einsum_model():
+    """(B, 3, 6) -> "btd,ndh->btnh" (4 heads of 3, relu) -> "btnh,nhd->btd" ->
+    "...d,ndh->...nh" -> "...nh,nhd->...d": heads on a non-last letter, with "..."
+    and without; biases along the heads."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((3, 6))
+    dense = functools.partial(keras.layers.EinsumDense, bias_initializer="random_normal")
+    h = dense("btd,ndh->btnh", (None, 4, 3), bias_axes="nh", activation="relu",
+              name="heads_in")(x)
+    h = dense("btnh,nhd->btd", (None, 6), bias_axes="d", name="heads_out")(h)
+    h = dense("...d,ndh->...nh", (4, 3), bias_axes="nh", name="elided_in")(h)
+    return keras.Model(x, dense("...nh,nhd->...d", 6, bias_axes="d", name="elided_out")(h))
+
+
+# Each kernel sharded along its heads letter n (dim 0), which is not the last letter of
+# its kind (h): "column:n" for the projections into heads, "row:n" for those out of them.
+BY_HEADS = {"(heads_in|elided_in)/kernel": ("model", None, None),
+            "(heads_in|elided_in)/bias": ("model", None),
+            "(heads_out|elided_out)/kernel": ("model", None, None)}
+HEADS_PLAN = {"heads_in": "column:n", "heads_out": "row:n", "elided_in": "column:n",
+              "elided_out": "row:n"}
+
+
+class EinsumAxisTest(tf.test.TestCase, parameterized.TestCase):
+    """EinsumDense cut along a letter other than the last of its kind."""
+
+    def test_layout_names_the_letter_and_trains_as_one_device(self):
+        self.assertEqual(layouts.plan_of(_einsum_model(), _layout(BY_HEADS), 2), HEADS_PLAN)
+        keras_model = _einsum_model()
+        keras_model.compile(keras.optimizers.Adam(0.01), "mse")
+        split = towers.split_layers(_einsum_model(), _layout(BY_HEADS), DEVICES[:2])
+        x = np.random.default_rng(0).normal(size=(5, 3, 6)).astype("float32")
+        self.assertAllClose(split(x), keras_model(x), atol=1e-5)
+        for name in HEADS_PLAN:
+            form = split.get_layer(name)
+            self.assertEqual(form.get_config()["letter"], "n")
+            self.assertEqual([part.kernel.shape[0] for part in form.parts], [2, 2])
+            self.assertEqual([_device_of(part.kernel) for part in form.parts], DEVICES[:2])
+        trainer = towers.TowerTrainer(split, "mse", keras.optimizers.Adam(0.01),
+                                      devices=[DEVICES[:2], DEVICES[2:]])
+        rng = np.random.default_rng(1)
+        for rows in (5, 4):
+            x, y = rng.normal(size=(rows, 3, 6)), rng.normal(size=(rows, 3, 6))
+            keras_model.train_on_batch(x.astype("float32"), y.astype("float32"))
+            trainer.train_step((x.astype("float32"), y.astype("float32")))
+        for want, got in zip(keras_model.get_weights(), towers.join_layers(split).get_weights()):
+            self.assertAllClose(want, got, atol=1e-5, rtol=0)
+        # The letter survives a checkpoint into another part count.
+        three = towers.split_layers(_einsum_model(), HEADS_PLAN, DEVICES[:3])
+        with tempfile.TemporaryDirectory() as directory:
+            towers.Checkpointer(directory, split, trainer.optimizer).save(0, 2)
+            self.assertIsNotNone(
+                towers.Checkpointer(directory, three, keras.optimizers.Adam(0.01)).restore())
+        self.assertEqual([p.kernel.shape[0] for p in three.get_layer("elided_out").parts],
+                         [2, 1, 1])
+        for want, got in zip(keras_model.get_weights(), towers.join_layers(three).get_weights()):
+            self.assertAllClose(want, got, atol=1e-5, rtol=0)
+
+    @parameterized.named_parameters(
+        ("a_letter_not_in_the_equation", {"heads_in": "column:x"},
+         r"plan\['heads_in'\] = 'column:x': a 'column' split of 'btd,ndh->btnh' cuts an "
+         r"output-only letter .*: 'n' or 'h', not 'x'"),
+        ("a_contracted_letter_for_a_column", {"heads_out": "column:n"},
+         r"'btnh,nhd->btd' cuts an output-only letter .*: 'd', not 'n'"),
+        ("an_output_letter_for_a_row", {"heads_in": "row:h"},
+         r"'row:h': a 'row' split of 'btd,ndh->btnh' cuts a contracted letter .*: 'd', "
+         "not 'h'"),
+        ("a_dense_input_letter_for_a_column", {"dense": "column:i"},
+         r"a 'column' split of '...i,io->...o' cuts an output-only letter .*: 'o', not 'i'"),
+        ("no_letter", {"heads_in": "column:"}, r"'n' or 'h', not ''"),
+        ("a_letter_on_another_kind", {"heads_in": "vocab:n"}, r"'vocab:n' is not a kind"))
+    def test_a_wrong_letter_is_one_line(self, plan, message):
+        model = _einsum_model()
+        if "dense" in plan:
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+        with self.assertRaisesRegex(ValueError, message) as caught:
+            towers.split_layers(model, plan, DEVICES[:2])
+        self.assertNotIn("\n", str(caught.exception))
+
+    def test_a_dense_takes_its_own_letters(self):
+        model = _model()
+        x = np.arange(12).reshape(3, 4) % 20
+        split = towers.split_layers(model, {"up": "column:o", "down": "row:i"}, DEVICES[:2])
+        self.assertAllClose(split(x), model(x), atol=1e-5)
+        self.assertIsInstance(split.get_layer("down"), dense.RowDense)
+
+    def test_a_kernel_letter_of_neither_kind_is_one_line(self):
+        # "bnd,ndh->bnh": n runs through input, kernel and output (one kernel per head).
+        x = keras.Input((4, 3))
+        model = keras.Model(x, keras.layers.EinsumDense("bnd,ndh->bnh", (4, 2), name="per_head")(x))
+        with self.assertRaisesRegex(
+                ValueError, r"shards per_head/kernel dim 0, which no split computes exactly: "
+                r"EinsumDense 'per_head': kernel dim 0 is 'n' in 'bnd,ndh->bnh', "
+                "but a column split cuts an output-only letter") as caught:
+            towers.split_layers(model, _layout({"per_head/kernel": ("model", None, None)}),
+                                DEVICES[:2])
+        self.assertNotIn("\n", str(caught.exception))
+
+    def test_split_plan_takes_a_letter_after_the_kind(self):
+        self.assertEqual(plans.parse(["block_*/attention_output:row:u", "up:column", "out:1"]),
+                         {"block_*/attention_output": "row:u", "up": "column", "out": 1})
 
 
 class NestedLayoutTest(tf.test.TestCase):

@@ -165,7 +165,8 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
             "abc,cd->abd", (4, 5), bias_axes="b", name="seq")(inputs))
         with self.assertRaisesRegex(ValueError, "cuts axis 'd', which its bias"):
             towers.split_layers(bias_across, {"seq": "column"}, PARTS)
-        with self.assertRaisesRegex(ValueError, "needs an input axis the kernel contracts"):
+        with self.assertRaisesRegex(ValueError,
+                                    "needs a contracted letter .*'abc,d->abcd' has none"):
             towers.split_layers(keras.Model(inputs, keras.layers.EinsumDense(
                 "abc,d->abcd", (4, 6, 2), name="outer")(inputs)), {"outer": "row"}, PARTS)
 

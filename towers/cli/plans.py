@@ -5,13 +5,15 @@ from keras import layers
 
 
 def parse(items):
-    """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab, heads or a part index."""
+    """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab, heads or a part index;
+    column and row may name the equation letter to cut ("attention_output:row:u": split on
+    the first colon)."""
     plan = {}
     for item in items:
-        name, _, how = item.rpartition(":")
+        name, _, how = item.partition(":")
         if not name or not how:
             raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab, heads or a "
-                             "part index).")
+                             "part index; column:LETTER or row:LETTER cut that letter).")
         plan[name] = int(how) if how.isdigit() else how
     return plan
 

@@ -104,7 +104,9 @@ TENSOR_PARALLEL = flags.DEFINE_integer(
 SPLIT_PLAN = flags.DEFINE_list(
     "split_plan", None, "Op parallelism: LAYER:KIND,... with KIND column or row (Dense), vocab "
     "(Embedding), heads (MultiHeadAttention) or a part index (the whole layer on that part's "
-    "device).")
+    "device). An EinsumDense may be cut along another letter of its equation: "
+    "PATH:column:LETTER (output-only) or PATH:row:LETTER (contracted), e.g. "
+    "'*/self_attention/attention_output:row:u'.")
 MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
                                     "Keras dtype policy; mixed_float16 adds dynamic loss "
                                     "scaling shared by all towers.")

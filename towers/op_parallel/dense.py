@@ -2,8 +2,9 @@
 split across devices.
 
 A Dense is the EinsumDense "...i,io->...o" with bias on "o", so one description
-serves both: a column split cuts the last output axis that comes from the kernel
-alone, a row split the last input axis the kernel contracts (`SplitAxes`).
+serves both: a column split cuts an output axis that comes from the kernel alone, a row
+split an input axis the kernel contracts (`SplitAxes`). The plan names the equation's
+letter ("column:n", "row:u"); plain "column" or "row" cuts the last such letter.
 """
 
 import collections
@@ -23,45 +24,102 @@ _ELEMENTWISE = {"linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", 
                 "softplus", "softsign", "exponential", "mish", "celu"}
 
 SplitAxes = collections.namedtuple(
-    "SplitAxes", ["kernel_axis", "tensor_axis", "shape_index", "bias_axis"])
+    "SplitAxes", ["kernel_axis", "tensor_axis", "shape_index", "bias_axis", "letter"])
 SplitAxes.__doc__ = """Where a split cuts: the kernel's axis; the output's (column) or the
 input's (row) axis, negative where counted from the end; the index of the output axis in
-EinsumDense's output_shape argument (column); the bias's axis (column; None: no bias)."""
+EinsumDense's output_shape argument (column); the bias's axis (column; None: no bias);
+the equation's letter cut."""
+
+# Per split: which letters it may cut, said as the refusals say it.
+_CUT = {"column": "an output-only letter (in the kernel and the output, not the input)",
+        "row": "a contracted letter (in the input and the kernel, not the output)"}
 
 
-def split_axes(equation, bias_axes, how):
-    """The SplitAxes of a "column" or "row" split of an EinsumDense `equation`.
+def split_kind(how):
+    """A plan value's (kind, letter): "row:u" -> ("row", "u"), "column" -> ("column",
+    None) (None: the default letter, the last one); any other value -> (how, None)."""
+    kind, colon, letter = how.partition(":") if isinstance(how, str) else (how, "", None)
+    return (kind, letter) if colon and kind in _CUT else (how, None)
 
-    Raises:
-      ValueError: the equation has no axis to split that way, or (column) a bias that
-        does not run along the split axis.
-    """
+
+def equation_of(layer):
+    """(equation, bias_axes) of a Dense ("...i,io->...o", bias on "o") or EinsumDense."""
+    if isinstance(layer, keras.layers.Dense):
+        return DENSE_EQUATION, "o" if layer.use_bias else None
+    return layer.equation, layer.bias_axes
+
+
+def _parse(equation):
+    """(whether the batch-like axes are elided on the left, input letters, kernel
+    letters, output letters) of an EinsumDense equation."""
     match = re.fullmatch(r"(\.\.\.)?([a-zA-Z]+)(\.\.\.)?,([a-zA-Z]+)->(\.\.\.)?([a-zA-Z]+)"
                          r"(\.\.\.)?", equation.replace(" ", ""))
     if match is None:
         raise ValueError(f"cannot split the EinsumDense equation {equation!r}.")
     left, inputs, _, kernel, _, outputs, _ = match.groups()
+    return bool(left), inputs, kernel, outputs
+
+
+def _letters(inputs, kernel, outputs, how):
+    """The letters a `how` split may cut, in the output's (column) or input's (row) order."""
     if how == "column":
-        letters = [c for c in outputs if c in kernel and c not in inputs]
-        spec, what = outputs, "output axis that comes from the kernel alone"
-    else:
-        letters = [c for c in inputs if c in kernel and c not in outputs]
-        spec, what = inputs, "input axis the kernel contracts"
+        return [c for c in outputs if c in kernel and c not in inputs]
+    return [c for c in inputs if c in kernel and c not in outputs]
+
+
+def split_axes(equation, bias_axes, how, letter=None):
+    """The SplitAxes of a "column" or "row" split of an EinsumDense `equation` along
+    `letter`: an output-only letter (column) or a contracted one (row); None: the last.
+
+    Raises:
+      ValueError: the equation has no letter to split that way, `letter` is not one of
+        them, or (column) a bias that does not run along the split axis.
+    """
+    left, inputs, kernel, outputs = _parse(equation)
+    letters = _letters(inputs, kernel, outputs, how)
     if not letters:
-        raise ValueError(f"a {how!r} split needs an {what}, and {equation!r} has none.")
-    letter = letters[-1]
+        raise ValueError(f"a {how!r} split needs {_CUT[how]}, and {equation!r} has none.")
+    if letter is None:
+        letter = letters[-1]
+    elif letter not in letters:
+        raise ValueError(f"a {how!r} split of {equation!r} cuts {_CUT[how]}: "
+                         f"{' or '.join(map(repr, letters))}, not {letter!r}.")
+    spec = outputs if how == "column" else inputs
+    # Keras elides on the left of both sides or on the right of both: with "..." in
+    # front an axis is counted from the end.
     tensor_axis = spec.index(letter) - (len(spec) if left else 0)
     if how == "row":
-        return SplitAxes(kernel.index(letter), tensor_axis, None, None)
+        return SplitAxes(kernel.index(letter), tensor_axis, None, None, letter)
+    # EinsumDense's output_shape leaves out the batch axis, the first of the output's
+    # letters unless "..." stands in front of them.
     shape_index = outputs.index(letter) - (0 if left else 1)
     bias_axis = None
     if bias_axes:
         if letter not in bias_axes:
             raise ValueError(f"a 'column' split of {equation!r} cuts axis {letter!r}, which its "
                              f"bias (bias_axes={bias_axes!r}) does not run along.")
+        # The bias has the output's axes from its first bias letter on (EinsumDense).
         bias_spec = outputs[min(outputs.index(c) for c in bias_axes):]
         bias_axis = bias_spec.index(letter)
-    return SplitAxes(kernel.index(letter), tensor_axis, shape_index, bias_axis)
+    return SplitAxes(kernel.index(letter), tensor_axis, shape_index, bias_axis, letter)
+
+
+def kind_of_kernel_axis(equation, axis):
+    """The plan kind that cuts an EinsumDense `equation`'s kernel along `axis`:
+    "column" or "row" where its letter is the default one (the last), else
+    "column:<letter>" or "row:<letter>".
+
+    Raises:
+      ValueError: the axis's letter is neither output-only nor contracted.
+    """
+    _, inputs, kernel, outputs = _parse(equation)
+    letter = kernel[axis]
+    for how in _CUT:
+        letters = _letters(inputs, kernel, outputs, how)
+        if letter in letters:
+            return how if letter == letters[-1] else f"{how}:{letter}"
+    raise ValueError(f"kernel dim {axis} is {letter!r} in {equation!r}, but a column split "
+                     f"cuts {_CUT['column']} and a row split {_CUT['row']}")
 
 
 def is_elementwise(activation):
@@ -75,11 +133,12 @@ def is_elementwise(activation):
 class _Parted(keras.layers.Layer):
     """A Dense or EinsumDense as parts, part j built and run on devices[j].
 
-    layer_config: the layer's get_config(); layer_class: "Dense" or "EinsumDense".
+    layer_config: the layer's get_config(); layer_class: "Dense" or "EinsumDense";
+    letter: the equation's letter cut (None: the last one `how` may cut).
     """
 
-    def __init__(self, layer_config, layer_class, devices, how, activity_regularizer=None,
-                 **kwargs):
+    def __init__(self, layer_config, layer_class, devices, how, letter=None,
+                 activity_regularizer=None, **kwargs):
         super().__init__(name=layer_config["name"], dtype=layer_config.get("dtype"),
                          trainable=layer_config.get("trainable", True),
                          activity_regularizer=activity_regularizer, **kwargs)
@@ -89,7 +148,7 @@ class _Parted(keras.layers.Layer):
         self.activation = keras.activations.get(layer_config["activation"])
         self.dense = layer_class == "Dense"
         self.axes = split_axes(DENSE_EQUATION if self.dense else layer_config["equation"],
-                               "o" if self.dense else layer_config["bias_axes"], how)
+                               "o" if self.dense else layer_config["bias_axes"], how, letter)
 
     @property
     def use_bias(self):
@@ -119,7 +178,8 @@ class _Parted(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "layer_config": self.layer_config,
-                "layer_class": self.layer_class, "devices": self.devices}
+                "layer_class": self.layer_class, "devices": self.devices,
+                "letter": self.axes.letter}
 
 
 class ColumnDense(_Parted):

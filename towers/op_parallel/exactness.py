@@ -12,6 +12,8 @@ would compute on a part what one device computes on the whole: refused here.
 
 import keras
 
+from towers.op_parallel.dense import split_kind
+
 # Regularisers that are a sum over the weight's entries: the parts' penalties add up.
 _ADDITIVE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
 _NORM_CONSTRAINTS = (keras.constraints.MaxNorm, keras.constraints.UnitNorm,
@@ -63,7 +65,8 @@ def check_layer(name, layer, how):
         constraint = getattr(weight, "constraint", None)
         if constraint is None or isinstance(constraint, keras.constraints.NonNeg):
             continue
-        cut = _CUT_AXES.get(how, {}).get(attribute, "unknown") if isinstance(
+        kind = split_kind(how)[0]  # a Dense's "column:o" is its "column"
+        cut = _CUT_AXES.get(kind, {}).get(attribute, "unknown") if isinstance(
             layer, (keras.layers.Dense, keras.layers.Embedding)) else "unknown"
         if isinstance(constraint, _NORM_CONSTRAINTS) and cut != "unknown":
             axes = constraint.axis if isinstance(constraint.axis, (list, tuple)) else [

@@ -4,21 +4,24 @@ model axis becomes the exact split of its layer.
 Keras's LayoutMap says, per variable path (regex keys, full match, as Keras matches
 them), which mesh axis each dimension is sharded along. A weight sharded along the
 model axis maps to the form that cuts it there:
-- a Dense or EinsumDense kernel along an output axis: "column"; along a contracted
-  input axis: "row" (the axis the split forms cut: dense.split_axes);
+- a Dense or EinsumDense kernel along an output-only axis: "column"; along a
+  contracted input axis: "row"; each naming the equation's letter where it is not the
+  last such letter, the one plain "column"/"row" cut (Llama's attention_output
+  "bquh,uhm->bqm" sharded on dim 0: "row:u"; dense.kind_of_kernel_axis);
 - an Embedding table along its rows: "vocab";
 - a MultiHeadAttention's query/key/value kernels along their heads axis (and its
   output kernel along its heads axis): "heads".
 A weight sharded along another axis of the mesh (the data axis) stays whole: towers
 already splits the batch. A layout with no exact form (a bias or a norm's scale
-sharded alone, a kernel along an axis the forms do not cut) is refused in one line.
+sharded alone, a kernel along an axis neither output-only nor contracted) is refused
+in one line.
 """
 
 import keras
 from absl import logging
 
 from towers.op_parallel import paths
-from towers.op_parallel.dense import DENSE_EQUATION, split_axes
+from towers.op_parallel.dense import equation_of, kind_of_kernel_axis, split_axes, split_kind
 
 
 def plan_of(model, layout_map, num_parts, model_axis="model"):
@@ -100,23 +103,20 @@ def _kind(layer, sharded):
             return "vocab"
         _refuse(sharded, "an Embedding table is split by its rows (dim 0) only")
     if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and kernel is not None:
-        dense = isinstance(layer, keras.layers.Dense)
-        equation = DENSE_EQUATION if dense else layer.equation
-        bias_axes = "o" if dense else layer.bias_axes
-        for how in ("column", "row"):
-            try:
-                axes = split_axes(equation, bias_axes, how)
-            except ValueError:
-                continue
-            if axes.kernel_axis == kernel:
-                bias = [dim for v, dim in sharded.values() if v.path.endswith("/bias")]
-                if bias and (how == "row" or bias != [axes.bias_axis]):
-                    _refuse(sharded, f"a {how} split keeps the bias "
-                            + ("whole on part 0" if how == "row" else
-                               f"split along its dim {axes.bias_axis}"))
-                return how
-        _refuse(sharded, f"the split forms cut {type(layer).__name__} {layer.name!r}'s kernel "
-                "along its last output axis (column) or its last contracted axis (row)")
+        equation, bias_axes = equation_of(layer)
+        try:
+            how = kind_of_kernel_axis(equation, kernel)
+            kind, letter = split_kind(how)
+            axes = split_axes(equation, bias_axes, kind, letter)
+        except ValueError as error:  # neither kind's letter, or a bias across the cut
+            _refuse(sharded, f"{type(layer).__name__} {layer.name!r}: "
+                    + str(error).rstrip("."))
+        bias = [dim for v, dim in sharded.values() if v.path.endswith("/bias")]
+        if bias and (kind == "row" or bias != [axes.bias_axis]):
+            _refuse(sharded, f"a {kind} split keeps the bias "
+                    + ("whole on part 0" if kind == "row" else
+                       f"split along its dim {axes.bias_axis}"))
+        return how
     return None  # sharded weights of another layer: refused as uncovered
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from towers import compat
 from towers import devices as devices_lib
 from towers.op_parallel import exactness, layouts, paths
-from towers.op_parallel.dense import DENSE_EQUATION, ColumnDense, RowDense, split_axes
+from towers.op_parallel.dense import ColumnDense, RowDense, equation_of, split_axes, split_kind
 from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
 
 _DENSE_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense)
@@ -99,10 +99,12 @@ def parallel_form(layer, how, devices):
     """The parallel form of `layer` for `how` (a plan's value), not built."""
     if isinstance(how, int):
         form = Placed(paths.copy_layer(layer), devices, how)
-    elif how in ("column", "row"):
-        form = (ColumnDense if how == "column" else RowDense)(
-            layer.get_config(), _base_class(layer, how).__name__, devices,
-            _split_size(layer, how)[0], activity_regularizer=layer.activity_regularizer)
+    elif split_kind(how)[0] in ("column", "row"):
+        kind, letter = split_kind(how)
+        form = (ColumnDense if kind == "column" else RowDense)(
+            layer.get_config(), _base_class(layer, kind).__name__, devices,
+            _split_size(layer, how)[0], letter=letter,
+            activity_regularizer=layer.activity_regularizer)
     elif how == "vocab":
         form = VocabEmbedding(layer.get_config(), devices)
     else:
@@ -212,10 +214,10 @@ def parallel_forms(model):
 
 def _split_size(layer, how):
     """(how many units the split `how` divides among the parts, what they are)."""
-    if how in ("column", "row"):
-        equation = DENSE_EQUATION if isinstance(layer, keras.layers.Dense) else layer.equation
-        axis = split_axes(equation, None, how).kernel_axis
-        return int(layer.kernel.shape[axis]), "output units" if how == "column" else "input units"
+    kind, letter = split_kind(how)
+    if kind in ("column", "row"):
+        axis = split_axes(equation_of(layer)[0], None, kind, letter).kernel_axis
+        return int(layer.kernel.shape[axis]), "output units" if kind == "column" else "input units"
     if how == "heads":
         return layer.num_heads, "heads"
     return layer.input_dim, "rows"
@@ -256,25 +258,27 @@ def check_layer(key, layer, how, devices):
             raise ValueError(f"plan[{key!r}] = {how} is not a device index: there are "
                              f"{len(devices)} devices, 0 to {len(devices) - 1}.")
         return
-    if how not in KINDS:
+    kind, letter = split_kind(how)  # "row:u": a row split along the equation's letter u
+    if kind not in KINDS:
         raise ValueError(f"plan[{key!r}] = {how!r} is not a kind; use one of "
-                         f"{sorted(KINDS)} or a device index.")
-    base = _base_class(layer, how)
+                         f"{sorted(KINDS)} (column and row may name the letter to cut, "
+                         "'row:u'), or a device index.")
+    base = _base_class(layer, kind)
     if base is None:
-        kinds = " or ".join(kind.__name__ for kind in KINDS[how]  # ReversibleEmbedding
-                            if not any(kind is not k and issubclass(kind, k) for k in KINDS[how]))
+        kinds = " or ".join(cls.__name__ for cls in KINDS[kind]  # not ReversibleEmbedding
+                            if not any(cls is not k and issubclass(cls, k) for k in KINDS[kind]))
         raise ValueError(f"plan[{key!r}] = {how!r} splits {kinds} layers, but {layer.name!r} "
                          f"is {type(layer).__name__}.")
     changed = [method for method in ("call", "build")
                if getattr(type(layer), method) is not getattr(base, method)]
-    if changed and not (how == "heads" and exactness.keeps_call(type(layer), base)):
+    if changed and not (kind == "heads" and exactness.keeps_call(type(layer), base)):
         raise ValueError(f"plan[{key!r}] = {how!r}: {layer.name!r} is a {type(layer).__name__}, "
                          f"a {base.__name__} subclass with its own {' and '.join(changed)}, "
                          f"which the parallel form (running {base.__name__}'s) would drop; "
                          "place it whole (a device index) instead.")
-    if isinstance(layer, keras.layers.EinsumDense):
+    if kind in ("column", "row"):  # a Dense is "...i,io->...o": "column:o", "row:i" only
         try:
-            split_axes(layer.equation, layer.bias_axes, how)
+            split_axes(*equation_of(layer), kind, letter)
         except ValueError as error:
             raise ValueError(f"plan[{key!r}] = {how!r}: {error}") from None
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
