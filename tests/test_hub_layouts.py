@@ -1,7 +1,9 @@
 """keras_hub's own layout maps (LlamaBackbone.get_layout_map, GemmaBackbone.get_layout_map),
-unchanged, as split_layers' plan: 2 towers x 2 parts, each step against Keras's compile +
-train_on_batch on one device. Their attention projections are EinsumDense layers cut
-along letters other than the last ("row:u", "column:n")."""
+unchanged, as split_layers' plan for the causal LM: 2 towers x 2 parts, each step against
+Keras's compile + train_on_batch on one device. Their attention projections are
+EinsumDense layers cut along letters other than the last ("row:u", "column:n"); their
+token embedding is split by vocab for its look-up and its LM head (Llama's reverse table
+untied, Gemma's tied)."""
 
 import keras
 import pytest
@@ -19,27 +21,25 @@ TOLERANCE = 1e-5
 
 
 def _llama(seed=0):
-    """LlamaBackbone, 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    """LlamaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
     keras.utils.set_random_seed(seed)
-    return keras_hub.models.LlamaBackbone(
+    return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
         vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32)
+        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
 def _gemma(seed=0):
-    """GemmaBackbone, 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    """GemmaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
     keras.utils.set_random_seed(seed)
-    return keras_hub.models.GemmaBackbone(
+    return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
         vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, head_dim=4)
+        hidden_dim=hub.WIDTH, intermediate_dim=32, head_dim=4), preprocessor=None)
 
 
-def _layout_map(backbone):
-    """The backbone's own layout map over a (1 batch, 2 model) mesh."""
+def _layout_map(lm):
+    """The LM's backbone's own layout map over a (1 batch, 2 model) mesh."""
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
-    layout_map = backbone.get_layout_map(mesh)
-    del layout_map["token_embedding/embeddings"]  # until ReversibleEmbedding splits (lead's branch)
-    return layout_map
+    return lm.backbone.get_layout_map(mesh)
 
 
 def _device_of(variable):
@@ -49,21 +49,23 @@ def _device_of(variable):
 class HubLayoutMapTest(tf.test.TestCase):
 
     def _trains_as_one_device(self, build):
-        batches = hub._batches()
+        batches = hub._lm_batches()  # padded tails, the padding mask as sample weights
         keras_model = build()
-        keras_model.compile(keras.optimizers.Adam(0.01), "mse")
-        for x, y in batches:
-            keras_model.train_on_batch(x, y)
-        backbone = build()
-        parted = towers.split_layers(backbone, _layout_map(backbone), DEVICES[:2])
-        self.assertLen(parallel_forms(parted), 7)  # 4 projections, 3 feed-forward layers
+        keras_model.compile(keras.optimizers.Adam(0.01),
+                            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            weighted_metrics=[])
+        for x, y, weights in batches:
+            keras_model.train_on_batch(x, y, sample_weight=weights)
+        lm = build()
+        parted = towers.split_layers(lm, _layout_map(lm), DEVICES[:2])
+        # The table, 4 projections, 3 feed-forward layers.
+        self.assertLen(parallel_forms(parted), 8)
         for form in parallel_forms(parted):
             for j, part in enumerate(form.parts):
                 self.assertEqual({_device_of(w) for w in part.weights}, {DEVICES[j]}, form.path)
-        trainer = towers.TowerTrainer(parted, "mse", keras.optimizers.Adam(0.01),
-                                      devices=[DEVICES[:2], DEVICES[2:4]])
-        for x, y in batches:
-            trainer.train_step((x, y))
+        trainer = hub._lm_trainer(parted, [DEVICES[:2], DEVICES[2:4]])
+        for batch in batches:
+            trainer.train_step(batch)
         want = keras_model.get_weights()
         got = towers.join_layers(parted).get_weights()
         self.assertEqual(len(want), len(got))
@@ -71,10 +73,13 @@ class HubLayoutMapTest(tf.test.TestCase):
             self.assertAllClose(expected, value, atol=TOLERANCE, rtol=0)
 
     def test_llama_layout_map_trains_as_one_device(self):
-        backbone = _llama()
-        plan = layouts.plan_of(backbone, _layout_map(backbone), 2)
+        lm = _llama()
+        plan = layouts.plan_of(lm, _layout_map(lm), 2)
+        self.assertEqual([how for path, how in plan.items()
+                          if path.endswith("/token_embedding")], ["vocab"])
         block = "transformer_layer_0/self_attention"
-        self.assertEqual({k: v for k, v in plan.items() if k.startswith("transformer_layer_0/")},
+        self.assertEqual({k.split("/", 1)[1]: v for k, v in plan.items()
+                          if "/transformer_layer_0/" in k},
                          {f"{block}/query": "row", f"{block}/key": "row",
                           f"{block}/value": "row", f"{block}/attention_output": "row:u",
                           "transformer_layer_0/feedforward_intermediate_dense": "column",
@@ -82,11 +87,28 @@ class HubLayoutMapTest(tf.test.TestCase):
                           "transformer_layer_0/feedforward_output_dense": "row"})
         self._trains_as_one_device(_llama)
 
+    def test_an_untied_reverse_table_is_split_by_its_vocabulary_columns(self):
+        lm = _llama()
+        layout_map = _layout_map(lm)
+        layout_map["token_embedding/reverse_embeddings"] = (None, "model")  # (D, V)
+        plan = layouts.plan_of(lm, layout_map, 2)
+        self.assertEqual([how for path, how in plan.items()
+                          if path.endswith("/token_embedding")], ["vocab"])
+        del layout_map["token_embedding/reverse_embeddings"]
+        layout_map["token_embedding/reverse_embeddings"] = ("model", None)
+        with self.assertRaisesRegex(ValueError, r"token_embedding/reverse_embeddings dim 0, "
+                                    r".*split by its vocabulary only") as caught:
+            layouts.plan_of(lm, layout_map, 2)
+        self.assertNotIn("\n", str(caught.exception))
+
     def test_gemma_layout_map_trains_as_one_device(self):
-        backbone = _gemma()
-        plan = layouts.plan_of(backbone, _layout_map(backbone), 2)
+        lm = _gemma()
+        plan = layouts.plan_of(lm, _layout_map(lm), 2)
+        self.assertEqual([how for path, how in plan.items()
+                          if path.endswith("/token_embedding")], ["vocab"])
         block = "decoder_block_0/attention"
-        self.assertEqual({k: v for k, v in plan.items() if k.startswith("decoder_block_0/")},
+        self.assertEqual({k.split("/", 1)[1]: v for k, v in plan.items()
+                          if "/decoder_block_0/" in k},
                          {f"{block}/query": "column:n", f"{block}/key": "column:k",
                           f"{block}/value": "column:k", f"{block}/attention_output": "row:n",
                           "decoder_block_0/ffw_gating": "column",

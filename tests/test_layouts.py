@@ -84,7 +84,7 @@ class LayoutMapTest(tf.test.TestCase, parameterized.TestCase):
         ("a_row_bias", {"down/kernel": ("model", None), "down/bias": ("model",)},
          "a row split keeps the bias whole on part 0"),
         ("an_embedding_by_width", {"table/embeddings": (None, "model")},
-         r"an Embedding table is split by its rows \(dim 0\) only"),
+         r"an Embedding table is split by its vocabulary only"),
         ("attention_by_key_width", {"att/query/kernel": (None, None, "model")},
          "a MultiHeadAttention is split by heads"),
         ("nothing_split", {"up/kernel": ("data", None)}, "shards no weight of model"),

@@ -8,7 +8,8 @@ model axis maps to the form that cuts it there:
   contracted input axis: "row"; each naming the equation's letter where it is not the
   last such letter, the one plain "column"/"row" cut (Llama's attention_output
   "bquh,uhm->bqm" sharded on dim 0: "row:u"; dense.kind_of_kernel_axis);
-- an Embedding table along its rows: "vocab";
+- an Embedding table along its rows (a ReversibleEmbedding's reverse table along its
+  columns): "vocab";
 - a MultiHeadAttention's query/key/value kernels along their heads axis (and its
   output kernel along its heads axis): "heads".
 A weight sharded along another axis of the mesh (the data axis) stays whole: towers
@@ -98,10 +99,14 @@ def _kind(layer, sharded):
         return _attention_kind(layer, sharded)
     kernel = next((dim for (v, dim) in sharded.values() if v.path.endswith("/kernel")), None)
     if isinstance(layer, keras.layers.Embedding):
-        dims = [dim for _, dim in sharded.values()]
-        if dims == [0]:
+        # Each table's vocabulary axis: a table's rows, an untied ReversibleEmbedding's
+        # reverse table's (D, V) columns.
+        vocabulary_axis = {"embeddings": 0, "reverse_embeddings": 1}
+        if all(vocabulary_axis.get(v.path.rsplit("/", 1)[-1]) == dim
+               for v, dim in sharded.values()):
             return "vocab"
-        _refuse(sharded, "an Embedding table is split by its rows (dim 0) only")
+        _refuse(sharded, "an Embedding table is split by its vocabulary only (a table's "
+                "dim 0, a ReversibleEmbedding's reverse table's dim 1)")
     if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and kernel is not None:
         equation, bias_axes = equation_of(layer)
         try:

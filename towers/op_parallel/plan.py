@@ -1,8 +1,9 @@
 """split_layers: a model with the layers a plan names replaced by their parallel forms;
 join_layers: the model back with the original layer types and the full weights.
 
-A plan is {layer path: how}: "column" or "row" (Dense, EinsumDense), "vocab" (Embedding),
-"heads" (MultiHeadAttention), or an int j (the whole layer on devices[j]). A path is a
+A plan is {layer path: how}: "column" or "row" (Dense, EinsumDense; "column:n" / "row:u"
+name the equation's letter to cut), "vocab" (Embedding, ReversibleEmbedding), "heads"
+(MultiHeadAttention), or an int j (the whole layer on devices[j]). A path is a
 top-level layer's name, or names down to a nested layer ("block_0/ffn/dense"), each
 level a shell wildcard (paths.py).
 """
@@ -36,7 +37,8 @@ def split_layers(model, plan, devices, *, model_axis="model"):
     Args:
       model: a built keras.Model: functional, Sequential, a Functional subclass or
         subclassed.
-      plan: {layer path: "column" | "row" | "vocab" | "heads" | int}; a path is a
+      plan: {layer path: "column" | "row" | "vocab" | "heads" | int}, "column" and
+        "row" optionally naming an EinsumDense's letter to cut ("row:u"); a path is a
         top-level layer's name or "/"-joined names down to a nested layer, each level
         a shell wildcard ("block_*/ffn/dense_?").
         Or a keras.distribution.LayoutMap: each weight sharded along the mesh axis
