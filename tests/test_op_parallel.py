@@ -584,6 +584,17 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(resumed["steps"], whole["steps"])
         self.assertAllClose(resumed["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
 
+    def test_towers_stages_and_parts_train_as_the_stages_alone(self):
+        # 1 tower x 2 stages x 2 parts: stage k's part j on device 2k + j.
+        with flagsaver.flagsaver(**self.QUICK, model="mlp", pipeline_stages=2):
+            staged = train.train()
+        with flagsaver.flagsaver(**self.QUICK, model="mlp", pipeline_stages=2,
+                                 tensor_parallel=2):
+            grid = train.train()
+        self.assertEqual(grid["devices"], [[DEVICES[:2], DEVICES[2:]]])
+        self.assertEqual(list(grid["split_plan"].values()), ["column", "row"])
+        self.assertAllClose(grid["eval_loss"], staged["eval_loss"], atol=1e-5, rtol=0)
+
     def test_split_plan_names_any_layer(self):
         with flagsaver.flagsaver(**self.QUICK, model="text", tensor_parallel=3,
                                  split_plan=["embedding:vocab", "logits:row"]):
@@ -597,8 +608,9 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
          "--split_plan: 'dense' is not LAYER:KIND"),
         ("bad_plan", dict(model="mlp", tensor_parallel=2, split_plan=["logits:heads"]),
          "plan\\['logits'\\] = 'heads' splits MultiHeadAttention layers"),
-        ("with_stages", dict(model="mlp", tensor_parallel=2, pipeline_stages=2),
-         "--pipeline_stages=2 cannot be combined with split layers yet"))
+        ("stages_without_parts", dict(model="mlp", split_plan=["logits:column"],
+                                      pipeline_stages=2),
+         "--pipeline_stages=2 with --split_plan needs --tensor_parallel=T"))
     def test_refused_in_one_line(self, options, message):
         with flagsaver.flagsaver(**{**self.QUICK, **options}):
             with self.assertRaisesRegex(ValueError, message):

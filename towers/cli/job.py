@@ -93,12 +93,17 @@ def run(job):
             _check_log_dir(job.log_dir)
     num_stages = job.pipeline_stages
     num_parts = job.tensor_parallel
-    width = max(num_stages, num_parts)  # devices per tower: one per stage, or per part
+    width = num_stages * num_parts  # devices per tower: one per part of each stage
     devices = towers.configure_devices(job.num_towers * width, job.device_type)
-    # Tower t runs its stages or parts on devices[t*W:(t+1)*W], one row of the grid per
-    # tower; with neither, a flat list with one device per tower.
-    tower_devices = devices[:job.num_towers] if width == 1 else [
-        devices[t * width:(t + 1) * width] for t in range(job.num_towers)]
+    # Tower t runs on devices[t*W:(t+1)*W]: a row of stages or of parts, or with both
+    # one row of parts per stage (stage k's part j on t*W + k*T + j); with neither, a
+    # flat list with one device per tower.
+    tower_devices = [devices[t * width:(t + 1) * width] for t in range(job.num_towers)]
+    if width == 1:
+        tower_devices = devices[:job.num_towers]
+    elif num_stages > 1 and num_parts > 1:
+        tower_devices = [[row[k * num_parts:(k + 1) * num_parts] for k in range(num_stages)]
+                         for row in tower_devices]
     if cluster is not None:
         towers.join_cluster(cluster)
         # What decides which examples each step reads; the trainer checks the rest.
@@ -223,10 +228,10 @@ def _check_pipeline_flags(job):
             f"--micro_batches={job.micro_batches} both "
             "split each tower's shard into micro-batches run one after another; set only one "
             "of them (--micro_batches with --pipeline_stages).")
-    if (job.tensor_parallel > 1 or job.split_plan) and job.pipeline_stages != 1:
-        raise ValueError(f"--pipeline_stages={job.pipeline_stages} cannot be combined with "
-                         "split layers yet (a grid of towers x stages x parts); use "
-                         "--pipeline_stages=1 or no split.")
+    if job.split_plan and job.pipeline_stages != 1 and job.tensor_parallel == 1:
+        raise ValueError(f"--pipeline_stages={job.pipeline_stages} with --split_plan needs "
+                         "--tensor_parallel=T, the parts of each stage (the grid of towers x "
+                         "stages x parts).")
     if job.pipeline_stages == 1:
         return
     if job.variable_placement == "replicated":

@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, denominators, exchange, forward, losses
+from towers.data_parallel import aggregate, columns as columns_lib, denominators, exchange
+from towers.data_parallel import forward, losses
 from towers.data_parallel import replicas as replicas_lib, split, tower
 from towers.data_parallel.options import TowerOptions
 from towers.model_parallel import stages as stages_lib
@@ -142,9 +143,10 @@ class StepSetup:
         which then runs steps 3-4 of each tower with XLA.
       route: steps 5-6, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
-      parts: None, or an op_parallel.grid.PartGrid for a model with split layers:
-        its columns (the layers not split, then each part) take the stages' place in
-        steps 2, 5 and 6, and tower i runs its parts on parts.rows[i].
+      parts: None, or an op_parallel.grid.PartRows for a model with split layers:
+        where each stage's parts live and where each tower runs them.
+      columns: the variables' columns.Columns, built with the stages (use_stages):
+        steps 2, 5 and 6 go column by column (stages, parts, or both).
       tables: None, or per trainable variable whether it is an embedding table the
         towers look up where it lives (op_parallel.tables): step 2 passes the
         variable on instead of copying it.
@@ -163,31 +165,21 @@ class StepSetup:
     route: Callable = dataclasses.field(init=False)
     parts: Optional[object] = None
     tables: Optional[list] = None
+    columns: Optional[columns_lib.Columns] = None
 
     def __post_init__(self):
         self.route = exchange.route(self.options.aggregation, self.options.pack_gradients)
+        if self.stages is not None:
+            self.use_stages(self.stages)
+
+    def use_stages(self, stages):
+        """Sets the model's stages (a stages.Stages), and its columns with them."""
+        self.stages = stages
+        self.columns = columns_lib.Columns(stages, self.grid, self.stage_devices, self.parts)
 
     @property
     def main_device(self):
         return self.stage_devices[0]
-
-    # Steps 2, 5 and 6 work column by column: a column's variables live on one device,
-    # each tower reads them on its device of the column, and their gradients meet where
-    # they live. The columns are the pipeline stages, or a split model's parts.
-    @property
-    def columns(self):
-        """The variables' columns, a stages.VariableGroups."""
-        return self.stages if self.parts is None else self.parts
-
-    @property
-    def column_grid(self):
-        """Per tower, its device per column."""
-        return self.grid if self.parts is None else self.parts.rows
-
-    @property
-    def column_devices(self):
-        """Per column, where its variables live and its gradients meet."""
-        return self.stage_devices if self.parts is None else self.parts.devices
 
     def tower_scope(self, tower_index):
         """Where tower `tower_index` traces its model: its split layers on its row."""
@@ -229,8 +221,8 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             outputs.append(flight.finish(counts.scales, setup.densify))             # 4
     outputs = denominators.fold(outputs, objective, counts, setup.main_device)
     grads, state, columns = [], [], setup.columns
-    for k, column_device in enumerate(setup.column_devices):
-        column = [row[k] for row in setup.column_grid]
+    for k, column_device in enumerate(columns.devices):
+        column = [row[k] for row in columns.rows]
         grads.append(setup.route([columns.select(o.grads, k) for o in outputs],  # 5, 6
                                  column, column_device))
         state.append(aggregate.merge_state(
@@ -278,14 +270,14 @@ def copy_weights(setup, weights, state, tower_index):
     """Step 2 by copying: (weights, state) of the main values, each column's copied to its
     device of the tower's row (a stage's, or a split layer part's). Evaluation reads
     this way too: it writes no replica."""
-    row = setup.column_grid[tower_index]
+    row = setup.columns.rows[tower_index]
     return (broadcast_columns(setup.columns, weights, row, kept=setup.tables),
             broadcast_columns(setup.columns, state, row, trainable=False))
 
 
 def broadcast_columns(columns, values, row, trainable=True, kept=None):
     """Step 2 for a tower: each column's values (model order) copied to its device in
-    `row`; `columns` a stages.VariableGroups (the stages, or a split model's parts).
+    `row`; `columns` a columns.Columns.
     kept: None, or per value whether it is passed on uncopied (a table)."""
     kept = kept or [False] * len(values)
     return columns.merge(

@@ -182,8 +182,9 @@ def check_pipeline(pipeline_cuts, main_device, variable_placement):
     return list(pipeline_cuts)
 
 
-def place_variables(stages, stage_devices, optimizer):
-    """Moves each stage's variables to its device, stage_devices[k].
+def place_variables(columns, optimizer):
+    """Moves each column's variables (a stage's, or a stage's split layers' part j's) to
+    its device, columns.devices[c]; `columns` a data_parallel.columns.Columns.
 
     Keras 3's optimizer creates each slot on its variable's device when it is
     built, so it must not be built yet when a variable has to move.
@@ -191,8 +192,8 @@ def place_variables(stages, stage_devices, optimizer):
     Raises:
       ValueError: a variable must move but the optimizer is already built.
     """
-    moves = [(variable, device) for stage, device in enumerate(stage_devices)
-             for variable in stages.variables(stage)
+    moves = [(variable, device) for column, device in enumerate(columns.devices)
+             for variable in columns.variables(column)
              if devices_lib.canonical_name(variable.value.device) != device]
     if moves and optimizer.built:
         raise ValueError(

@@ -1,93 +1,106 @@
-"""Training a split model on a grid of towers x parts.
+"""Training a split model on a grid of towers x parts, or towers x stages x parts.
 
-Row i of the grid is tower i's devices, one per part: tower i runs part j of
-every split layer on rows[i][j] and the layers not split on its own device.
-Part j's variables and optimizer slots live on the first row's device j, where
-split_layers created them; the towers' gradients of part j meet there (steps
-5-6 per column, as per pipeline stage) and its update is applied there.
+devices[i][j] (no pipeline stages) or devices[i][k][j] (with them): tower i's
+device for part j (of stage k). Tower i runs part j of every split layer (of
+stage k) on that device, and the layers not split on its part 0's device. Part
+j's variables and optimizer slots live on the first tower's device for it,
+where split_layers created them (stage 0) or the trainer moves them (a later
+stage's, `settle_parts`); the towers' gradients of a part meet there and its
+update is applied there (steps 5-6 per column: data_parallel/columns.py).
 """
 
 from towers import devices as devices_lib
-from towers.model_parallel import stages as stages_lib
 from towers.op_parallel import exactness, layers as layers_lib
 from towers.op_parallel.plan import is_split, parallel_forms
 
 
-def tower_and_part_devices(model, devices):
-    """(one device per tower, per tower its devices per part, or None for a model
-    without split layers) from TowerTrainer's `devices`.
+def split_devices(model, devices, num_stages=None):
+    """(TowerTrainer's devices as a grid of towers x stages for devices.device_grid, and
+    a PartRows, or None for a model without split layers).
 
-    devices: for a split model, a flat list (one device per tower; every tower runs
-    part j where split_layers put it), or a grid: one row of T devices per tower
-    (T: the parts split_layers made), row 0 the devices the parts live on.
+    devices: for a split model without pipeline stages, a flat list (one device per
+    tower; every tower runs part j where split_layers put it) or rows of T devices,
+    one per tower (T: the parts split_layers made), row 0 the devices the parts live
+    on; with num_stages stages, per tower a list of num_stages rows of T devices,
+    devices[0][0] split_layers' devices.
 
     Raises:
       ValueError: one line saying what is wrong with `devices`.
     """
     if not is_split(model):
         return devices, None
-    parts = [devices_lib.canonical_name(d) for d in part_devices(model)]
-    if not any(isinstance(d, (list, tuple)) for d in devices):
-        return devices, [parts] * len(devices)
-    rows = [[devices_lib.canonical_name(d) for d in row]
-            if isinstance(row, (list, tuple)) else row for row in devices]
-    if any(not isinstance(row, list) or len(row) != len(parts) for row in rows):
+    homes = {tuple(form.devices) for form in parallel_forms(model)}
+    parts = len(next(iter(homes)))
+    if num_stages is not None:
+        shape = f"per tower {num_stages} rows (one per stage) of {parts} devices (one per part)"
+        if any(not isinstance(tower, (list, tuple)) or len(tower) != num_stages or any(
+                not isinstance(row, (list, tuple)) or len(row) != parts for row in tower)
+               for tower in devices):
+            raise ValueError(f"devices {devices} must be a grid of towers x stages x parts: "
+                             f"{shape}, devices[i][k][j]; model {model.name!r} has split "
+                             "layers, and pipeline_cuts cut it into stages.")
+        rows = [[[devices_lib.canonical_name(d) for d in row] for row in tower]
+                for tower in devices]
+    elif not any(isinstance(d, (list, tuple)) for d in devices):
+        if len(homes) > 1:
+            raise _different_devices(model, homes)
+        return devices, PartRows(model, [[list(next(iter(homes)))]] * len(devices))
+    else:
+        if any(not isinstance(row, (list, tuple)) or len(row) != parts for row in devices):
+            raise ValueError(
+                f"devices {devices} must be a flat list (one device per tower) or a grid of "
+                f"rows of {parts} devices, one per part of model {model.name!r}'s split "
+                "layers.")
+        rows = [[[devices_lib.canonical_name(d) for d in row]] for row in devices]
+    home = [tuple(row) for row in rows[0]]
+    if not homes <= set(home) or (len(homes) > 1 and num_stages is None):
         raise ValueError(
-            f"devices {devices} must be a flat list (one device per tower) or a grid of "
-            f"rows of {len(parts)} devices, one per part of model {model.name!r}'s split "
-            "layers.")
-    if rows[0] != parts:
-        raise ValueError(
-            f"the first row of devices, {rows[0]}, must be the devices split_layers put "
-            f"the parts on, {parts}: part j's variables and optimizer slots live on "
-            "devices[0][j].")
-    return [row[0] for row in rows], rows
+            f"the first tower's devices, {rows[0][0]}, must be the devices split_layers put "
+            f"the parts on, {sorted(homes)[0]}: part j's variables and optimizer slots "
+            "live on devices[0][j] (with stages, devices[0][k][j]).")
+    firsts = [[row[0] for row in tower] for tower in rows]  # each stage's part 0's device
+    return (firsts if num_stages else [tower[0] for tower in firsts]), PartRows(model, rows)
 
 
-def part_devices(model):
-    """The devices the split layers of `model` put their parts on (split_layers' list)."""
-    lists = {tuple(layer.devices) for layer in parallel_forms(model)}
-    if len(lists) > 1:
-        raise ValueError(
-            f"model {model.name!r} has layers split over different devices, {sorted(lists)}; "
-            "split every layer with one split_layers call, over one list of devices.")
-    return list(lists.pop())
+def _different_devices(model, homes):
+    return ValueError(
+        f"model {model.name!r} has layers split over different devices, {sorted(homes)}; "
+        "split every layer with one split_layers call, over one list of devices.")
 
 
-class PartGrid(stages_lib.VariableGroups):
-    """A split model's variables in columns: column 0 holds the layers not split (they
-    run on each tower's own device, and meet on the main device), column 1 + j part j
-    of every split layer.
+class PartRows:
+    """Where a split model's parts live and run.
 
     Attributes:
-      rows: per tower, its device per column: [its own, its part 0's, part 1's, ...].
-      devices: per column, where its variables live and its gradients meet: the main
-        device, then the parts' devices.
+      rows: rows[i][k][j], tower i's device for part j of stage k (one stage without
+        pipeline cuts); rows[0][k][j] is where stage k's part j lives.
+      part_of: {id(variable): j} for each variable of a split layer's part j.
     """
 
-    def __init__(self, model, tower_devices, part_rows, main_device):
-        self._column_of = {}  # id of a part's variable -> its column (the others: 0)
-        for layer in parallel_forms(model):  # nested ones too
-            parts = layer.parts.items() if isinstance(layer.parts, dict) else enumerate(
-                layer.parts)
+    def __init__(self, model, rows):
+        self.rows = rows
+        self.part_of = {}
+        for form in parallel_forms(model):  # nested ones too
+            parts = form.parts.items() if isinstance(form.parts, dict) else enumerate(form.parts)
             for j, part in parts:
-                self._column_of.update({id(v): 1 + j for v in part.weights})
-        self.rows = [[device] + list(row) for device, row in zip(tower_devices, part_rows)]
-        self.devices = [main_device] + list(part_rows[0])
-        super().__init__(model)
-
-    def _positions(self, variables, trainable):
-        index = [[] for _ in self.devices]
-        for i, variable in enumerate(variables):
-            index[self._column_of.get(id(variable), 0)].append(i)
-        return index
+                self.part_of.update({id(v): j for v in part.weights})
 
     def scope(self, tower_index):
-        """Within it, the split layers run tower `tower_index`'s parts on its row."""
-        return layers_lib.tower_row(self.rows[tower_index][1:])
+        """Within it, the split layers run tower `tower_index`'s parts on its devices."""
+        return layers_lib.tower_rows({tuple(home): row for home, row in zip(
+            self.rows[0], self.rows[tower_index])})
+
+    def settle(self, stages):
+        """Each split layer's parts made to live with its pipeline stage k: on
+        rows[0][k] (a form's variables move with the stage's columns; its `devices`,
+        where it runs outside a tower, are set here). `stages`: a stages.Stages."""
+        stage_of = {id(v): k for k in range(stages.num_stages) for v in stages.variables(k)}
+        for form in parallel_forms(stages.model):
+            k = stage_of[id(form.weights[0])]
+            form.devices = list(self.rows[0][k])
 
 
-def check_split_model(model, optimizer, pipeline_cuts, variable_placement, jit_compile):
+def check_split_model(model, optimizer, variable_placement, jit_compile):
     """Refuses, in one line, what split layers cannot be combined with yet, and an
     optimizer whose update a split would change (exactness.check_optimizer)."""
     if not is_split(model):
@@ -97,10 +110,6 @@ def check_split_model(model, optimizer, pipeline_cuts, variable_placement, jit_c
         raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
                          "tower for one device, and a split layer's parts run on several; "
                          "pass jit_compile=False.")
-    if pipeline_cuts is not None:
-        raise ValueError(
-            "pipeline_cuts cannot be combined with split layers yet (a grid of towers x "
-            "stages x parts); split the layers, or cut the model into stages, not both.")
     if variable_placement == "replicated":
         raise ValueError(
             "variable_placement='replicated' cannot be combined with split layers: each "

@@ -7,8 +7,9 @@ computes; only where each multiply runs, and so where each variable lives, moves
 Dense and EinsumDense's forms are in dense.py.
 
 Part j's variables live on devices[j]; it runs there too, except inside
-`tower_row(row)`, where it runs on row[j]: tower i of a grid runs its parts on
-its own row of devices, reading copies of the weights (grid.PartGrid).
+`tower_rows(rows)`, where a form whose parts live on `devices` runs part j on
+rows[devices][j]: tower i of a grid runs its parts on its own devices, reading
+copies of the weights (grid.PartRows).
 """
 
 import contextlib
@@ -22,7 +23,7 @@ from keras import ops
 from towers import compat
 from towers.data_parallel import flight, split
 
-_tower = threading.local()  # .row: the devices the tower being traced runs its parts on
+_tower = threading.local()  # .rows: where the tower being traced runs its forms' parts
 
 
 def part_sizes(total, num_parts):
@@ -34,19 +35,21 @@ def part_sizes(total, num_parts):
 
 
 @contextlib.contextmanager
-def tower_row(row):
-    """Within it, every parallel form runs its part j on row[j] (None: on devices[j])."""
-    outer = getattr(_tower, "row", None)
-    _tower.row = row
+def tower_rows(rows):
+    """Within it, a form whose parts live on `devices` runs its part j on
+    rows[tuple(devices)][j] (None, or devices not in `rows`: on devices[j]). `rows`:
+    {a pipeline stage's part devices: the tower's devices for them}."""
+    outer = getattr(_tower, "rows", None)
+    _tower.rows = rows
     try:
         yield
     finally:
-        _tower.row = outer
+        _tower.rows = outer
 
 
 def part_device(devices, j):
-    """Where part j of a form whose parts live on `devices` runs now (tower_row's)."""
-    row = getattr(_tower, "row", None)
+    """Where part j of a form whose parts live on `devices` runs now (tower_rows')."""
+    row = (getattr(_tower, "rows", None) or {}).get(tuple(devices))
     return devices[j] if row is None else row[j]
 
 

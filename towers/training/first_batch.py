@@ -219,14 +219,17 @@ def _shapes(part, any_rows=False):
 
 def check_model(trainer):
     """Checks the built model (and that the optimizer is not another model's), cuts it
-    into stages and places each stage's variables."""
+    into stages and places each column's variables (a stage's, or its split layers'
+    parts')."""
     model, setup = trainer.model, trainer.setup
     trainable.check_trainable(model)
     trainable.check_optimizer(trainer.optimizer, model)
     if setup.stages is None:
-        setup.stages = stages_lib.Stages(model, trainer.pipeline_cuts)
+        setup.use_stages(stages_lib.Stages(model, trainer.pipeline_cuts))
     if trainer.pipeline_cuts is not None:
-        stages_lib.place_variables(setup.stages, setup.stage_devices, trainer.optimizer)
+        if setup.parts is not None:
+            setup.parts.settle(setup.stages)
+        stages_lib.place_variables(setup.columns, trainer.optimizer)
     misplaced = sorted({v.value.device for v in model.variables
                         if devices_lib.canonical_name(v.value.device) != setup.main_device})
     # Stages and split layers place their variables on purpose.

@@ -1,5 +1,5 @@
-"""Where a TowerTrainer's step runs: its devices as a grid of towers x stages (or a
-split model's towers x parts), each column's main device, checked once; and the
+"""Where a TowerTrainer's step runs: its devices as a grid of towers x stages (x a split
+model's parts), each column's main device, checked once; and the
 hooks that place the optimizer's updates and the tables' reads while it traces."""
 
 import contextlib
@@ -16,23 +16,25 @@ _ABSENT = object()
 def step_setup(model, devices, main_device, pipeline_cuts, options, cluster):
     """(the step's StepSetup, the trainer's `devices`): `devices` (None: the default
     ones) as a grid, one row per tower; stage k's variables and gradients on row 0's
-    device k (stage 0's on main_device); a split model's parts on their columns.
+    device k (stage 0's on main_device); a split model's parts on their devices
+    (devices[0][j], with stages devices[0][k][j]).
 
     Raises:
       ValueError: a device that does not exist, a grid of the wrong shape, or an
         aggregation the devices cannot run.
     """
     devices = devices_lib.device_list(devices)
-    devices, part_rows = op_grid.tower_and_part_devices(model, devices)
-    grid = devices_lib.device_grid(devices, None if pipeline_cuts is None
-                                   else len(pipeline_cuts) + 1)
+    num_stages = None if pipeline_cuts is None else len(pipeline_cuts) + 1
+    devices, parts = op_grid.split_devices(model, devices, num_stages)
+    grid = devices_lib.device_grid(devices, num_stages)
     main_device = devices_lib.canonical_name(main_device or grid[0][0])
     # Stage k's main device: where its variables live and its gradients meet.
-    setup = StepSetup(None, grid, [main_device] + list(grid[0][1:]), options, cluster=cluster)
+    setup = StepSetup(None, grid, [main_device] + list(grid[0][1:]), options, cluster=cluster,
+                      parts=parts)
     tower_devices = [row[0] for row in grid]
-    if part_rows is not None:
-        setup.parts = op_grid.PartGrid(model, tower_devices, part_rows, main_device)
-    devices_lib.check_devices_exist(sum(setup.column_grid, []))
+    part_devices = [] if parts is None else [d for tower in parts.rows for row in tower
+                                             for d in row]
+    devices_lib.check_devices_exist(sum(grid, []) + part_devices)
     devices_lib.check_devices_exist([main_device], "main_device")
     # A split layer's part columns are not checked: where towers share a part's
     # device, its gradients are summed there, with nothing to exchange.
@@ -53,7 +55,7 @@ def step_hooks(trainer):
     and optimizer used by plain Keras or tf.distribute afterwards are their own.
     """
     setup, hooks = trainer.setup, []
-    if len(setup.column_devices) > 1:
+    if len(setup.columns.devices) > 1:
         hooks.append(stages_lib.updates_on_variable_devices(trainer.optimizer))
     if setup.tables is not None:
         hooks += op_tables.reads_where_they_live(trainer.model.trainable_variables,

@@ -42,9 +42,7 @@ def set_up(trainer):
     check_trainable(model)
     with tf.device(setup.main_device):
         extend_optimizer(trainer.optimizer, model.trainable_variables)
-        setup.stages.reindex()
-        if setup.parts is not None:
-            setup.parts.reindex()
+        setup.columns.reindex()
         if setup.options.variable_placement == "replicated":
             setup.replicas = Replicas(model, trainer.devices)
         elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:

@@ -95,8 +95,7 @@ class TowerTrainer:
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        variable_placement)
-        op_grid.check_split_model(model, optimizer, self.pipeline_cuts, variable_placement,
-                                  jit_compile)
+        op_grid.check_split_model(model, optimizer, variable_placement, jit_compile)
         self.setup, self.devices = placement.step_setup(model, devices, main_device,
                                                         self.pipeline_cuts, self.options, cluster)
         self.main_device = self.setup.main_device
