@@ -11,7 +11,8 @@ vocab-split LM head's loss (--vocab_loss_*), its logits gathered on the tower
 or kept split (Megatron's vocab-parallel cross-entropy), bytes and time; and the
 --embedding_rows embedding step, looked up where the table lives, on 1 and
 --embedding_towers towers, against plain Keras on one device and against
-copying the table to every tower. Writes DIR/results.json and DIR/results.md. The work is in benchmarks/harness/op_parallel.py; this file
+copying the table to every tower. Writes DIR/results.json and DIR/results.md.
+The work is in benchmarks/harness/op_parallel.py and vocab_loss.py; this file
 only reads the flags.
 """
 
@@ -66,6 +67,21 @@ VOCAB_LOSS_STEPS = flags.DEFINE_integer("vocab_loss_steps", 10,
                                         lower_bound=1)
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results/op_parallel",
                                  "Where results.json and results.md go.")
+
+
+def _positive_ints(values):
+    """Whether every comma-separated value is an integer >= 1."""
+    return all(value.isdigit() and int(value) >= 1 for value in values)
+
+
+flags.register_validator("vocab_loss_vocabs", _positive_ints,
+                         "must be comma-separated positive integers, e.g. 8192,32768")
+flags.register_validator("vocab_loss_parts", lambda v: bool(v) and _positive_ints(v),
+                         "must be comma-separated positive integers, e.g. 2,4")
+flags.register_multi_flags_validator(
+    ["hub_layers", "hub_width", "hub_heads"],
+    lambda f: not f["hub_layers"] or f["hub_width"] % f["hub_heads"] == 0,
+    "--hub_width must be divisible by --hub_heads (each head's width is their quotient)")
 
 
 def main(argv):

@@ -151,13 +151,14 @@ def hub_formula_bytes(plan, num_parts, ids, *, vocab, layers, width, intermediat
     (split_bytes.formula_bytes): per block, a heads split and a column -> row pair each
     send their input to every other part and its output back, and the gradients of
     both the other way; Adam's scalars to each variable on another part
-    (ADAM_BYTES_PER_VARIABLE).
-    Each of `gathered_columns` column splits not paired with the row split after it
-    adds its other parts' units (B x length x (intermediate - part 0's)) to the tower
-    and back again, and their gradients. A vocab split of the tied table adds its
-    look-up of `ids` (B, length), and for the LM head the hidden states to every other
-    part and its logits (B x length x V_j) back, both with their gradients, as a
-    look-up's vectors are gathered on the tower."""
+    (ADAM_BYTES_PER_VARIABLE). Each of `gathered_columns` column splits not paired
+    with the row split after it adds its other parts' units (B x length x
+    (intermediate - part 0's)) to the tower and back again, and their gradients. A
+    vocab split of the tied table adds its look-up of `ids` (B, length), and for the
+    LM head the hidden states to every other part and its logits (B x length x V_j)
+    back, both with their gradients, as a look-up's vectors are gathered on the
+    tower. The heads and vocab terms are what HUB_FULL_PLAN should move; no run on
+    this model has measured them yet (towers cannot split these layers today)."""
     if num_parts == 1:
         return 0
     tokens, kinds = ids.size, set(plan.values())
