@@ -5,10 +5,14 @@ of a transformer block split into T parts, against the unsplit block.
 
 The block's embedding is split by rows (vocab), its attention by heads, its
 feed-forward pair as column -> row (towers.split_layers), part j on device j;
-one tower, Adam. Then the --embedding_rows embedding step, looked up where the
-table lives, on 1 and --embedding_towers towers, against plain Keras on one
-device and against copying the table to every tower. Writes DIR/results.json
-and DIR/results.md. The work is in benchmarks/harness/op_parallel.py; this file
+one tower, Adam. Then keras_hub's GPT-2 (--hub_* sizes, random weights) split
+at the same T by a plan of layer paths, with the bytes each step moves; a
+vocab-split LM head's loss (--vocab_loss_*), its logits gathered on the tower
+or kept split (Megatron's vocab-parallel cross-entropy), bytes and time; and the
+--embedding_rows embedding step, looked up where the table lives, on 1 and
+--embedding_towers towers, against plain Keras on one device and against
+copying the table to every tower. Writes DIR/results.json and DIR/results.md.
+The work is in benchmarks/harness/op_parallel.py and vocab_loss.py; this file
 only reads the flags.
 """
 
@@ -38,19 +42,68 @@ EMBEDDING_ROWS = flags.DEFINE_integer("embedding_rows", 1_000_000,
                                       lower_bound=0)
 EMBEDDING_TOWERS = flags.DEFINE_integer("embedding_towers", 4, "Towers of the embedding step.",
                                         lower_bound=1)
+HUB_LAYERS = flags.DEFINE_integer("hub_layers", 2, "Transformer blocks of keras_hub's GPT-2; "
+                                  "0 skips it.", lower_bound=0)
+HUB_VOCAB = flags.DEFINE_integer("hub_vocab", 8192, "GPT-2's vocabulary.", lower_bound=1)
+HUB_HEADS = flags.DEFINE_integer("hub_heads", 4, "GPT-2's attention heads.", lower_bound=1)
+HUB_WIDTH = flags.DEFINE_integer("hub_width", 128, "GPT-2's hidden width (divisible by "
+                                 "--hub_heads).", lower_bound=1)
+HUB_INTERMEDIATE = flags.DEFINE_integer("hub_intermediate", 512, "GPT-2's feed-forward width.",
+                                        lower_bound=1)
+HUB_LENGTH = flags.DEFINE_integer("hub_length", 64, "GPT-2's tokens per sequence.",
+                                  lower_bound=1)
+HUB_BATCH_SIZE = flags.DEFINE_integer("hub_batch_size", 8, "GPT-2's sequences per step.",
+                                      lower_bound=1)
+VOCAB_LOSS_VOCABS = flags.DEFINE_list("vocab_loss_vocabs", ["8192", "32768"],
+                                      "Vocabularies V of the LM head's loss; empty skips it.")
+VOCAB_LOSS_PARTS = flags.DEFINE_list("vocab_loss_parts", ["2", "4"],
+                                     "Part counts T of the LM head's table.")
+VOCAB_LOSS_TOKENS = flags.DEFINE_integer("vocab_loss_tokens", 1024,
+                                         "Tokens (B x S) of the LM head's loss.", lower_bound=1)
+VOCAB_LOSS_WIDTH = flags.DEFINE_integer("vocab_loss_width", 128,
+                                        "Hidden width D of the LM head.", lower_bound=1)
+VOCAB_LOSS_STEPS = flags.DEFINE_integer("vocab_loss_steps", 10,
+                                        "Timed steps per way, V and T of the LM head's loss.",
+                                        lower_bound=1)
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results/op_parallel",
                                  "Where results.json and results.md go.")
+
+
+def _positive_ints(values):
+    """Whether every comma-separated value is an integer >= 1."""
+    return all(value.isdigit() and int(value) >= 1 for value in values)
+
+
+flags.register_validator("vocab_loss_vocabs", _positive_ints,
+                         "must be comma-separated positive integers, e.g. 8192,32768")
+flags.register_validator("vocab_loss_parts", lambda v: bool(v) and _positive_ints(v),
+                         "must be comma-separated positive integers, e.g. 2,4")
+flags.register_multi_flags_validator(
+    ["hub_layers", "hub_width", "hub_heads"],
+    lambda f: not f["hub_layers"] or f["hub_width"] % f["hub_heads"] == 0,
+    "--hub_width must be divisible by --hub_heads (each head's width is their quotient)")
 
 
 def main(argv):
     del argv
     parts = [int(p) for p in PARTS.value]
-    devices = towers.configure_devices(max(parts + [EMBEDDING_TOWERS.value]))
+    vocab_loss_parts = [int(p) for p in VOCAB_LOSS_PARTS.value]
+    devices = towers.configure_devices(max(parts + vocab_loss_parts + [EMBEDDING_TOWERS.value]))
+    hub = None
+    if HUB_LAYERS.value:
+        hub = {"vocab": HUB_VOCAB.value, "layers": HUB_LAYERS.value, "heads": HUB_HEADS.value,
+               "width": HUB_WIDTH.value, "intermediate": HUB_INTERMEDIATE.value,
+               "length": HUB_LENGTH.value, "global_batch_size": HUB_BATCH_SIZE.value}
+    vocab_loss = None
+    if VOCAB_LOSS_VOCABS.value:
+        vocab_loss = {"vocabs": [int(v) for v in VOCAB_LOSS_VOCABS.value],
+                      "parts": vocab_loss_parts, "tokens": VOCAB_LOSS_TOKENS.value,
+                      "width": VOCAB_LOSS_WIDTH.value, "steps": VOCAB_LOSS_STEPS.value}
     results = op_parallel.run_op_parallel_benchmark(
         parts, devices, OUTPUT_DIR.value, vocab=VOCAB.value, width=WIDTH.value,
         heads=HEADS.value, hidden=HIDDEN.value, global_batch_size=GLOBAL_BATCH_SIZE.value,
         steps=STEPS.value, rounds=ROUNDS.value, embedding_rows=EMBEDDING_ROWS.value,
-        embedding_towers=EMBEDDING_TOWERS.value)
+        embedding_towers=EMBEDDING_TOWERS.value, hub=hub, vocab_loss=vocab_loss)
     print(op_parallel.markdown(results))
 
 

@@ -19,6 +19,7 @@ from towers.cli import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
+DEVICES_4 = [f"/device:CPU:{i}" for i in range(4)]  # tests/conftest.py makes 4
 RUN_MODES = ["plain", "plain_xla", "keras_fit", "keras_fit_xla", "keras_fit_xla_spe10", "bare",
              "bare_loop", "bare_xla", "towers", "towers_packed", "towers_xla", "towers_spe10",
              "towers_staged", "towers_spe10_staged", "towers_fit", "towers_fit_spe10",
@@ -307,6 +308,62 @@ class PipelineBenchmarkTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class OpParallelHubAndVocabLossTest(tf.test.TestCase):
+    """benchmarks/op_parallel.py's keras_hub GPT-2 and LM-head loss parts (its harness),
+    in-process on tiny sizes, against counts by hand."""
+
+    def test_gpt2_holds_and_moves_what_its_plan_splits(self):
+        from benchmarks.harness import op_parallel
+        sizes = {"vocab": 40, "layers": 1, "heads": 2, "width": 8, "intermediate": 12,
+                 "length": 4}
+        results = op_parallel.run_hub_benchmark([2], DEVICES, **sizes, global_batch_size=2,
+                                                steps=1, rounds=1)
+        parted = results["rows"][0]["bytes_per_device"]
+        weight_bytes = 4 * op_parallel.gpt2(**sizes).count_params()  # the unsplit model's
+        self.assertEqual(sum(v for v, _ in parted.values()), weight_bytes)
+        # Part 1: half the feed-forward pair, the column's kernel (8 x 6) and bias (6) and
+        # the row's kernel (6 x 8); Adam's two slots beside each.
+        half_pair = 4 * (8 * 6 + 6 + 6 * 8)
+        self.assertEqual(parted[DEVICES[1]], [half_pair, 2 * half_pair])
+        # Per step, 2 x 4 tokens: the pair's input (8 wide) to part 1 and its sum back, and
+        # both gradients (4 x 8 x 8 floats); a column split gathered before the row split
+        # adds part 1's 6 units there and back, and their gradients (4 x 8 x 6 floats);
+        # Adam's learning rate and iteration count to each of part 1's 3 variables.
+        row = results["rows"][0]
+        self.assertIn(row["gathered_columns"], (0, 1))
+        self.assertEqual(row["moved"], 4 * (4 * 8 * 8 + row["gathered_columns"] * 4 * 8 * 6)
+                         + 3 * (4 + 8))
+        self.assertEqual(row["moved"], row["formula"])
+
+    def test_vocab_loss_both_ways_equal_one_device_and_move_what_the_formula_says(self):
+        from benchmarks.harness import vocab_loss
+        results = vocab_loss.run_vocab_loss_benchmark(
+            DEVICES_4, vocabs=(10,), parts=(3,), tokens=6, width=4, steps=1, rounds=1)
+        gather, split = results["rows"]
+        self.assertEqual((gather["way"], split["way"]), ("gather", "vocab_parallel"))
+        # Rows 4, 3, 3: both send h (6 x 4) to parts 1 and 2 and its gradient back; gather
+        # part 1's and 2's logits (6 x 6) and their gradient; vocab_parallel the targets,
+        # three reductions and log Z, 6 each, per part.
+        hidden = 4 * 2 * 6 * 4 * 2
+        self.assertEqual(gather["measured"], hidden + 4 * 2 * 6 * 6)
+        self.assertEqual(split["measured"], hidden + 4 * 5 * 6 * 2)
+        for row in results["rows"]:
+            self.assertEqual(row["measured"], row["formula"])
+            self.assertLessEqual(row["max_difference"], vocab_loss.TOLERANCE)
+
+    def test_vocab_loss_check_refuses_a_wrong_gradient(self):
+        from benchmarks.harness import vocab_loss
+        rng = np.random.default_rng(0)
+        h, table = rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=(5, 2))
+        loss, hidden_grad, table_grad = vocab_loss.reference(h, np.array([0, 4, 2]),
+                                                             table.astype(np.float32))
+        wrong = table_grad.numpy().copy()
+        wrong[4, 1] += 1e-4
+        with self.assertRaisesRegex(AssertionError, "loss, dh, dE differ"):
+            vocab_loss.check_equal((loss, hidden_grad, [wrong[:3], wrong[3:]]),
+                                   (loss, hidden_grad, table_grad))
 
 
 class MemoryBenchmarkTest(tf.test.TestCase):
