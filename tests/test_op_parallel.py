@@ -328,7 +328,9 @@ class GridTest(tf.test.TestCase, parameterized.TestCase):
                 towers.TowerTrainer(parted, reference.make_loss(),
                                     reference.OPTIMIZERS["sgd"](), devices=devices)
             self.assertNotIn("\n", str(caught.exception))
-        for options, message in ((dict(pipeline_cuts=["up"]), "pipeline_cuts cannot be"),
+        for options, message in ((dict(pipeline_cuts=["up"]),
+                                  r"must be a grid of towers x stages x parts: per tower 2 "
+                                  r"rows \(one per stage\) of 2 devices"),
                                  (dict(variable_placement="replicated"), "'replicated' cannot")):
             with self.assertRaisesRegex(ValueError, message):
                 towers.TowerTrainer(parted, reference.make_loss(),

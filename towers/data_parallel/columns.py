@@ -50,7 +50,7 @@ class Columns(stages_lib.VariableGroups):
         return index
 
     def variables(self, column):
-        """Every variable (trainable and not) of `column`."""
-        model = self.model
-        return (self.select(model.trainable_variables, column)
-                + self.select(model.non_trainable_variables, column, trainable=False))
+        """Every variable (trainable and not) of `column`, whatever is trainable now."""
+        stage, place = divmod(column, self._width)
+        return [v for v in self.stages.variables(stage)
+                if 1 + self._part_of.get(id(v), -1) == place]
