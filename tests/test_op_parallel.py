@@ -11,7 +11,7 @@ from absl import flags
 from absl.testing import flagsaver, parameterized
 
 import towers
-from benchmarks.harness import op_parallel
+from benchmarks.harness import op_parallel, transfers
 from tests import reference
 from towers.cli import train
 
@@ -130,6 +130,37 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         # the main device on its way to the update, no gather in a column -> row pair).
         self.assertEqual({row["kind"]: row["measured"] for row in results["bytes"]},
                          {row["kind"]: row["formula"] for row in results["bytes"]})
+
+    def test_split_logits_stay_in_parts_into_the_loss(self):
+        # Megatron's vocab-parallel cross-entropy: a column-split output layer's logits
+        # are not gathered on the tower; each part sends 3 reductions per example.
+        def build():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((5,))
+            hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+            return keras.Model(inputs, keras.layers.Dense(64, name="logits")(hidden))
+
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(12, 5)).astype("float32")
+        y = rng.integers(0, 64, (12, 1)).astype("int32")  # Keras's (n, 1) class ids too
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        expected = build()
+        expected.compile(keras.optimizers.SGD(0.1), loss)
+        trainer = towers.TowerTrainer(towers.split_layers(build(), {"logits": "column"},
+                                                          PARTS[:2]),
+                                      loss, keras.optimizers.SGD(0.1), devices=PARTS[:1])
+        for _ in range(2):
+            expected.train_on_batch(x, y)
+            trainer.train_step((x, y))
+        for got, want in zip(towers.join_layers(trainer.model).get_weights(),
+                             expected.get_weights()):
+            self.assertAllClose(got, want, atol=1e-6, rtol=0)
+        sent = [(shape, size) for source, destination, _, _, shape, size in
+                transfers.trainer_step_bytes(trainer, (x, y))["tensors"]
+                if (source, destination) == (PARTS[1], PARTS[0])]
+        # The max, the sum of exponentials and the target's logit per example, and the
+        # hidden state's gradient: no (12, 32) logits.
+        self.assertCountEqual(sent, [((12,), 48)] * 3 + [((12, 8), 384)])
 
     def test_column_row_pair_gathers_nothing_between(self):
         # Megatron's pairing: the row layer takes the column's parts where they are, so

@@ -25,12 +25,10 @@ PLAN = {"table": "vocab", "att": "heads", "up": "column", "down": "row"}
 # -> row as Megatron pairs them.
 HUB_FFN_PLAN = {"gpt2_backbone/transformer_layer_*/feedforward_intermediate_dense": "column",
                 "gpt2_backbone/transformer_layer_*/feedforward_output_dense": "row"}
-# The whole model, once towers splits keras_hub's CachedMultiHeadAttention by heads and
-# its ReversibleEmbedding by rows, the tied LM head with it (issue 26): then
-# HUB_PLAN = HUB_FULL_PLAN.
-HUB_FULL_PLAN = {"gpt2_backbone/token_embedding": "vocab",
-                 "gpt2_backbone/transformer_layer_*/self_attention": "heads", **HUB_FFN_PLAN}
-HUB_PLAN = HUB_FFN_PLAN
+# The whole model: keras_hub's CachedMultiHeadAttention by heads, its ReversibleEmbedding
+# by rows, the tied LM head with it (its logits kept in parts into the loss).
+HUB_PLAN = {"gpt2_backbone/token_embedding": "vocab",
+            "gpt2_backbone/transformer_layer_*/self_attention": "heads", **HUB_FFN_PLAN}
 # What Adam's update of a variable on another part reads from the tower: the learning
 # rate (float32) and the iteration count (int64), once per variable.
 ADAM_BYTES_PER_VARIABLE = 4 + 8
@@ -155,10 +153,10 @@ def hub_formula_bytes(plan, num_parts, ids, *, vocab, layers, width, intermediat
     with the row split after it adds its other parts' units (B x length x
     (intermediate - part 0's)) to the tower and back again, and their gradients. A
     vocab split of the tied table adds its look-up of `ids` (B, length), and for the
-    LM head the hidden states to every other part and its logits (B x length x V_j)
-    back, both with their gradients, as a look-up's vectors are gathered on the
-    tower. The heads and vocab terms are what HUB_FULL_PLAN should move; no run on
-    this model has measured them yet (towers cannot split these layers today)."""
+    LM head the hidden states to every other part and their gradient back, and for
+    its loss, kept in parts (data_parallel/vocab_loss.py), the targets out, three
+    reductions back and one gradient out, per token: not the logits (B x length x
+    V_j)."""
     if num_parts == 1:
         return 0
     tokens, kinds = ids.size, set(plan.values())
@@ -172,8 +170,7 @@ def hub_formula_bytes(plan, num_parts, ids, *, vocab, layers, width, intermediat
     if "vocab" in kinds:
         total += split_bytes.formula_bytes("vocab", num_parts, tokens, width, intermediate,
                                            ids, vocab)
-        rows_elsewhere = vocab - op_layers.part_sizes(vocab, num_parts)[0]
-        total += split_bytes.FLOAT * 2 * tokens * ((num_parts - 1) * width + rows_elsewhere)
+        total += split_bytes.FLOAT * (num_parts - 1) * tokens * (2 * width + 5)
     return total
 
 

@@ -200,7 +200,9 @@ class Flight:
         for i, new in enumerate(new_state):
             if new is not None:
                 self.state[k][i] = self.changed[k][i] = new
-        return tf.nest.flatten(outputs) + [t for t in targets if t is not None]
+        # What the stage's next action waits for: the last stage's loss, not its outputs,
+        # which nothing may need joined (logits kept in parts into the loss: vocab_loss).
+        return ([] if last else tf.nest.flatten(outputs)) + [t for t in targets if t is not None]
 
     def _backward(self, k, m):
         """Stage k's backward on micro-batch m (step 4), group by group: weight and input

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from towers import compat, errors
+from towers.data_parallel import vocab_loss
 
 # Reductions whose meaning is "mean over the batch's entries": Keras's default,
 # and None/"none", which towers averages the same way (a per-example loss).
@@ -127,7 +128,8 @@ def term(loss, y_true, y_pred, sample_weight=None):
     in_mask = compat.keras_mask(y_pred)
     y_pred = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_pred)
     y_true = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_true)
-    values = _checked_losses(loss.call(y_true, y_pred), y_pred)
+    values = vocab_loss.per_example_losses(loss, y_true, y_pred)  # logits kept in parts
+    values = _checked_losses(loss.call(y_true, y_pred) if values is None else values, y_pred)
     out_mask = compat.keras_mask(values)
     masks = [tf.cast(m, tf.bool) for m in (in_mask, out_mask) if m is not None]
     mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from towers.data_parallel import vocab_loss
 from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 DENSE_EQUATION = "...i,io->...o"
@@ -21,7 +22,9 @@ DENSE_EQUATION = "...i,io->...o"
 # Activations computed unit by unit: a column split may apply them to each part apart.
 _ELEMENTWISE = {"linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", "silu",
                 "swish", "sigmoid", "hard_sigmoid", "hard_silu", "hard_swish", "tanh",
-                "softplus", "softsign", "exponential", "mish", "celu"}
+                "softplus", "softsign", "exponential", "mish", "celu",
+                # keras_hub's GPT-2 feed-forward activation: gelu(x, approximate=True).
+                "keras_hub>gelu_approximate"}
 
 SplitAxes = collections.namedtuple(
     "SplitAxes", ["kernel_axis", "tensor_axis", "shape_index", "bias_axis", "letter"])
@@ -125,9 +128,12 @@ def kind_of_kernel_axis(equation, axis):
 def is_elementwise(activation):
     """Whether `activation` (a Keras activation) is computed unit by unit."""
     try:
-        return keras.activations.serialize(activation) in _ELEMENTWISE
+        name = keras.activations.serialize(activation)
     except (ValueError, TypeError):
         return False
+    if isinstance(name, dict):  # a registered function: {"config": "package>name", ...}
+        name = name.get("config")
+    return isinstance(name, str) and name in _ELEMENTWISE
 
 
 class _Parted(keras.layers.Layer):
@@ -210,8 +216,8 @@ class ColumnDense(_Parted):
         joined = ops.concatenate(outputs, axis=self.axes.tensor_axis)
         if not elementwise:
             return self.activation(joined)  # one that mixes units (softmax) sees them all
-        joined._towers_parts = outputs  # for a row layer next: RowDense.call
-        return joined
+        # For a row layer next (RowDense.call) or the loss (vocab_loss): the parts as they are.
+        return vocab_loss.mark_parts(joined, outputs)
 
     def layout(self):
         """Per weight of the layer (kernel, bias): (axis, the parts' variables joined
@@ -247,7 +253,7 @@ class RowDense(_Parted):
         return self.parts[0].compute_output_shape(self._part_input_shapes(input_shape)[0])
 
     def call(self, inputs):
-        pieces = getattr(inputs, "_towers_parts", None)
+        pieces = vocab_loss.parts_of(inputs)
         if pieces is None or [p.shape[self.axes.tensor_axis] for p in pieces] != self.sizes:
             # Sliced before the parts: each receives, and sends back the gradient of, its slice.
             pieces = tf.split(inputs, self.sizes, axis=self.axes.tensor_axis)

@@ -21,7 +21,7 @@ import tensorflow as tf
 from keras import ops
 
 from towers import compat
-from towers.data_parallel import flight, split
+from towers.data_parallel import flight, split, vocab_loss
 
 _tower = threading.local()  # .rows: where the tower being traced runs its forms' parts
 
@@ -244,7 +244,8 @@ class VocabEmbedding(keras.layers.Layer):
         logits = [run_part(self.devices, j, part,
                            lambda h, part=part: part(h, reverse=True), hidden)
                   for j, part in enumerate(self.parts)]
-        return ops.concatenate(logits, axis=-1)
+        # The loss may keep them in their parts (vocab_loss): only reductions travel.
+        return vocab_loss.mark_parts(ops.concatenate(logits, axis=-1), logits)
 
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0) if self.mask_zero else None
