@@ -164,6 +164,29 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
             towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
                                 devices=CPU[:2], recompute=["block"])
 
+    def test_a_variable_of_another_layer_read_inside_refused(self):
+        class Tied(keras.layers.Layer):  # reads the Dense's kernel, which it does not track
+            def __init__(self, dense, **kwargs):
+                super().__init__(**kwargs)
+                self.kernel_of = lambda: dense.kernel
+
+            def call(self, x):
+                return keras.ops.matmul(x, keras.ops.transpose(self.kernel_of()))
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((reference.NUM_FEATURES,))
+        dense = keras.layers.Dense(3, name="dense")
+        model = keras.Model(inputs, Tied(dense, name="tied")(dense(inputs)))
+        before = [v.numpy() for v in model.weights]
+        trainer = towers.TowerTrainer(model, "mse", reference.OPTIMIZERS["sgd"](),
+                                      devices=CPU[:1], recompute=["tied"])
+        x = _batches()[0][0]
+        with self.assertRaisesRegex(ValueError, r"recompute: layer 'tied' reads variables of "
+                                                r"other layers \(\['dense/kernel:0'\]\)"):
+            trainer.train_step((x, x))
+        for want, got in zip(before, model.weights):
+            self.assertAllEqual(want, got.numpy())
+
     def test_split_layers_refused(self):
         model = towers.split_layers(reference.make_up_down_model(), {"up": "column"}, CPU[:2])
         with self.assertRaisesRegex(ValueError, "recompute='stages' cannot be combined with "

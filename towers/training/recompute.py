@@ -33,7 +33,8 @@ arrived (a control dependency), so Grappler cannot merge it with the first forwa
 A layer inside which a loss is added is refused, its gradient would not pass the op: a
 sublayer's activity regularizer when the trainer is built, add_loss in a call when the
 step is traced, before anything is applied. (The named layer's own activity regularizer
-applies to the op's outputs.) jit_compile=True is
+applies to the op's outputs.) So is a layer whose call reads a variable that it does not
+hold (another layer's), when the step is traced: that variable's gradient would be lost. jit_compile=True is
 refused (XLA compiles a tower's forward and backward as one computation, which
 merges a rerun with the first forward; XLA rematerialises on its own), and so are
 split layers (their parts are custom-gradient ops already; not built yet).
@@ -136,9 +137,11 @@ def recompute_call(layer, call, args, kwargs):
     for tensor in tensors + values:
         unique.setdefault(id(tensor), tensor)
     position = {key: i for i, key in enumerate(unique)}
-    trainable = {id(_value(v)) for v in layer.trainable_variables}
-    differentiable = [t.dtype.is_floating and (id(t) in trainable or any(
-        t is tensor for tensor in tensors)) for t in unique.values()]
+    trainable = {id(variable) for variable in layer.trainable_variables}
+    # Gradients for the floating inputs and the trainable weights; the state gets none.
+    wanted = {id(t) for t in tensors} | {id(value) for variable, value in zip(variables, values)
+                                         if id(variable) in trainable}
+    differentiable = [t.dtype.is_floating and key in wanted for key, t in unique.items()]
     first = []  # the first call's (outputs, new state)
 
     def run_call(op_inputs):
@@ -165,7 +168,11 @@ def recompute_call(layer, call, args, kwargs):
         first.append((outputs, changed))
         flat_outputs = tf.nest.flatten(outputs)
 
-        def gradient(*output_grads):
+        def gradient(*output_grads, variables=None):
+            if variables:  # read inside the call, not the layer's: their gradients would be lost
+                raise ValueError(
+                    f"recompute: layer {layer.path!r} reads variables of other layers "
+                    f"({[v.name for v in variables][:4]}); name a layer that holds them all.")
             arrived = [g for g in output_grads if g is not None]
             with tf.control_dependencies(arrived):  # a forward of its own, after them
                 again = [tf.identity(t) for t in op_inputs]
