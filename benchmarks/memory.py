@@ -6,15 +6,19 @@
 Each configuration runs in its own process (peak memory only grows within one), on an
 MLP of --layers hidden Dense layers of --width units, Adam:
 - towers: variable_placement="main" on 1, 2 and 4 towers;
-- pipeline: 2 towers x 2 stages, micro_batches 1, 4 and 8;
+- pipeline: 2 towers x 2 stages, micro_batches 1, 4 and 8, and the same with
+  recompute="stages" (each stage's forward rerun in its backward);
 - split: the hidden layers split column/row (Megatron's pairs) over T = 1, 2 and 4 parts.
 
 Counted exactly, per device: the model's variables, the optimizer's slots (each variable
 where it lives), and the gradient sums (each column's gradients meet where its variables
-live: their bytes). Measured: on a GPU, TensorFlow's allocator peak per device
-(tf.config.experimental.get_memory_info, reset before the timed steps); on CPU, where
-logical devices share the host's memory, the process's peak resident memory minus its
-memory before the first step (the step's own need: activations, gradients, copies).
+live: their bytes). Measured over the timed steps (after a warm-up step, which traces):
+TensorFlow's allocator peak less what it held before them (tf.config.experimental.
+get_memory_info, reset after the warm-up), per device on a GPU; on CPU the child turns on
+TensorFlow's BFC allocator (TF_CPU_ALLOCATOR_USE_BFC), which counts its bytes as a GPU's
+does and which the logical devices share: all devices together. Also on CPU, where logical
+devices share the host's memory, the process's peak resident memory minus its memory
+before the first step (tracing included).
 Writes DIR/results.json and DIR/results.md.
 """
 

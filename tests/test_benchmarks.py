@@ -389,3 +389,12 @@ class MemoryBenchmarkTest(tf.test.TestCase):
         # The column layer's kernel and bias, and the row layer's kernel, halved; the row
         # bias and the logits layer on part 0.
         self.assertEqual(split["/device:CPU:1"]["variables"], 4 * (256 * 4 + 4 + 4 * 8))
+
+    def test_recompute_holds_what_the_pipeline_holds(self):
+        # Recomputation changes what a step keeps alive, not where state lives.
+        kept, rerun = self._measure("pipeline_2x2_m4"), self._measure("pipeline_2x2_m4_recompute")
+        self.assertEqual(kept["held"], rerun["held"])
+        self.assertEqual(sorted(kept["held"]), ["/device:CPU:0", "/device:CPU:1"])
+        # Stage 1 (CPU:1) holds hidden_1 (8 x 8) and the logits layer (8 x 10), with biases.
+        self.assertEqual(rerun["held"]["/device:CPU:1"]["variables"], 4 * (8 * 8 + 8 + 8 * 10 + 10))
+        self.assertEqual(rerun["cpu_peak_bytes"], {})  # CPU's default allocator counts nothing

@@ -45,8 +45,9 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def time_steps(step, steps, warmup_steps=1):
-    """Runs `step()` warmup_steps times, then times `steps` calls.
+def time_steps(step, steps, warmup_steps=1, after_warmup=None):
+    """Runs `step()` warmup_steps times, then `after_warmup()` (None: nothing), then times
+    `steps` calls.
 
     Returns:
       dict: setup_mb (peak MiB before the first call), peak_mb, step_mb (their
@@ -57,6 +58,8 @@ def time_steps(step, steps, warmup_steps=1):
     setup_mb = peak_rss_mb()
     for _ in range(warmup_steps):
         step()
+    if after_warmup is not None:
+        after_warmup()
     times = []
     for _ in range(steps):
         start = time.perf_counter()

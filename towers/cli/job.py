@@ -59,6 +59,7 @@ class Job:
     pipeline_stages: int
     micro_batches: int
     pipeline_schedule: str
+    recompute: Optional[list]
     tensor_parallel: int
     split_plan: Optional[list]
     # What is written.
@@ -75,6 +76,13 @@ class Job:
     @classmethod
     def field_names(cls):
         return [field.name for field in dataclasses.fields(cls)]
+
+
+def _recompute(names):
+    """--recompute's value as TowerTrainer takes it: False, "stages" or layer names."""
+    if not names:
+        return False
+    return "stages" if list(names) == ["stages"] else list(names)
 
 
 def run(job):
@@ -146,7 +154,8 @@ def run(job):
         prefetch_to_devices={"auto": "auto", "on": True,
                              "off": False}[job.prefetch_to_devices],
         micro_batches=job.micro_batches, pipeline_schedule=job.pipeline_schedule,
-        clip_global_norm=job.clip_global_norm or None, cluster=cluster)
+        clip_global_norm=job.clip_global_norm or None, cluster=cluster,
+        recompute=_recompute(job.recompute))
     checkpointer = None
     if job.checkpoint_dir:
         with tf.device(devices[0]):  # the slots must exist to be restored
@@ -195,6 +204,7 @@ def run(job):
         "micro_batches": job.micro_batches,
         "pipeline_schedule": job.pipeline_schedule,
         "pipeline_cuts": cuts,
+        "recompute": _recompute(job.recompute),
         "tensor_parallel": num_parts,
         "split_plan": plan,
     }

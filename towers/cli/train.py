@@ -96,6 +96,12 @@ PIPELINE_SCHEDULE = flags.DEFINE_enum(
     "Order of each stage's forwards and backwards: gpipe (all forwards, then all "
     "backwards) or 1f1b (alternating, fewer micro-batches' activations alive at once); "
     "the same weights either way.")
+RECOMPUTE = flags.DEFINE_list(
+    "recompute", None,
+    "Activations recomputed in the backward instead of kept from the forward: 'stages' "
+    "(each pipeline stage's forward rerun per micro-batch, only the stages' inputs kept; "
+    "with --pipeline_stages=1 the whole model) or LAYER,... (layer names or paths, shell "
+    "wildcards allowed). The same weights, less activation memory, one more forward.")
 TENSOR_PARALLEL = flags.DEFINE_integer(
     "tensor_parallel", 1, "Op parallelism: parts each split layer is cut into, one device each "
     "(docs/op_parallel.md); with the built-in mlp and text a default plan, else --split_plan. "

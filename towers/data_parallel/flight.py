@@ -14,6 +14,11 @@ one backward, as without a mask. Where a backward must come first (1F1B with
 several micro-batches, or a tower compiled whole by XLA), each counted term
 gets a backward of its own, its gradients scaled afterwards
 (TowerOutput.term_grads, denominators.fold).
+
+Within `recomputing_stages()` (TowerTrainer's recompute="stages", GPipe's
+rematerialisation) a forward records nothing: only each stage's inputs and the
+state it read are kept, and its backward runs the forward again under a tape,
+after the next stage's cotangents have arrived (training/recompute.py).
 """
 
 import collections
@@ -45,7 +50,8 @@ term_grads: [] where the counted terms are in grads and loss; else, per term
     adds to grads (and the term to loss).
 """
 
-_tracing = threading.local()  # .several_backwards: of the forward being traced
+# .several_backwards: of the forward being traced; .recompute_stages: of the flights built
+_tracing = threading.local()
 
 
 def several_backwards():
@@ -63,6 +69,17 @@ def _backwards(several):
         yield
     finally:
         _tracing.several_backwards = outer
+
+
+@contextlib.contextmanager
+def recomputing_stages():
+    """Within it, a Flight built recomputes each stage's forward in its backward."""
+    outer = getattr(_tracing, "recompute_stages", False)
+    _tracing.recompute_stages = True
+    try:
+        yield
+    finally:
+        _tracing.recompute_stages = outer
 
 
 class Flight:
@@ -114,6 +131,8 @@ class Flight:
         self.y_pred, self.micro_terms = [None] * len(self.micro), [None] * len(self.micro)
         self._terms = None  # their sums over the micro-batches, once every forward ran
         self._previous = [[] for _ in row]  # per stage: what its last action produced
+        self.recompute = getattr(_tracing, "recompute_stages", False)
+        self.kept = _table(shape)  # with recompute: per (stage, micro-batch) (inputs, state)
 
     def start(self):
         """Runs the schedule up to where the batch's counts are needed (all of it where
@@ -166,47 +185,80 @@ class Flight:
                                      else self._backward(k, m))
 
     def _forward(self, k, m):
-        """Stage k's forward on micro-batch m (step 3), recorded for its backward."""
-        last = k == self.stages.num_stages - 1
-        if k == 0:
-            inputs, watched = self.micro[m][0], []
-        else:  # the copy to this stage's device: what crosses the cut
-            inputs = cross_cut((self.outputs[k - 1][m], self.masks[k - 1][m]))
-            watched = [t if t.dtype.is_floating else None for t in inputs]
-        with tf.GradientTape(persistent=self.persistent) as tape, \
-                _backwards(self.persistent):
-            tape.watch(self.weights[k] + [t for t in watched if t is not None])
-            outputs, new_state, regularization = unless_empty(
-                self.sizes[m], self.forwards[k], self.weights[k], self.state[k], inputs,
-                self.may_be_empty)
-            counted = []
-            if last:
-                self.y_pred[m] = outputs
-                part, self.micro_terms[m] = shard_loss(
-                    self.objective, self.micro[m], outputs, regularization, self.sizes[m],
-                    self.batch_rows)
-                counted = [weight * term.sum for term, weight
-                           in zip(self.micro_terms[m], self.objective.weights)
-                           if term.per_row is None]
-                self.num_groups = 1 if self.count_first else 1 + len(counted)
-            else:
-                outputs, self.masks[k][m] = tf.nest.flatten(outputs[0]), outputs[1]
-                part = (None if regularization is None
-                        else regularization * batch_share(self.sizes[m], self.batch_rows))
-            targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
-                       for t in [part] + counted]
-        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = tape, watched, targets
-        self.outputs[k][m], self.parts[k][m] = outputs, part
-        for i, new in enumerate(new_state):
+        """Stage k's forward on micro-batch m (step 3), recorded for its backward; with
+        recompute, not recorded: its inputs and the state it read are kept instead."""
+        inputs = self.micro[m][0] if k == 0 else cross_cut(  # the copy to this stage's device
+            (self.outputs[k - 1][m], self.masks[k - 1][m]))
+        if self.recompute:
+            self.kept[k][m] = (inputs, list(self.state[k]))
+        run = self._record(k, m, inputs, self.state[k], taped=not self.recompute)
+        if k == self.stages.num_stages - 1:
+            self.y_pred[m], self.micro_terms[m] = run.outputs, run.terms
+            self.num_groups = 1 if self.count_first else len(run.targets)
+        else:
+            self.masks[k][m] = run.masks
+        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = run.tape, run.watched, run.targets
+        self.outputs[k][m], self.parts[k][m] = run.outputs, run.part
+        for i, new in enumerate(run.new_state):
             if new is not None:
                 self.state[k][i] = self.changed[k][i] = new
         # What the stage's next action waits for: the last stage's loss, not its outputs,
         # which nothing may need joined (logits kept in parts into the loss: vocab_loss).
-        return ([] if last else tf.nest.flatten(outputs)) + [t for t in targets if t is not None]
+        last = k == self.stages.num_stages - 1
+        return (([] if last else tf.nest.flatten(run.outputs))
+                + [t for t in run.targets if t is not None])
+
+    def _record(self, k, m, inputs, state, taped):
+        """Stage k's forward on micro-batch m from `inputs` and `state`, under a tape
+        where `taped`: a _Run (tape None where not taped; outputs flat before the last
+        stage, its y_pred there)."""
+        last = k == self.stages.num_stages - 1
+        watched = [] if k == 0 else [t if t.dtype.is_floating else None for t in inputs]
+        tape = tf.GradientTape(persistent=self.persistent) if taped else None
+        with tape or contextlib.nullcontext(), _backwards(self.persistent):
+            if tape is not None:
+                tape.watch(self.weights[k] + [t for t in watched if t is not None])
+            outputs, new_state, regularization = unless_empty(
+                self.sizes[m], self.forwards[k], self.weights[k], state, inputs,
+                self.may_be_empty)
+            counted, masks, terms = [], None, None
+            if last:
+                part, terms = shard_loss(self.objective, self.micro[m], outputs,
+                                         regularization, self.sizes[m], self.batch_rows)
+                counted = [weight * term.sum for term, weight
+                           in zip(terms, self.objective.weights) if term.per_row is None]
+            else:
+                outputs, masks = tf.nest.flatten(outputs[0]), outputs[1]
+                part = (None if regularization is None
+                        else regularization * batch_share(self.sizes[m], self.batch_rows))
+            targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
+                       for t in [part] + counted]
+        return _Run(tape, watched, outputs, masks, new_state, part, terms, targets)
+
+    def _rerun(self, k, m):
+        """Stage k's forward on micro-batch m again, recorded, on the inputs and state its
+        first run read (the same dropout masks), its state updates dropped (the first
+        run's count). It reads copies of its inputs made after the cotangents its
+        backward starts from arrived (on the last stage, after the stage's previous
+        action, as every action: _run): a forward of its own, which Grappler cannot
+        merge with the first run, so its activations live only during this backward."""
+        inputs, state = self.kept[k][m]
+        self.kept[k][m] = None
+        arrived = [] if k == self.stages.num_stages - 1 else [
+            c for group in self.cotangents[k][m] for c in group if c is not None]
+        with tf.control_dependencies(arrived):
+            flat = tf.nest.flatten(inputs)
+            inputs = tf.nest.pack_sequence_as(inputs, cross_cut((flat, losses.output_masks(flat))))
+        run = self._record(k, m, inputs, state, taped=True)
+        self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = run.tape, run.watched, run.targets
+        if k < self.stages.num_stages - 1:
+            self.outputs[k][m] = run.outputs  # what the next stage's cotangents apply to
 
     def _backward(self, k, m):
         """Stage k's backward on micro-batch m (step 4), group by group: weight and input
         gradients."""
+        if self.recompute:
+            self._rerun(k, m)
         watched = self.inputs[k][m]
         sources = self.weights[k] + [t for t in watched if t is not None]
         sent, self.grads[k][m] = [], []  # sent: input gradients, for the stage before
@@ -266,6 +318,11 @@ class Flight:
         loss = (tf.constant(0.0) if not parts else parts[0] if len(parts) == 1
                 else tf.add_n([tf.identity(part) for part in parts]))  # here, on the last stage
         return loss, self.y_pred[0] if len(self.micro) == 1 else concat_rows(self.y_pred)
+
+
+_Run = collections.namedtuple(
+    "_Run", ["tape", "watched", "outputs", "masks", "new_state", "part", "terms", "targets"])
+_Run.__doc__ = """One run of a stage's forward on a micro-batch (Flight._record)."""
 
 
 def _dense_or_none(grad):

@@ -44,6 +44,10 @@ class TowerOptions:
         device and receives only the rows it looked up; op_parallel.tables) or
         "copy" (step 2 copies the whole table to every tower, as any weight).
         "table" applies with variable_placement="main" and without jit_compile.
+      recompute: False (every forward's activations kept until its backward),
+        "stages" (each stage's forward rerun in its backward, per micro-batch:
+        only the stages' inputs kept), or layer names or paths, held as a tuple
+        (those layers' activations rerun in the backward); training/recompute.py.
     """
     accum_steps: int = 1
     clip_global_norm: Optional[float] = None
@@ -56,6 +60,7 @@ class TowerOptions:
     micro_batches: int = 1
     pipeline_schedule: str = "gpipe"
     embedding_lookup: str = "table"
+    recompute: Union[bool, str, tuple] = False
 
     def __post_init__(self):
         # Frozen: the checked counts are set as Python ints (np.int64(2) is taken too).
@@ -96,6 +101,13 @@ class TowerOptions:
         if self.embedding_lookup not in EMBEDDING_LOOKUPS:
             raise ValueError(f"embedding_lookup must be one of {EMBEDDING_LOOKUPS}, got "
                              f"{self.embedding_lookup!r}.")
+        if self.recompute is not False and self.recompute != "stages":
+            names = self.recompute
+            if not (isinstance(names, (list, tuple)) and names
+                    and all(isinstance(name, str) and name for name in names)):
+                raise ValueError(f"recompute must be False, 'stages' or a non-empty list of "
+                                 f"layer names or paths, got {names!r}.")
+            object.__setattr__(self, "recompute", tuple(names))
         if self.accum_steps > 1:  # the alias: accumulation is a one-stage pipeline
             object.__setattr__(self, "micro_batches", self.accum_steps)
             object.__setattr__(self, "pipeline_schedule", "1f1b")

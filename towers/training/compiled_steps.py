@@ -12,6 +12,7 @@ import tensorflow as tf
 from towers.data_parallel import aggregate, collectives, forward, losses, split
 from towers.data_parallel.step import apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
+from towers.training import recompute
 
 def train_step(trainer, batch, may_be_empty):
     """One training step on `batch`: steps 1-6 (run_towers), then step 7 if finite.
@@ -31,7 +32,8 @@ def train_step(trainer, batch, may_be_empty):
     """
     # The step's collective ops take keys derived from the step and the model, the
     # same on every worker whatever else each traced (collectives.instance_keys).
-    with collectives.instance_keys(("train_step", cluster_lib.model_signature(trainer.model))):
+    with collectives.instance_keys(("train_step", cluster_lib.model_signature(trainer.model))), \
+            recompute.recomputing(trainer.options.recompute, trainer.recomputed_layers):
         return _train_step(trainer, batch, may_be_empty)
 
 

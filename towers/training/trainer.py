@@ -15,7 +15,7 @@ from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import compiled, compiled_steps, executions, first_batch, loop
 from towers.training import metrics as metrics_lib, placement, prefetch, trainable
-from towers.training import worker_signals
+from towers.training import recompute as recompute_lib, worker_signals
 
 
 class TowerTrainer:
@@ -38,7 +38,10 @@ class TowerTrainer:
         live on devices[0][k], and its update is applied there.
       options: a TowerOptions (aggregation, pack_gradients, variable_placement,
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
-        micro_batches, pipeline_schedule, embedding_lookup).
+        micro_batches, pipeline_schedule, embedding_lookup, recompute: False,
+        "stages" or layer names or paths, whose activations the backward
+        recomputes instead of keeping them; training/recompute.py).
+      recomputed_layers: the layers recompute names ([] for False or "stages").
       metrics: a metrics.Metrics: `metrics` and `weighted_metrics` in every form
         keras.Model.compile takes them, updated on every train and evaluation
         batch; indexing or iterating it gives the Keras metric objects.
@@ -70,7 +73,7 @@ class TowerTrainer:
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
                  pipeline_schedule="gpipe", steps_per_execution=1,
-                 prefetch_to_devices="auto", embedding_lookup="table"):
+                 prefetch_to_devices="auto", embedding_lookup="table", recompute=False):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         if not isinstance(jit_compile, bool):
@@ -88,7 +91,7 @@ class TowerTrainer:
                                     variable_placement=variable_placement,
                                     micro_batches=micro_batches,
                                     pipeline_schedule=pipeline_schedule,
-                                    embedding_lookup=embedding_lookup)
+                                    embedding_lookup=embedding_lookup, recompute=recompute)
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
@@ -96,6 +99,8 @@ class TowerTrainer:
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        variable_placement)
         op_grid.check_split_model(model, optimizer, variable_placement, jit_compile)
+        self.recomputed_layers = recompute_lib.recomputed_layers(model, self.options.recompute,
+                                                                 jit_compile)
         self.setup, self.devices = placement.step_setup(model, devices, main_device,
                                                         self.pipeline_cuts, self.options, cluster)
         self.main_device = self.setup.main_device

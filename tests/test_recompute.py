@@ -1,0 +1,199 @@
+"""recompute=: stages and named layers rerun in the backward, equal to keeping their
+activations (dropout included: each rerun draws the first run's mask) and to Keras on one
+device; the rerun is real (counted in the traced step); misuse refused in one line."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+from tests import reference
+from towers.data_parallel import forward
+
+CPU = [f"/device:CPU:{i}" for i in range(4)]
+EXACT = 1e-6  # recompute against no recompute: the same ops on the same values
+KERAS = 1e-5  # against Keras on one device: another order of the sums
+STEPS = 2
+
+
+def _stages_model(rate, seed=0):
+    """Dense "hidden" -> Dropout "drop_0" | (cut) Dense "middle" -> Dropout "drop_1" ->
+    Dense "logits": a Dropout in each of the two stages."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    hidden = keras.layers.Dropout(rate, name="drop_0")(hidden)
+    hidden = keras.layers.Dense(8, activation="tanh", name="middle")(hidden)
+    hidden = keras.layers.Dropout(rate, name="drop_1")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="logits")(hidden))
+
+
+def _nested_model(rate, seed=0):
+    """Dense "first" -> Sequential "block" (Dense "inner", Dropout "inner_drop", Dense
+    "inner_out") -> Dropout "drop" -> Dense "logits"."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="first")(inputs)
+    block = keras.Sequential([keras.layers.Dense(8, activation="tanh", name="inner"),
+                              keras.layers.Dropout(rate, name="inner_drop"),
+                              keras.layers.Dense(8, activation="tanh", name="inner_out")],
+                             name="block")
+    hidden = keras.layers.Dropout(rate, name="drop")(block(hidden))
+    return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="logits")(hidden))
+
+
+def _batches():
+    return reference.make_batches(16, STEPS, seed=5)
+
+
+def _train(model, **options):
+    """(weights, logs of every step, trainer) after STEPS steps of TowerTrainer(**options)."""
+    trainer = towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
+                                  **options)
+    logs = [trainer.train_step(batch) for batch in _batches()]
+    return [v.numpy() for v in model.weights], logs, trainer
+
+
+def _keras(model):
+    """Weights after Keras's compile + train_on_batch on one device, the same batches."""
+    model.compile(optimizer=reference.OPTIMIZERS["adam"](), loss=reference.make_loss())
+    for x, y, w in _batches():
+        model.train_on_batch(x, y, sample_weight=w)
+    return [v.numpy() for v in model.weights]
+
+
+def _matmuls(trainer):
+    return sum(node.op == "MatMul" for node in reference.traced_nodes(trainer))
+
+
+class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
+
+    def assertSameRun(self, expected, actual):
+        (expected_weights, expected_logs, _), (weights, logs, _) = expected, actual
+        for want, got in zip(expected_weights, weights):
+            self.assertAllClose(want, got, atol=EXACT, rtol=0)
+        for want, got in zip(expected_logs, logs):
+            self.assertEqual(want.keys(), got.keys())
+            self.assertAllClose([want[k] for k in want], [got[k] for k in want], atol=EXACT,
+                                rtol=0)
+
+    @parameterized.product(schedule=["gpipe", "1f1b"], micro_batches=[1, 4])
+    def test_stages_with_dropout_equal_keeping_them(self, schedule, micro_batches):
+        grid = dict(devices=[CPU[:2], CPU[2:]], pipeline_cuts=["drop_0"],
+                    micro_batches=micro_batches, pipeline_schedule=schedule)
+        kept = _train(_stages_model(0.3), **grid)
+        rerun = _train(_stages_model(0.3), recompute="stages", **grid)
+        self.assertSameRun(kept, rerun)
+        # Dropout drew masks: the weights moved otherwise than without it.
+        self.assertNotAllClose(_train(_stages_model(0.0), **grid)[0], rerun[0])
+
+    @parameterized.parameters(
+        (["block"], {}),                                          # Dropout inside it
+        (["block/inner*", "drop"], {}),                           # nested paths
+        (["drop_0", "middle"], dict(pipeline_cuts=["drop_0"], micro_batches=2,
+                                    pipeline_schedule="1f1b")))   # in both stages
+    def test_named_layers_with_dropout_equal_keeping_them(self, recompute, pipeline):
+        make = _stages_model if pipeline else _nested_model
+        devices = [CPU[:2], CPU[2:]] if pipeline else CPU[:2]
+        kept = _train(make(0.3), devices=devices, **pipeline)
+        rerun = _train(make(0.3), devices=devices, recompute=recompute, **pipeline)
+        self.assertSameRun(kept, rerun)
+
+    def test_equal_to_keras_on_one_device(self):
+        expected = _keras(_stages_model(0.0))
+        stages, _, _ = _train(_stages_model(0.0), devices=[CPU[:2], CPU[2:]],
+                              pipeline_cuts=["drop_0"], micro_batches=4, recompute="stages")
+        whole, _, _ = _train(_stages_model(0.0), devices=CPU[:2], recompute="stages")
+        layers, _, _ = _train(_nested_model(0.0), devices=CPU[:2],
+                              recompute=["block/inner*", "first"])
+        for got in (stages, whole):
+            self.assertAllClose(expected, got, atol=KERAS, rtol=0)
+        self.assertAllClose(_keras(_nested_model(0.0)), layers, atol=KERAS, rtol=0)
+
+    def test_the_forward_runs_again_in_the_step(self):
+        """Each Dense's forward is a MatMul: a rerun adds one per recomputed Dense per
+        tower and micro-batch to the traced step (2 towers x 2 micro-batches here)."""
+        grid = dict(devices=[CPU[:2], CPU[2:]], pipeline_cuts=["drop_0"], micro_batches=2)
+        kept = _matmuls(_train(_stages_model(0.3), **grid)[2])
+        stages = _matmuls(_train(_stages_model(0.3), recompute="stages", **grid)[2])
+        middle = _matmuls(_train(_stages_model(0.3), recompute=["middle"], **grid)[2])
+        self.assertEqual(stages - kept, 3 * 2 * 2)  # hidden, middle and logits
+        self.assertEqual(middle - kept, 1 * 2 * 2)
+
+    def test_keras_remat_drops_the_gradients_of_captured_weights(self):
+        """Why recompute has its own custom gradient: keras.remat (tf.recompute_grad)
+        differentiates variables and inputs, and towers' forward reads weights as tensors."""
+        x = np.ones((3, reference.NUM_FEATURES), np.float32)
+        with keras.RematScope(mode="list_of_layers", layer_names=["dense"]):
+            dense = keras.layers.Dense(4, name="dense")
+        model = keras.Sequential([keras.Input((reference.NUM_FEATURES,)), dense])
+        weights = [tf.identity(v.value) for v in model.trainable_variables]
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y, _, _ = forward.stateless_run(model, model.trainable_variables, weights,
+                                            lambda: model(x))
+        self.assertEqual(tape.gradient(y, weights), [None, None])
+
+    @parameterized.named_parameters(
+        ("true", dict(recompute=True), r"recompute must be False, 'stages' or a non-empty list"),
+        ("other_word", dict(recompute="layers"), r"recompute must be False, 'stages'"),
+        ("empty", dict(recompute=[]), r"recompute must be False, 'stages'"),
+        ("no_such_layer", dict(recompute=["nope"]), r"recompute=\['nope'\]: .*matches no layer"),
+        ("inside_another", dict(recompute=["block", "block/inner"]), r"recompute=.*inside"),
+        ("xla", dict(recompute="stages", jit_compile=True), r"recompute='stages' needs "
+                                                             r"jit_compile=False"))
+    def test_refused_in_one_line(self, options, message):
+        model = _nested_model(0.3)
+        before = [v.numpy() for v in model.weights]
+        with self.assertRaisesRegex(ValueError, message) as refused:
+            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+                                devices=CPU[:2], **options)
+        self.assertNotIn("\n", str(refused.exception))
+        for want, got in zip(before, model.weights):
+            self.assertAllEqual(want, got.numpy())
+
+    def test_a_loss_added_inside_a_named_layer_refused(self):
+        keras.utils.set_random_seed(0)
+        block = keras.Sequential([keras.layers.Dense(
+            4, name="inner", activity_regularizer=keras.regularizers.L2(0.1))], name="block")
+        model = keras.Sequential([keras.Input((reference.NUM_FEATURES,)), block,
+                                  keras.layers.Dense(reference.NUM_CLASSES)])
+        with self.assertRaisesRegex(ValueError, "a loss is added inside layer 'block' "
+                                                r"\(the activity regularizer of 'inner'\)"):
+            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+                                devices=CPU[:2], recompute=["block"])
+
+    def test_a_variable_of_another_layer_read_inside_refused(self):
+        class Tied(keras.layers.Layer):  # reads the Dense's kernel, which it does not track
+            def __init__(self, dense, **kwargs):
+                super().__init__(**kwargs)
+                self.kernel_of = lambda: dense.kernel
+
+            def call(self, x):
+                return keras.ops.matmul(x, keras.ops.transpose(self.kernel_of()))
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((reference.NUM_FEATURES,))
+        dense = keras.layers.Dense(3, name="dense")
+        model = keras.Model(inputs, Tied(dense, name="tied")(dense(inputs)))
+        before = [v.numpy() for v in model.weights]
+        trainer = towers.TowerTrainer(model, "mse", reference.OPTIMIZERS["sgd"](),
+                                      devices=CPU[:1], recompute=["tied"])
+        x = _batches()[0][0]
+        with self.assertRaisesRegex(ValueError, r"recompute: layer 'tied' reads variables of "
+                                                r"other layers \(\['dense/kernel:0'\]\)"):
+            trainer.train_step((x, x))
+        for want, got in zip(before, model.weights):
+            self.assertAllEqual(want, got.numpy())
+
+    def test_split_layers_refused(self):
+        model = towers.split_layers(reference.make_up_down_model(), {"up": "column"}, CPU[:2])
+        with self.assertRaisesRegex(ValueError, "recompute='stages' cannot be combined with "
+                                                "split layers"):
+            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+                                devices=[CPU[:2]], recompute="stages")
+
+
+if __name__ == "__main__":
+    tf.test.main()
