@@ -156,7 +156,8 @@ def hub_formula_bytes(plan, num_parts, ids, *, vocab, layers, width, intermediat
     LM head the hidden states to every other part and their gradient back, and for
     its loss, kept in parts (data_parallel/vocab_loss.py), the targets out, three
     reductions back and one gradient out, per token: not the logits (B x length x
-    V_j)."""
+    V_j); and the tied table's gradient, (V_j, D) to the tower and back, where
+    TensorFlow's tape adds its look-up's and its head's."""
     if num_parts == 1:
         return 0
     tokens, kinds = ids.size, set(plan.values())
@@ -171,6 +172,10 @@ def hub_formula_bytes(plan, num_parts, ids, *, vocab, layers, width, intermediat
         total += split_bytes.formula_bytes("vocab", num_parts, tokens, width, intermediate,
                                            ids, vocab)
         total += split_bytes.FLOAT * (num_parts - 1) * tokens * (2 * width + 5)
+        # The tied table's two gradients (look-up and head) are added up where the tape
+        # adds them, on the tower: each other part's (V_j, D) there and back.
+        rows_elsewhere = vocab - op_layers.part_sizes(vocab, num_parts)[0]
+        total += split_bytes.FLOAT * 2 * rows_elsewhere * width
     return total
 
 

@@ -85,9 +85,10 @@ def _penalty(penalties, value):
                      for weight, regularizer in penalties])
 
 
-def run_part(devices, j, part, call, *inputs):
+def run_part(devices, j, part, call, *inputs, whole_tables=False):
     """call(*inputs), the work of part j (`part`: the layer holding its variables), with
-    its forward and its backward on part_device(devices, j).
+    its forward and its backward on part_device(devices, j). `whole_tables`: the call
+    reads its embedding tables whole (a reverse projection), not rows of them.
 
     tape.gradient creates every backward op under the device scope it is called in,
     the tower's (TensorFlow issue #33688); that would run each part's backward, 2/3 of
@@ -100,6 +101,14 @@ def run_part(devices, j, part, call, *inputs):
     penalties = _counted_penalties(part)
     # Per weight, what a stateless call maps it to (the tower's copy), or None.
     mapped = [compat.stateless_value(weight) for weight in part.trainable_weights]
+    if whole_tables and any(isinstance(value, tf.Variable) for value in mapped):
+        # A table the call reads whole (a reverse projection), read once where it lives:
+        # a tensor input of the op like a copied weight, so its backward runs here too.
+        with tf.device(device):
+            mapped = [tf.convert_to_tensor(value) if isinstance(value, tf.Variable) else value
+                      for value in mapped]
+        call = _reading(call, [(weight, value) for weight, value
+                               in zip(part.trainable_weights, mapped) if value is not None])
     reads = {id(weight): weight if value is None else value
              for weight, value in zip(part.trainable_weights, mapped)}
 
@@ -155,6 +164,14 @@ def run_part(devices, j, part, call, *inputs):
         outputs, penalty = outputs
         part.add_loss(penalty)
     return outputs
+
+
+def _reading(call, mapping):
+    """`call` reading each weight as its value in `mapping` ((weight, tensor) pairs)."""
+    def read(*args):
+        with keras.StatelessScope(mapping):
+            return call(*args)
+    return read
 
 
 class Placed(keras.layers.Layer):
@@ -242,7 +259,8 @@ class VocabEmbedding(keras.layers.Layer):
             raise TypeError(f"layer {self.name!r} splits an Embedding, which has no reverse "
                             "projection; reverse=True needs a ReversibleEmbedding.")
         logits = [run_part(self.devices, j, part,
-                           lambda h, part=part: part(h, reverse=True), hidden)
+                           lambda h, part=part: part(h, reverse=True), hidden,
+                           whole_tables=True)
                   for j, part in enumerate(self.parts)]
         # The loss may keep them in their parts (vocab_loss): only reductions travel.
         return vocab_loss.mark_parts(ops.concatenate(logits, axis=-1), logits)
