@@ -32,9 +32,11 @@ class TowerOptions:
       aggregation: how gradients meet, one of exchange.AGGREGATIONS: "main"
         (gathered on the main device), "tree", "collective" or "nccl".
       pack_gradients: exchange each tower's dense gradients as one flat buffer.
-      variable_placement: "main" (towers read the main device's variables) or
+      variable_placement: "main" (towers read the main device's variables),
         "replicated" (each tower reads its own copy, written from the main
-        values at the start of each step).
+        values at the start of each step) or "spread" (each variable, its
+        gradients' sum and its optimizer slots live on one of the towers,
+        balanced by bytes: columns.spread_owners).
       micro_batches: micro-batches each tower's shard is split into, run one
         after another through its stages (one stage: gradient accumulation);
         their gradients are added up before the towers'.
