@@ -45,7 +45,8 @@ class TowerOptions:
       embedding_lookup: "table" (each tower sends its ids to an Embedding table's
         device and receives only the rows it looked up; op_parallel.tables) or
         "copy" (step 2 copies the whole table to every tower, as any weight).
-        "table" applies with variable_placement="main" and without jit_compile.
+        "table" applies with variable_placement="main" or "spread" and without
+        jit_compile.
       recompute: False (every forward's activations kept until its backward),
         "stages" (each stage's forward rerun in its backward, per micro-batch:
         only the stages' inputs kept), or layer names or paths, held as a tuple
