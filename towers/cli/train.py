@@ -61,9 +61,11 @@ PACK_GRADIENTS = flags.DEFINE_bool("pack_gradients", False,
                                    "Exchange each tower's gradients as one flat buffer.")
 VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
                                        replicas.VARIABLE_PLACEMENTS,
-                                       "One copy of the variables on the main device, or a "
-                                       "copy on every tower, written from the main values "
-                                       "at the start of each step.")
+                                       "One copy of the variables on the main device "
+                                       "(main), a copy on every tower written from the main "
+                                       "values at the start of each step (replicated), or "
+                                       "each variable and its optimizer slots on one tower, "
+                                       "balanced by bytes (spread).")
 STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 1,
     "Training steps per call of one compiled function (an in-graph loop, no Python "

@@ -32,9 +32,11 @@ class TowerOptions:
       aggregation: how gradients meet, one of exchange.AGGREGATIONS: "main"
         (gathered on the main device), "tree", "collective" or "nccl".
       pack_gradients: exchange each tower's dense gradients as one flat buffer.
-      variable_placement: "main" (towers read the main device's variables) or
+      variable_placement: "main" (towers read the main device's variables),
         "replicated" (each tower reads its own copy, written from the main
-        values at the start of each step).
+        values at the start of each step) or "spread" (each variable, its
+        gradients' sum and its optimizer slots live on one of the towers,
+        balanced by bytes: columns.spread_owners).
       micro_batches: micro-batches each tower's shard is split into, run one
         after another through its stages (one stage: gradient accumulation);
         their gradients are added up before the towers'.
@@ -43,7 +45,8 @@ class TowerOptions:
       embedding_lookup: "table" (each tower sends its ids to an Embedding table's
         device and receives only the rows it looked up; op_parallel.tables) or
         "copy" (step 2 copies the whole table to every tower, as any weight).
-        "table" applies with variable_placement="main" and without jit_compile.
+        "table" applies with variable_placement="main" or "spread" and without
+        jit_compile.
       recompute: False (every forward's activations kept until its backward),
         "stages" (each stage's forward rerun in its backward, per micro-batch:
         only the stages' inputs kept), or layer names or paths, held as a tuple

@@ -1,8 +1,9 @@
 """Step 2: every tower sees the same weights, as a copy on its own device.
 
 `broadcast_weights` copies the main device's values to a tower each step
-(variable_placement="main"); `Replicas` keeps a variable per tower instead,
-written from the main values before the towers read ("replicated").
+(variable_placement="main"), or each value from the tower that holds it
+("spread": columns.spread_owners); `Replicas` keeps a variable per tower
+instead, written from the main values before the towers read ("replicated").
 """
 
 import tensorflow as tf
@@ -21,7 +22,7 @@ def broadcast_weights(values, tower, kept=None):
         return [value if keep else tf.identity(value) for value, keep in zip(values, kept)]
 
 
-VARIABLE_PLACEMENTS = ("main", "replicated")
+VARIABLE_PLACEMENTS = ("main", "replicated", "spread")
 
 
 class Replicas:

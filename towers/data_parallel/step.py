@@ -175,7 +175,11 @@ class StepSetup:
     def use_stages(self, stages):
         """Sets the model's stages (a stages.Stages), and its columns with them."""
         self.stages = stages
-        self.columns = columns_lib.Columns(stages, self.grid, self.stage_devices, self.parts)
+        owners = None
+        if self.options.variable_placement == "spread":
+            owners = columns_lib.spread_owners(stages.model.variables, len(self.grid))
+        self.columns = columns_lib.Columns(stages, self.grid, self.stage_devices, self.parts,
+                                           owners)
 
     @property
     def main_device(self):

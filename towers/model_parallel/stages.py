@@ -175,6 +175,9 @@ def check_pipeline(pipeline_cuts, main_device, variable_placement):
         "variable_placement='replicated'": (
             variable_placement == "replicated",
             "each stage's towers read its variables from devices[0][k]; use 'main'"),
+        "variable_placement='spread'": (
+            variable_placement == "spread",
+            "spreading each stage's variables over its towers is not built yet; use 'main'"),
     }
     for name, (given, why) in refused.items():
         if given:
@@ -197,9 +200,10 @@ def place_variables(columns, optimizer):
              if devices_lib.canonical_name(variable.value.device) != device]
     if moves and optimizer.built:
         raise ValueError(
-            "the optimizer was built before the pipeline stages' variables were placed on "
-            "their devices, so its slots would stay behind; create the TowerTrainer with a "
-            "fresh optimizer (it is built at the first step, next to each variable).")
+            "the optimizer was built before the variables were placed on their devices "
+            "(pipeline stages, spread placement), so its slots would stay behind; create "
+            "the TowerTrainer with a fresh optimizer (it is built at the first step, next "
+            "to each variable).")
     for variable, device in moves:
         compat.move_variable(variable, device)
 

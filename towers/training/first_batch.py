@@ -226,14 +226,16 @@ def check_model(trainer):
     trainable.check_optimizer(trainer.optimizer, model)
     if setup.stages is None:
         setup.use_stages(stages_lib.Stages(model, trainer.pipeline_cuts))
-    if trainer.pipeline_cuts is not None:
+    spread = setup.options.variable_placement == "spread"
+    if trainer.pipeline_cuts is not None or spread:
         if setup.parts is not None:
             setup.parts.settle(setup.stages)
         stages_lib.place_variables(setup.columns, trainer.optimizer)
     misplaced = sorted({v.value.device for v in model.variables
                         if devices_lib.canonical_name(v.value.device) != setup.main_device})
-    # Stages and split layers place their variables on purpose.
-    if misplaced and trainer.pipeline_cuts is None and not op_plan.is_split(model):
+    # Stages, split layers and spread placement place their variables on purpose.
+    if misplaced and trainer.pipeline_cuts is None and not spread and \
+            not op_plan.is_split(model):
         logging.warning(
             "model %r has variables on %s, not on main_device %s; they stay there. To "
             "keep them on the main device, build the model inside `with tf.device(%r):`.",

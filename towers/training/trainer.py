@@ -99,6 +99,10 @@ class TowerTrainer:
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        variable_placement)
         op_grid.check_split_model(model, optimizer, variable_placement, jit_compile)
+        if cluster is not None and variable_placement == "spread":
+            raise ValueError("variable_placement='spread' cannot be combined with a cluster "
+                             "yet (each worker holding 1/W of the state is not built); use "
+                             "'main'.")
         self.recomputed_layers = recompute_lib.recomputed_layers(model, self.options.recompute,
                                                                  jit_compile)
         self.setup, self.devices = placement.step_setup(model, devices, main_device,
