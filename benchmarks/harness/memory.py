@@ -186,8 +186,9 @@ def table(rows, width, layers, global_batch_size):
 
 
 def draw(rows, path, title):
-    """Per configuration, the busiest device's held bytes stacked by kind and, beside
-    them, the step's measured peak (MiB); writes a PNG to `path`. Returns False (and
+    """Per configuration, the busiest device's held bytes stacked by kind (topped by its
+    share of all devices' state) and, beside them, the step's measured peak (MiB);
+    writes a PNG to `path`. Returns False (and
     draws nothing) without matplotlib."""
     try:
         import matplotlib  # pylint: disable=g-import-not-at-top
@@ -202,8 +203,11 @@ def draw(rows, path, title):
     for color, kind in zip(palette, KINDS):
         heights = [busiest(r)[1][kind] / MIB for r in rows]
         axis.bar([x - 0.2 for x in positions], heights, width=0.4, bottom=bottom, color=color,
-                 label=f"held by the busiest device: {kind.replace('_', ' ')}")
+                 label=f"held by the busiest device (counted): {kind.replace('_', ' ')}")
         bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, result, top in zip(positions, rows, bottom):  # the busiest's share of all state
+        total = sum(sum(kinds.values()) for kinds in result["held"].values())
+        axis.text(x - 0.2, top, f"{top * MIB / total:.2f}", ha="center", va="bottom", fontsize=7)
     on_gpu = any(r["gpu_peak_bytes"] for r in rows)
     axis.bar([x + 0.2 for x in positions], [(step_peak_bytes(r) or 0) / MIB for r in rows],
              width=0.4, color="0.55", hatch="//", edgecolor="black", linewidth=0.5,
