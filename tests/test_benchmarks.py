@@ -422,3 +422,16 @@ class MemoryBenchmarkTest(tf.test.TestCase):
             self.assertEqual(kinds["gradient_sums"], kinds["variables"])
         has_matplotlib = importlib.util.find_spec("matplotlib") is not None
         self.assertEqual(os.path.exists(os.path.join(output_dir, "memory.png")), has_matplotlib)
+
+    def test_spread_holds_each_variable_on_one_tower(self):
+        # MLP 256 -> 8 -> 8 -> 10 on 4 towers, variables by bytes: 256 x 8 kernel 8192,
+        # 8 x 10 kernel 320, 8 x 8 kernel 256, logits bias 40, two biases of 8: 32 each.
+        # Largest first to the tower holding fewest: 8192, 320, 256, then 40 + 32 + 32.
+        held = self._measure("spread_4")["held"]
+        variables = {"/device:CPU:0": 8192, "/device:CPU:1": 320, "/device:CPU:2": 256,
+                     "/device:CPU:3": 40 + 32 + 32}
+        self.assertEqual({device: kinds["variables"] for device, kinds in held.items()},
+                         variables)
+        for device, kinds in held.items():
+            self.assertEqual(kinds["gradient_sums"], variables[device])
+            self.assertBetween(kinds["slots"] - 2 * variables[device], 0, 64)  # Adam's m, v
