@@ -153,6 +153,12 @@ def busiest(result):
     return max(result["held"].items(), key=lambda item: sum(item[1].values()))
 
 
+def busiest_share(result):
+    """The busiest device's share of all devices' state (1.0: one device holds it all)."""
+    total = sum(sum(kinds.values()) for kinds in result["held"].values())
+    return sum(busiest(result)[1].values()) / total
+
+
 def step_peak_bytes(result):
     """The step's measured allocator peak: the busiest GPU's, or on CPU all logical
     devices' together (they share one allocator); None where nothing counted it."""
@@ -163,12 +169,11 @@ def step_peak_bytes(result):
 def row(result):
     """One configuration's line: the device holding most, its bytes by kind (MiB)."""
     device, held = busiest(result)
-    total = sum(sum(kinds.values()) for kinds in result["held"].values())
     peak = step_peak_bytes(result)
     peak = "-" if peak is None else f"{peak / MIB:.1f}"
     return (f"| {result['config']} | {len(result['held'])} | {device.split('/device:')[-1]} | "
             f"{held['variables'] / MIB:.1f} | {held['slots'] / MIB:.1f} | "
-            f"{held['gradient_sums'] / MIB:.1f} | {sum(held.values()) / total:.2f} | {peak} | "
+            f"{held['gradient_sums'] / MIB:.1f} | {busiest_share(result):.2f} | {peak} | "
             f"{result['step_mb']:.0f} | {result['median_ms']:.0f} |")
 
 
@@ -188,8 +193,7 @@ def table(rows, width, layers, global_batch_size):
 def draw(rows, path, title):
     """Per configuration, the busiest device's held bytes stacked by kind (topped by its
     share of all devices' state) and, beside them, the step's measured peak (MiB);
-    writes a PNG to `path`. Returns False (and
-    draws nothing) without matplotlib."""
+    writes a PNG to `path`. Returns False (and draws nothing) without matplotlib."""
     try:
         import matplotlib  # pylint: disable=g-import-not-at-top
         matplotlib.use("Agg")
@@ -205,9 +209,9 @@ def draw(rows, path, title):
         axis.bar([x - 0.2 for x in positions], heights, width=0.4, bottom=bottom, color=color,
                  label=f"held by the busiest device (counted): {kind.replace('_', ' ')}")
         bottom = [b + h for b, h in zip(bottom, heights)]
-    for x, result, top in zip(positions, rows, bottom):  # the busiest's share of all state
-        total = sum(sum(kinds.values()) for kinds in result["held"].values())
-        axis.text(x - 0.2, top, f"{top * MIB / total:.2f}", ha="center", va="bottom", fontsize=7)
+    for x, result, top in zip(positions, rows, bottom):
+        axis.text(x - 0.2, top, f"{busiest_share(result):.2f}", ha="center", va="bottom",
+                  fontsize=7)
     on_gpu = any(r["gpu_peak_bytes"] for r in rows)
     axis.bar([x + 0.2 for x in positions], [(step_peak_bytes(r) or 0) / MIB for r in rows],
              width=0.4, color="0.55", hatch="//", edgecolor="black", linewidth=0.5,
