@@ -3,8 +3,9 @@
 
     python benchmarks/memory.py --output_dir=DIR
 
-Each configuration runs in its own process (peak memory only grows within one), on an
-MLP of --layers hidden Dense layers of --width units, Adam:
+Each configuration runs in its own process (peak memory only grows within one; it makes
+the logical devices it needs, 4, or 8 for the grid), on an MLP of --layers hidden Dense
+layers of --width units, Adam:
 - towers: variable_placement="main" on 1, 2 and 4 towers;
 - pipeline: 2 towers x 2 stages, micro_batches 1, 4 and 8, and the same with
   recompute="stages" (each stage's forward rerun in its backward);
