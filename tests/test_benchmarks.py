@@ -396,3 +396,42 @@ class MemoryBenchmarkTest(tf.test.TestCase):
         # Stage 1 (CPU:1) holds hidden_1 (8 x 8) and the logits layer (8 x 10), with biases.
         self.assertEqual(rerun["held"]["/device:CPU:1"]["variables"], 4 * (8 * 8 + 8 + 8 * 10 + 10))
         self.assertEqual(rerun["cpu_peak_bytes"], {})  # CPU's default allocator counts nothing
+
+    def test_grid_holds_each_part_where_it_lives(self):
+        # The whole command, as the README runs it: 2 towers x 2 stages x 2 parts need 8
+        # logical devices, more than this process has, so its child makes them.
+        output_dir = tempfile.mkdtemp(prefix="test_memory_benchmark_")
+        self.addCleanup(shutil.rmtree, output_dir, ignore_errors=True)
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"),
+             "--configs=grid_2x2x2", "--width=8", "--layers=4", "--global_batch_size=8",
+             "--steps=1", f"--output_dir={output_dir}"],
+            capture_output=True, text=True, timeout=300, check=False)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(os.path.join(output_dir, "results.json")) as f:
+            held = json.load(f)["results"][0]["held"]
+        # MLP 256 -> 4 x 8 -> 10, hidden_0/2 by columns and hidden_1/3 by rows, cut after
+        # hidden_1: tower 0's stage 0 on CPU:0-1, stage 1 (and the logits, on its part 0)
+        # on CPU:2-3; part 0 also holds each row layer's bias. Tower 1's devices hold none.
+        self.assertEqual({device: kinds["variables"] for device, kinds in held.items()}, {
+            "/device:CPU:0": 4 * (256 * 4 + 4 + 4 * 8 + 8),
+            "/device:CPU:1": 4 * (256 * 4 + 4 + 4 * 8),
+            "/device:CPU:2": 4 * (8 * 4 + 4 + 4 * 8 + 8 + 8 * 10 + 10),
+            "/device:CPU:3": 4 * (8 * 4 + 4 + 4 * 8)})
+        for kinds in held.values():
+            self.assertEqual(kinds["gradient_sums"], kinds["variables"])
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(output_dir, "memory.png")), has_matplotlib)
+
+    def test_spread_holds_each_variable_on_one_tower(self):
+        # MLP 256 -> 8 -> 8 -> 10 on 4 towers, variables by bytes: 256 x 8 kernel 8192,
+        # 8 x 10 kernel 320, 8 x 8 kernel 256, logits bias 40, two biases of 8: 32 each.
+        # Largest first to the tower holding fewest: 8192, 320, 256, then 40 + 32 + 32.
+        held = self._measure("spread_4")["held"]
+        variables = {"/device:CPU:0": 8192, "/device:CPU:1": 320, "/device:CPU:2": 256,
+                     "/device:CPU:3": 40 + 32 + 32}
+        self.assertEqual({device: kinds["variables"] for device, kinds in held.items()},
+                         variables)
+        for device, kinds in held.items():
+            self.assertEqual(kinds["gradient_sums"], variables[device])
+            self.assertBetween(kinds["slots"] - 2 * variables[device], 0, 64)  # Adam's m, v

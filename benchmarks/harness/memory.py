@@ -19,6 +19,12 @@ CONFIGS = {
                                   "recompute": "stages"},
     "split_t1": {"towers": 1, "parts": 1}, "split_t2": {"towers": 1, "parts": 2},
     "split_t4": {"towers": 1, "parts": 4},
+    # All three: tower i's stage k's part j on device (i * 2 + k) * 2 + j.
+    "grid_2x2x2": {"towers": 2, "stages": 2, "parts": 2, "micro_batches": 4},
+    # Each variable, its slots and its gradient sum on one tower, balanced by bytes.
+    "spread_1": {"towers": 1, "variable_placement": "spread"},
+    "spread_2": {"towers": 2, "variable_placement": "spread"},
+    "spread_4": {"towers": 4, "variable_placement": "spread"},
 }
 FEATURES, CLASSES, MIB = 256, 10, 2 ** 20
 
@@ -33,22 +39,24 @@ def measure(config):
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import numpy as np
     import towers
-    devices = towers.configure_devices(4)  # GPUs (one split in 4) where there are, else CPU
+    # GPUs (one split in as many as the configuration needs, at least 4) where there are,
+    # else CPU: logical devices, made before TensorFlow starts in the child.
+    devices = towers.configure_devices(max(4, devices_needed(config)))
     import keras
     import tensorflow as tf
 
     model = _model(config["width"], config["layers"])
-    grid, options = devices[:config["towers"]], {}
-    if config.get("stages"):
-        grid = [devices[2 * i:2 * i + 2] for i in range(config["towers"])]
-        options = {"pipeline_cuts": [f"hidden_{config['layers'] // 2 - 1}"],
-                   "micro_batches": config["micro_batches"],
-                   "recompute": config.get("recompute", False)}
-    elif config.get("parts", 1) > 1:
+    grid = _grid(config, devices)
+    stages, parts = config.get("stages", 1), config.get("parts", 1)
+    options = {"variable_placement": config.get("variable_placement", "main")}
+    if stages > 1:
+        options.update(pipeline_cuts=[f"hidden_{config['layers'] // 2 - 1}"],
+                       micro_batches=config["micro_batches"],
+                       recompute=config.get("recompute", False))
+    if parts > 1:
         plan = {f"hidden_{i}": "column" if i % 2 == 0 else "row"
                 for i in range(config["layers"])}
-        model = towers.split_layers(model, plan, devices[:config["parts"]])
-        grid = [devices[:config["parts"]]]
+        model = towers.split_layers(model, plan, grid[0][0] if stages > 1 else grid[0])
     trainer = towers.TowerTrainer(model, keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), keras.optimizers.Adam(1e-4), devices=grid, **options)
     rng = np.random.default_rng(0)
@@ -71,6 +79,26 @@ def measure(config):
             "gpu_peak_bytes": peaks if gpus else {}, "cpu_peak_bytes": {} if gpus else peaks,
             "step_mb": timing["step_mb"], "peak_mb": timing["peak_mb"],
             "median_ms": timing["median_ms"]}
+
+
+def devices_needed(config):
+    """Logical devices a configuration places work on: towers x stages x parts."""
+    return config["towers"] * config.get("stages", 1) * config.get("parts", 1)
+
+
+def _grid(config, devices):
+    """TowerTrainer's `devices`: tower i's stage k's part j is device (i * K + k) * P + j
+    (K stages, P parts); a stage of one part is its device, a tower of one stage its
+    stage: [d0, d1] are 2 towers, [[d0, d1]] one tower split in 2 parts, [[d0, d1],
+    [d2, d3]] 2 towers of 2 stages, [[[d0, d1], [d2, d3]], ...] 2 stages of 2 parts."""
+    stages, parts = config.get("stages", 1), config.get("parts", 1)
+
+    def stage(tower, k):
+        first = (tower * stages + k) * parts
+        return devices[first:first + parts] if parts > 1 else devices[first]
+
+    return [[stage(i, k) for k in range(stages)] if stages > 1 else stage(i, 0)
+            for i in range(config["towers"])]
 
 
 def _allocator_counts(device):
@@ -117,15 +145,35 @@ def _held_bytes(trainer):
     return held
 
 
+KINDS = ("variables", "slots", "gradient_sums")
+
+
+def busiest(result):
+    """(device, {kind: bytes}) of the device holding the most state."""
+    return max(result["held"].items(), key=lambda item: sum(item[1].values()))
+
+
+def busiest_share(result):
+    """The busiest device's share of all devices' state (1.0: one device holds it all)."""
+    total = sum(sum(kinds.values()) for kinds in result["held"].values())
+    return sum(busiest(result)[1].values()) / total
+
+
+def step_peak_bytes(result):
+    """The step's measured allocator peak: the busiest GPU's, or on CPU all logical
+    devices' together (they share one allocator); None where nothing counted it."""
+    allocator = result["gpu_peak_bytes"] or result.get("cpu_peak_bytes") or {}
+    return max(allocator.values()) if allocator else None
+
+
 def row(result):
     """One configuration's line: the device holding most, its bytes by kind (MiB)."""
-    device, held = max(result["held"].items(), key=lambda item: sum(item[1].values()))
-    total = sum(sum(kinds.values()) for kinds in result["held"].values())
-    allocator = result["gpu_peak_bytes"] or result.get("cpu_peak_bytes") or {}
-    peak = f"{max(allocator.values()) / MIB:.1f}" if allocator else "-"
+    device, held = busiest(result)
+    peak = step_peak_bytes(result)
+    peak = "-" if peak is None else f"{peak / MIB:.1f}"
     return (f"| {result['config']} | {len(result['held'])} | {device.split('/device:')[-1]} | "
             f"{held['variables'] / MIB:.1f} | {held['slots'] / MIB:.1f} | "
-            f"{held['gradient_sums'] / MIB:.1f} | {sum(held.values()) / total:.2f} | {peak} | "
+            f"{held['gradient_sums'] / MIB:.1f} | {busiest_share(result):.2f} | {peak} | "
             f"{result['step_mb']:.0f} | {result['median_ms']:.0f} |")
 
 
@@ -140,3 +188,42 @@ def table(rows, width, layers, global_batch_size):
         "| configuration | devices holding state | busiest | variables | slots | "
         "gradient sums | share of all state | step peak | process | ms/step |",
         "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"] + [row(r) for r in rows]) + "\n"
+
+
+def draw(rows, path, title):
+    """Per configuration, the busiest device's held bytes stacked by kind (topped by its
+    share of all devices' state) and, beside them, the step's measured peak (MiB);
+    writes a PNG to `path`. Returns False (and draws nothing) without matplotlib."""
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use("Agg")
+        from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        return False
+    palette = matplotlib.colormaps["tab10"].colors
+    positions = range(len(rows))
+    figure, axis = pyplot.subplots(figsize=(max(8, 0.75 * len(rows) + 2), 5.5))
+    bottom = [0.0] * len(rows)
+    for color, kind in zip(palette, KINDS):
+        heights = [busiest(r)[1][kind] / MIB for r in rows]
+        axis.bar([x - 0.2 for x in positions], heights, width=0.4, bottom=bottom, color=color,
+                 label=f"held by the busiest device (counted): {kind.replace('_', ' ')}")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, result, top in zip(positions, rows, bottom):
+        axis.text(x - 0.2, top, f"{busiest_share(result):.2f}", ha="center", va="bottom",
+                  fontsize=7)
+    on_gpu = any(r["gpu_peak_bytes"] for r in rows)
+    axis.bar([x + 0.2 for x in positions], [(step_peak_bytes(r) or 0) / MIB for r in rows],
+             width=0.4, color="0.55", hatch="//", edgecolor="black", linewidth=0.5,
+             label="step peak, measured (" + ("the busiest GPU's allocator)" if on_gpu else
+                                             "CPU allocator: all logical devices together)"))
+    axis.set_xticks(list(positions), [r["config"] for r in rows], rotation=40, ha="right",
+                    fontsize=8)
+    axis.set(ylabel="MiB", title=title)
+    axis.title.set_fontsize(9)
+    axis.grid(axis="y", alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+    return True
