@@ -7,6 +7,7 @@ untied, Gemma's tied)."""
 
 import keras
 import pytest
+from absl.testing import parameterized
 import tensorflow as tf
 
 import towers
@@ -46,7 +47,7 @@ def _device_of(variable):
     return towers.devices.canonical_name(variable.value.device)
 
 
-class HubLayoutMapTest(tf.test.TestCase):
+class HubLayoutMapTest(tf.test.TestCase, parameterized.TestCase):
 
     def _trains_as_one_device(self, build):
         batches = hub._lm_batches()  # padded tails, the padding mask as sample weights
@@ -72,20 +73,24 @@ class HubLayoutMapTest(tf.test.TestCase):
         for expected, value in zip(want, got):
             self.assertAllClose(expected, value, atol=TOLERANCE, rtol=0)
 
-    def test_llama_layout_map_trains_as_one_device(self):
-        lm = _llama()
+    @parameterized.named_parameters(
+        ("llama", _llama, "transformer_layer_0",
+         {"self_attention/query": "row", "self_attention/key": "row",
+          "self_attention/value": "row", "self_attention/attention_output": "row:u",
+          "feedforward_intermediate_dense": "column", "feedforward_gate_dense": "column",
+          "feedforward_output_dense": "row"}),
+        ("gemma", _gemma, "decoder_block_0",
+         {"attention/query": "column:n", "attention/key": "column:k",
+          "attention/value": "column:k", "attention/attention_output": "row:n",
+          "ffw_gating": "column", "ffw_gating_2": "column", "ffw_linear": "row"}))
+    def test_layout_map_trains_as_one_device(self, build, block, kinds):
+        lm = build()
         plan = layouts.plan_of(lm, _layout_map(lm), 2)
         self.assertEqual([how for path, how in plan.items()
                           if path.endswith("/token_embedding")], ["vocab"])
-        block = "transformer_layer_0/self_attention"
-        self.assertEqual({k.split("/", 1)[1]: v for k, v in plan.items()
-                          if "/transformer_layer_0/" in k},
-                         {f"{block}/query": "row", f"{block}/key": "row",
-                          f"{block}/value": "row", f"{block}/attention_output": "row:u",
-                          "transformer_layer_0/feedforward_intermediate_dense": "column",
-                          "transformer_layer_0/feedforward_gate_dense": "column",
-                          "transformer_layer_0/feedforward_output_dense": "row"})
-        self._trains_as_one_device(_llama)
+        self.assertEqual({path.split(f"/{block}/", 1)[1]: how for path, how in plan.items()
+                          if f"/{block}/" in path}, kinds)
+        self._trains_as_one_device(build)
 
     def test_an_untied_reverse_table_is_split_by_its_vocabulary_columns(self):
         lm = _llama()
@@ -100,22 +105,6 @@ class HubLayoutMapTest(tf.test.TestCase):
                                     r".*split by its vocabulary only") as caught:
             layouts.plan_of(lm, layout_map, 2)
         self.assertNotIn("\n", str(caught.exception))
-
-    def test_gemma_layout_map_trains_as_one_device(self):
-        lm = _gemma()
-        plan = layouts.plan_of(lm, _layout_map(lm), 2)
-        self.assertEqual([how for path, how in plan.items()
-                          if path.endswith("/token_embedding")], ["vocab"])
-        block = "decoder_block_0/attention"
-        self.assertEqual({k.split("/", 1)[1]: v for k, v in plan.items()
-                          if "/decoder_block_0/" in k},
-                         {f"{block}/query": "column:n", f"{block}/key": "column:k",
-                          f"{block}/value": "column:k", f"{block}/attention_output": "row:n",
-                          "decoder_block_0/ffw_gating": "column",
-                          "decoder_block_0/ffw_gating_2": "column",
-                          "decoder_block_0/ffw_linear": "row"})
-        self._trains_as_one_device(_gemma)
-
 
 if __name__ == "__main__":
     tf.test.main()
