@@ -124,10 +124,12 @@ class Flight:
         # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
         # where not differentiable), what it returned and their Keras masks, what
         # its backward starts from ([part] + the counted terms; None: nothing),
-        # its part of the batch's loss (unscaled), per group its weight gradients
-        # and the gradients of what it returned (sent back by the next stage).
+        # its part of the batch's loss (unscaled), and the gradients of what it
+        # returned (sent back by the next stage); per stage, per group, the running
+        # sum of its micro-batches' weight gradients (_add_gradients).
         self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
-        self.targets, self.parts, self.grads, self.cotangents = (_table(shape) for _ in range(4))
+        self.targets, self.parts, self.cotangents = (_table(shape) for _ in range(3))
+        self.grad_sums = [[] for _ in range(stages.num_stages)]  # per stage, per group
         self.y_pred, self.micro_terms = [None] * len(self.micro), [None] * len(self.micro)
         self._terms = None  # their sums over the micro-batches, once every forward ran
         self._previous = [[] for _ in row]  # per stage: what its last action produced
@@ -261,7 +263,7 @@ class Flight:
             self._rerun(k, m)
         watched = self.inputs[k][m]
         sources = self.weights[k] + [t for t in watched if t is not None]
-        sent, self.grads[k][m] = [], []  # sent: input gradients, for the stage before
+        sent, added = [], []  # sent: input gradients, for the stage before
         if k > 0:
             self.cotangents[k - 1][m] = []
         for g in range(self.num_groups):
@@ -274,7 +276,7 @@ class Flight:
             gradients = (self.tapes[k][m].gradient(targets, sources,
                                                    output_gradients=output_gradients)
                          if targets else [None] * len(sources))
-            self.grads[k][m].append(gradients[:len(self.weights[k])])
+            added += self._add_gradients(k, g, gradients[:len(self.weights[k])])
             if k > 0:
                 input_grads = iter(gradients[len(self.weights[k]):])
                 cotangents = [None if t is None else _dense_or_none(next(input_grads))
@@ -282,8 +284,7 @@ class Flight:
                 self.cotangents[k - 1][m].append(cotangents)
                 sent += [c for c in cotangents if c is not None]
         self.tapes[k][m] = None  # the activations of (k, m) may now be freed
-        return [aggregate.dense_part(g) for group in self.grads[k][m] for g in group
-                if g is not None] + sent
+        return added + sent
 
     def _starts(self, k, m, group):
         """(targets, their output gradients) group `group`'s backward at (k, m) starts
@@ -300,12 +301,21 @@ class Flight:
                                        else tf.cast(s, t.dtype) * tf.ones_like(t)
                                        for t, s in given]
 
+    def _add_gradients(self, k, group, grads):
+        """Adds one micro-batch's weight gradients of `group` into stage k's running sums,
+        so that one sum is held per stage and group, not every micro-batch's gradients
+        until the last backward (M x the stage's weights). Returns the sums' dense
+        parts, what the stage's next action waits for."""
+        sums = self.grad_sums[k]
+        if group == len(sums):
+            sums.append(grads)
+        else:
+            sums[group] = aggregate.sum_gradients([sums[group], grads])
+        return [aggregate.dense_part(g) for g in sums[group] if g is not None]
+
     def _stage_gradients(self, k):
         """Stage k's gradients per group: its micro-batches' sums."""
-        per_micro_batch = self.grads[k]
-        if len(self.micro) == 1:
-            return per_micro_batch[0]
-        return [aggregate.sum_gradients(list(group)) for group in zip(*per_micro_batch)]
+        return self.grad_sums[k]
 
     def _loss_and_outputs(self):
         """The shard's part of the batch's loss (every stage's, every micro-batch's; with
