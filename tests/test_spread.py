@@ -98,6 +98,37 @@ class SpreadTest(tf.test.TestCase):
             self.assertAllClose(got, want, atol=1e-6, rtol=0)
         self.assertLen({_device(v) for v in trainers[1].model.non_trainable_variables}, 2)
 
+    def test_each_pipeline_stage_spread_over_its_towers(self):
+        # 2 towers x 2 stages, 2 micro-batches: stage k's variables, slots and gradient
+        # sums on the towers' devices for stage k (grid[t][k]), by bytes within the stage.
+        grid = [DEVICES[:2], DEVICES[2:]]
+        expected = _model()
+        expected.compile(keras.optimizers.Adam(0.01), _loss())
+        trainer = towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(0.01),
+                                      devices=grid, pipeline_cuts=["conv"], micro_batches=2,
+                                      variable_placement="spread")
+        for batch in _batches():
+            expected.train_on_batch(*batch)
+            trainer.train_step(batch)
+        for got, want in zip(trainer.model.get_weights(), expected.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+        slots = {v.path.split("/", 1)[1]: v for v in trainer.optimizer.variables}
+        stage_of = {"table": 0, "conv": 0, "hidden": 1, "logits": 1}
+        placed = {}
+        for variable in trainer.model.trainable_variables:
+            device = _device(variable)
+            self.assertIn(device, [row[stage_of[variable.path.split("/")[0]]] for row in grid])
+            self.assertEqual(_device(slots[variable.path.replace("/", "_") + "_momentum"]),
+                             device)
+            placed[variable.path] = device
+        # Largest first within each stage: the table (30 x 8) and the conv kernel
+        # (3 x 8 x 12) on stage 0's two towers; the hidden kernel (12 x 16) and the
+        # logits kernel (16 x 4) on stage 1's.
+        self.assertEqual(placed["conv/kernel"], DEVICES[0])
+        self.assertEqual(placed["table/embeddings"], DEVICES[2])
+        self.assertEqual(placed["hidden/kernel"], DEVICES[1])
+        self.assertEqual(placed["logits/kernel"], DEVICES[3])
+
     def test_checkpoint_restores_into_main_placement(self):
         directory = self.get_temp_dir()
         batches = _batches()
@@ -126,10 +157,6 @@ class SpreadTest(tf.test.TestCase):
         model = _model()
         built.build(model.trainable_variables)
         for make, message in (
-                (lambda: towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(),
-                                             devices=[DEVICES[:2]], pipeline_cuts=["conv"],
-                                             variable_placement="spread"),
-                 r"variable_placement='spread' cannot be combined with pipeline_cuts"),
                 (lambda: towers.TowerTrainer(parted, _loss(), keras.optimizers.Adam(),
                                              devices=DEVICES[:2],
                                              variable_placement="spread"),

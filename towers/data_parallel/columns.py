@@ -4,8 +4,9 @@ device, where the towers read them (step 2) and their gradients meet (steps 5-6)
 A column is a pipeline stage's variables that are in no split layer's part (one
 stage without pipeline cuts), or a stage's part j of its split layers: stages,
 parts, or both (the grid of towers x stages x parts) are one kind of column. With
-variable_placement="spread" a column is what one tower holds (its owner's share,
-spread_owners): steps 2, 5 and 6 go over owners the same way.
+variable_placement="spread" a stage's not-split variables are one column per tower,
+what that tower holds of them (spread_owners): steps 2, 5 and 6 go over those shares
+the same way.
 """
 
 import math
@@ -16,8 +17,9 @@ from towers.model_parallel import stages as stages_lib
 
 
 class Columns(stages_lib.VariableGroups):
-    """The columns of a model cut into `stages`, each stage's not-split variables then
-    its parts', stage after stage.
+    """The columns of a model cut into `stages`, stage after stage: each stage's
+    not-split variables (one column, or with spread placement one per tower: its
+    share), then its parts'.
 
     Attributes:
       stages: the stages.Stages the columns refine.
@@ -31,20 +33,20 @@ class Columns(stages_lib.VariableGroups):
         """grid[i][k]: tower i's device for stage k; stage_devices[k]: where stage k's
         not-split variables live; parts: None, or an op_parallel.grid.PartRows (its
         rows[i][k][j]: tower i's device for stage k's part j); owners: None, or
-        (spread placement, one stage, no parts) {id(variable): the tower holding it}."""
+        (spread placement) {id(variable): the tower holding it, on its device for the
+        variable's stage} for the variables in no part (spread_owners, per stage)."""
         self.stages = stages
         self._part_of = {} if parts is None else parts.part_of
-        self._width = 1 + (0 if parts is None else len(parts.rows[0][0]))  # columns per stage
         self._owner = owners
+        self._shares = 1 if owners is None else len(grid)  # a stage's not-split columns
+        self._width = self._shares + (0 if parts is None else len(parts.rows[0][0]))
         self.devices, self.rows = [], [[] for _ in grid]
-        if owners is not None:  # column t: what tower t holds, read by each on its own device
-            self.devices = [row[0] for row in grid]
-            self.rows = [[row[0]] * len(grid) for row in grid]
-        else:
-            for k, device in enumerate(stage_devices):
-                self.devices += [device] + ([] if parts is None else parts.rows[0][k])
-                for i, row in enumerate(grid):
-                    self.rows[i] += [row[k]] + ([] if parts is None else parts.rows[i][k])
+        for k, device in enumerate(stage_devices):
+            homes = [device] if owners is None else [row[k] for row in grid]
+            self.devices += homes + ([] if parts is None else parts.rows[0][k])
+            for i, row in enumerate(grid):
+                self.rows[i] += [row[k]] * len(homes) + (
+                    [] if parts is None else parts.rows[i][k])
         super().__init__(stages.model)
 
     def reindex(self):
@@ -61,13 +63,14 @@ class Columns(stages_lib.VariableGroups):
         return index
 
     def _column_of(self, stage, variable):
-        if self._owner is not None:
-            return self._owner[id(variable)]
-        return stage * self._width + 1 + self._part_of.get(id(variable), -1)
+        part = self._part_of.get(id(variable))
+        if part is not None:
+            return stage * self._width + self._shares + part
+        return stage * self._width + (0 if self._owner is None else self._owner[id(variable)])
 
     def variables(self, column):
         """Every variable (trainable and not) of `column`, whatever is trainable now."""
-        stage = 0 if self._owner is not None else column // self._width
+        stage = column // self._width
         return [v for v in self.stages.variables(stage) if self._column_of(stage, v) == column]
 
 

@@ -176,8 +176,10 @@ class StepSetup:
         """Sets the model's stages (a stages.Stages), and its columns with them."""
         self.stages = stages
         owners = None
-        if self.options.variable_placement == "spread":
-            owners = columns_lib.spread_owners(stages.model.variables, len(self.grid))
+        if self.options.variable_placement == "spread":  # each stage over its towers
+            owners = {}
+            for k in range(stages.num_stages):
+                owners.update(columns_lib.spread_owners(stages.variables(k), len(self.grid)))
         self.columns = columns_lib.Columns(stages, self.grid, self.stage_devices, self.parts,
                                            owners)
 

@@ -175,9 +175,6 @@ def check_pipeline(pipeline_cuts, main_device, variable_placement):
         "variable_placement='replicated'": (
             variable_placement == "replicated",
             "each stage's towers read its variables from devices[0][k]; use 'main'"),
-        "variable_placement='spread'": (
-            variable_placement == "spread",
-            "spreading each stage's variables over its towers is not built yet; use 'main'"),
     }
     for name, (given, why) in refused.items():
         if given:
