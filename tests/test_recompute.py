@@ -187,13 +187,41 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(before, model.weights):
             self.assertAllEqual(want, got.numpy())
 
-    def test_split_layers_refused(self):
-        model = towers.split_layers(reference.make_up_down_model(), {"up": "column"}, CPU[:2])
-        with self.assertRaisesRegex(ValueError, "recompute='stages' cannot be combined with "
-                                                "split layers"):
-            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
-                                devices=[CPU[:2]], recompute="stages")
+    def test_stages_with_split_layers_as_without(self):
+        # 2 towers x 2 parts, Dropout between the column and the row split, M = 1 and 2:
+        # each part's custom-gradient op reruns with its stage, the same mask drawn.
+        def build():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,))
+            x = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+            x = keras.layers.Dropout(0.3, seed=3, name="drop")(x)
+            x = keras.layers.Dense(8, activation="tanh", name="down")(x)
+            return keras.Model(inputs, keras.layers.Dense(3, name="out")(x))
 
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n))
+                   for n in (9, 7)]
+        for micro_batches in (1, 2):
+            runs = []
+            for recompute in (False, "stages"):
+                parted = towers.split_layers(build(), {"up": "column", "down": "row"}, CPU[:2])
+                trainer = towers.TowerTrainer(
+                    parted, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    keras.optimizers.Adam(0.01), devices=[CPU[:2], CPU[2:]],
+                    micro_batches=micro_batches, recompute=recompute)
+                losses = [trainer.train_step(batch)["loss"] for batch in batches]
+                runs.append((losses, towers.join_layers(parted).get_weights()))
+            (losses, weights), (recomputed_losses, recomputed) = runs
+            self.assertAllClose(recomputed_losses, losses, atol=1e-6, rtol=0)
+            for got, want in zip(recomputed, weights):
+                self.assertAllClose(got, want, atol=1e-6, rtol=0)
+
+    def test_named_layers_of_a_split_model_refused(self):
+        model = towers.split_layers(reference.make_up_down_model(), {"up": "column"}, CPU[:2])
+        with self.assertRaisesRegex(ValueError, r"recompute=\['down'\] cannot name layers of "
+                                                "a model with split layers yet"):
+            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
+                                devices=[CPU[:2]], recompute=["down"])
 
 if __name__ == "__main__":
     tf.test.main()

@@ -36,8 +36,9 @@ step is traced, before anything is applied. (The named layer's own activity regu
 applies to the op's outputs.) So is a layer whose call reads a variable that it does not
 hold (another layer's), when the step is traced: that variable's gradient would be lost. jit_compile=True is
 refused (XLA compiles a tower's forward and backward as one computation, which
-merges a rerun with the first forward; XLA rematerialises on its own), and so are
-split layers (their parts are custom-gradient ops already; not built yet).
+merges a rerun with the first forward; XLA rematerialises on its own). With split
+layers "stages" reruns each part's custom-gradient op with its stage; naming layers of
+a split model is refused (not built yet).
 """
 
 import contextlib
@@ -67,12 +68,12 @@ def recomputed_layers(model, recompute, jit_compile):
         raise ValueError(f"recompute={recompute!r} needs jit_compile=False: XLA compiles a "
                          "tower's forward and backward as one computation and would merge the "
                          "rerun with the first forward (it rematerialises on its own).")
-    if op_grid.is_split(model):
-        raise ValueError(f"recompute={recompute!r} cannot be combined with split layers yet "
-                         "(their parts are custom-gradient ops of their own); pass "
-                         "recompute=False.")
     if recompute == STAGES:
         return []
+    if op_grid.is_split(model):
+        raise ValueError(f"recompute={list(recompute)!r} cannot name layers of a model with "
+                         "split layers yet (their parts are custom-gradient ops of their "
+                         "own); pass recompute='stages' or False.")
     try:
         targets = paths.resolve(model, dict.fromkeys(recompute, STAGES))
     except ValueError as error:
