@@ -7,7 +7,8 @@ Trains a transformer with split attention and feed-forward layers on a grid of
 2 towers x 2 pipeline stages x 2 parts (1F1B, 4 micro-batches; and GPipe with 2
 through fit and evaluate), and against it Keras's compile + train_on_batch on one
 device; writes, as JSON, the largest weight differences, where every variable and
-its optimizer slot lives, and the evaluation's loss against Keras's. Its checkpoint
+its optimizer slot lives, and the evaluation's loss against Keras's; and the same with
+variable_placement="spread". Its checkpoint
 is restored into the unsplit model on 2 plain towers, which trains one more step.
 """
 
@@ -103,6 +104,18 @@ def main(output):
     towers.Checkpointer(directory, unsplit, plain.optimizer).restore()
     plain.train_step(data[2])
     results["restored_unsplit"] = largest_difference(unsplit.get_weights(), wanted[2])
+
+    # Spread placement on the grid: each (stage, part) group over its towers' devices.
+    spread = towers.TowerTrainer(towers.split_layers(build(), PLAN, GRID[0][0]), loss(),
+                                 optimizer(), devices=GRID, pipeline_cuts=CUTS,
+                                 micro_batches=4, pipeline_schedule="1f1b",
+                                 variable_placement="spread")
+    for batch in data[:2]:
+        spread.train_step(batch)
+    results["spread"] = largest_difference(towers.join_layers(spread.model).get_weights(),
+                                           wanted[1])
+    results["spread_placement"] = {v.path: device_of(v)
+                                   for v in spread.model.trainable_variables}
 
     # fit and evaluate on the grid, GPipe with 2 micro-batches.
     fitted = towers.TowerTrainer(towers.split_layers(build(), PLAN, GRID[0][0]), loss(),

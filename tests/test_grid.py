@@ -46,6 +46,14 @@ class GridTest(tf.test.TestCase):
         for path, (variable_device, slot_device) in placement.items():
             self.assertEqual((variable_device, slot_device), (_expected_device(path),) * 2,
                              path)
+        # Spread placement: each variable on one tower's device for its stage and part.
+        self.assertLess(results["spread"], TOLERANCE)
+        spread = results["spread_placement"]
+        self.assertLen(spread, len(placement))
+        for path, device in spread.items():
+            home = int(_expected_device(path).rsplit(":", 1)[1])
+            self.assertIn(device, [f"/device:CPU:{home}", f"/device:CPU:{home + 4}"], path)
+        self.assertLen(set(spread.values()), 8)
         # Each split layer runs, outside a tower, where its stage's parts live.
         self.assertEqual(results["forms"], {
             f"block_{k}/{name}": grid_job.GRID[0][k]

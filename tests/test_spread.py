@@ -129,6 +129,29 @@ class SpreadTest(tf.test.TestCase):
         self.assertEqual(placed["hidden/kernel"], DEVICES[1])
         self.assertEqual(placed["logits/kernel"], DEVICES[3])
 
+    def test_each_part_of_split_layers_spread_over_its_towers(self):
+        # 2 towers x 2 parts: part j's variables on the towers' devices for part j
+        # (grid[t][j]), the others on the towers' part 0 devices, by bytes in each group.
+        grid = [DEVICES[:2], DEVICES[2:]]
+        expected = _model()
+        expected.compile(keras.optimizers.Adam(0.01), _loss())
+        parted = towers.split_layers(_model(), {"hidden": "column", "logits": "row"}, grid[0])
+        trainer = towers.TowerTrainer(parted, _loss(), keras.optimizers.Adam(0.01),
+                                      devices=grid, variable_placement="spread")
+        for batch in _batches():
+            expected.train_on_batch(*batch)
+            trainer.train_step(batch)
+        for got, want in zip(towers.join_layers(parted).get_weights(), expected.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+        placed = {v.path: _device(v) for v in parted.trainable_variables}
+        self.assertEqual({path: device for path, device in placed.items() if "part_" in path},
+                         {"hidden/part_0/kernel": DEVICES[0], "hidden/part_0/bias": DEVICES[2],
+                          "hidden/part_1/kernel": DEVICES[1], "hidden/part_1/bias": DEVICES[3],
+                          "logits/part_0/kernel": DEVICES[2], "logits/part_0/bias": DEVICES[2],
+                          "logits/part_1/kernel": DEVICES[3]})
+        self.assertEqual({placed["table/embeddings"], placed["conv/kernel"]},
+                         {DEVICES[0], DEVICES[2]})
+
     def test_checkpoint_restores_into_main_placement(self):
         directory = self.get_temp_dir()
         batches = _batches()
@@ -152,15 +175,10 @@ class SpreadTest(tf.test.TestCase):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
 
     def test_what_it_cannot_do_yet_is_refused_in_one_line(self):
-        parted = towers.split_layers(_model(), {"hidden": "column"}, DEVICES[:2])
         built = keras.optimizers.Adam(0.01)
         model = _model()
         built.build(model.trainable_variables)
         for make, message in (
-                (lambda: towers.TowerTrainer(parted, _loss(), keras.optimizers.Adam(),
-                                             devices=DEVICES[:2],
-                                             variable_placement="spread"),
-                 r"variable_placement='spread' cannot be combined with split layers yet"),
                 (lambda: towers.TowerTrainer(model, _loss(), built, devices=DEVICES[:2],
                                              variable_placement="spread"),
                  r"the optimizer was built before the variables were placed"),

@@ -4,9 +4,8 @@ device, where the towers read them (step 2) and their gradients meet (steps 5-6)
 A column is a pipeline stage's variables that are in no split layer's part (one
 stage without pipeline cuts), or a stage's part j of its split layers: stages,
 parts, or both (the grid of towers x stages x parts) are one kind of column. With
-variable_placement="spread" a stage's not-split variables are one column per tower,
-what that tower holds of them (spread_owners): steps 2, 5 and 6 go over those shares
-the same way.
+variable_placement="spread" each such group is one column per tower, what that tower
+holds of it (spread_owners): steps 2, 5 and 6 go over those shares the same way.
 """
 
 import math
@@ -17,9 +16,10 @@ from towers.model_parallel import stages as stages_lib
 
 
 class Columns(stages_lib.VariableGroups):
-    """The columns of a model cut into `stages`, stage after stage: each stage's
-    not-split variables (one column, or with spread placement one per tower: its
-    share), then its parts'.
+    """The columns of a model cut into `stages`, stage after stage: each stage's groups,
+    its not-split variables and then each of its parts' (part j of its split layers),
+    each group one column, or with spread placement one per tower (that tower's share
+    of the group).
 
     Attributes:
       stages: the stages.Stages the columns refine.
@@ -34,19 +34,23 @@ class Columns(stages_lib.VariableGroups):
         not-split variables live; parts: None, or an op_parallel.grid.PartRows (its
         rows[i][k][j]: tower i's device for stage k's part j); owners: None, or
         (spread placement) {id(variable): the tower holding it, on its device for the
-        variable's stage} for the variables in no part (spread_owners, per stage)."""
+        variable's group} (spread_owners, per stage and group)."""
         self.stages = stages
         self._part_of = {} if parts is None else parts.part_of
         self._owner = owners
-        self._shares = 1 if owners is None else len(grid)  # a stage's not-split columns
-        self._width = self._shares + (0 if parts is None else len(parts.rows[0][0]))
+        self._shares = 1 if owners is None else len(grid)  # columns per group
+        self._groups = 1 + (0 if parts is None else len(parts.rows[0][0]))  # per stage
         self.devices, self.rows = [], [[] for _ in grid]
         for k, device in enumerate(stage_devices):
-            homes = [device] if owners is None else [row[k] for row in grid]
-            self.devices += homes + ([] if parts is None else parts.rows[0][k])
-            for i, row in enumerate(grid):
-                self.rows[i] += [row[k]] * len(homes) + (
-                    [] if parts is None else parts.rows[i][k])
+            # Per group, each tower's device for it: the stage's, then each part's.
+            towers_devices = [[row[k] for row in grid]] + (
+                [] if parts is None else [[tower[k][j] for tower in parts.rows]
+                                          for j in range(self._groups - 1)])
+            for g, devices in enumerate(towers_devices):
+                home = device if g == 0 else devices[0]
+                self.devices += [home] if owners is None else devices
+                for i in range(len(grid)):
+                    self.rows[i] += [devices[i]] * self._shares
         super().__init__(stages.model)
 
     def reindex(self):
@@ -62,15 +66,17 @@ class Columns(stages_lib.VariableGroups):
                 index[self._column_of(k, variables[i])].append(i)
         return index
 
+    def group_of(self, variable):
+        """0 for a variable in no split layer's part, 1 + j for one of part j."""
+        return 1 + self._part_of.get(id(variable), -1)
+
     def _column_of(self, stage, variable):
-        part = self._part_of.get(id(variable))
-        if part is not None:
-            return stage * self._width + self._shares + part
-        return stage * self._width + (0 if self._owner is None else self._owner[id(variable)])
+        share = 0 if self._owner is None else self._owner[id(variable)]
+        return (stage * self._groups + self.group_of(variable)) * self._shares + share
 
     def variables(self, column):
         """Every variable (trainable and not) of `column`, whatever is trainable now."""
-        stage = column // self._width
+        stage = column // (self._groups * self._shares)
         return [v for v in self.stages.variables(stage) if self._column_of(stage, v) == column]
 
 

@@ -110,10 +110,6 @@ def check_split_model(model, optimizer, variable_placement, jit_compile):
         raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
                          "tower for one device, and a split layer's parts run on several; "
                          "pass jit_compile=False.")
-    if variable_placement == "spread":
-        raise ValueError(
-            "variable_placement='spread' cannot be combined with split layers yet: each "
-            "part's variables live on devices[0][j]; use 'main'.")
     if variable_placement == "replicated":
         raise ValueError(
             "variable_placement='replicated' cannot be combined with split layers: each "
