@@ -15,7 +15,7 @@ several micro-batches, or a tower compiled whole by XLA), each counted term
 gets a backward of its own, its gradients scaled afterwards
 (TowerOutput.term_grads, denominators.fold).
 
-Within `recomputing_stages()` (TowerTrainer's recompute="stages", GPipe's
+With recompute_stages (TowerTrainer's recompute="stages", GPipe's
 rematerialisation) a forward records nothing: only each stage's inputs and the
 state it read are kept, and its backward runs the forward again under a tape,
 after the next stage's cotangents have arrived (training/recompute.py).
@@ -50,8 +50,7 @@ term_grads: [] where the counted terms are in grads and loss; else, per term
     adds to grads (and the term to loss).
 """
 
-# .several_backwards: of the forward being traced; .recompute_stages: of the flights built
-_tracing = threading.local()
+_tracing = threading.local()  # .several_backwards: of the forward being traced
 
 
 def several_backwards():
@@ -71,17 +70,6 @@ def _backwards(several):
         _tracing.several_backwards = outer
 
 
-@contextlib.contextmanager
-def recomputing_stages():
-    """Within it, a Flight built recomputes each stage's forward in its backward."""
-    outer = getattr(_tracing, "recompute_stages", False)
-    _tracing.recompute_stages = True
-    try:
-        yield
-    finally:
-        _tracing.recompute_stages = outer
-
-
 class Flight:
     """One tower's step: `start()` runs the schedule up to where the batch's counts are
     needed, `terms` are then known, `finish(scales)` runs the rest.
@@ -95,7 +83,8 @@ class Flight:
     """
 
     def __init__(self, stages, shard, rows, batch_rows, weights, state, row, micro_batches,
-                 schedule_name, objective, loss_scale, forwards, may_be_empty, count_first):
+                 schedule_name, objective, loss_scale, forwards, may_be_empty, count_first,
+                 recompute_stages=False):
         self.stages, self.objective, self.row = stages, objective, row
         self.loss_scale, self.forwards, self.may_be_empty = loss_scale, forwards, may_be_empty
         self.micro, self.sizes = [shard], [rows]
@@ -133,7 +122,7 @@ class Flight:
         self.y_pred, self.micro_terms = [None] * len(self.micro), [None] * len(self.micro)
         self._terms = None  # their sums over the micro-batches, once every forward ran
         self._previous = [[] for _ in row]  # per stage: what its last action produced
-        self.recompute = getattr(_tracing, "recompute_stages", False)
+        self.recompute = recompute_stages
         self.kept = _table(shape)  # with recompute: per (stage, micro-batch) (inputs, state)
 
     def start(self):
@@ -189,12 +178,13 @@ class Flight:
     def _forward(self, k, m):
         """Stage k's forward on micro-batch m (step 3), recorded for its backward; with
         recompute, not recorded: its inputs and the state it read are kept instead."""
+        last = k == self.stages.num_stages - 1
         inputs = self.micro[m][0] if k == 0 else cross_cut(  # the copy to this stage's device
             (self.outputs[k - 1][m], self.masks[k - 1][m]))
         if self.recompute:
             self.kept[k][m] = (inputs, list(self.state[k]))
         run = self._record(k, m, inputs, self.state[k], taped=not self.recompute)
-        if k == self.stages.num_stages - 1:
+        if last:
             self.y_pred[m], self.micro_terms[m] = run.outputs, run.terms
             self.num_groups = 1 if self.count_first else len(run.targets)
         else:
@@ -206,7 +196,6 @@ class Flight:
                 self.state[k][i] = self.changed[k][i] = new
         # What the stage's next action waits for: the last stage's loss, not its outputs,
         # which nothing may need joined (logits kept in parts into the loss: vocab_loss).
-        last = k == self.stages.num_stages - 1
         return (([] if last else tf.nest.flatten(run.outputs))
                 + [t for t in run.targets if t is not None])
 

@@ -11,6 +11,7 @@ ON_NONFINITE = ("raise", "skip")
 STATE_POLICIES = ("mean", "first_tower")
 SPARSE_POLICIES = ("keep", "dense")
 EMBEDDING_LOOKUPS = ("table", "copy")
+RECOMPUTE_STAGES = "stages"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,7 @@ class TowerOptions:
         if self.embedding_lookup not in EMBEDDING_LOOKUPS:
             raise ValueError(f"embedding_lookup must be one of {EMBEDDING_LOOKUPS}, got "
                              f"{self.embedding_lookup!r}.")
-        if self.recompute is not False and self.recompute != "stages":
+        if self.recompute is not False and self.recompute != RECOMPUTE_STAGES:
             names = self.recompute
             if not (isinstance(names, (list, tuple)) and names
                     and all(isinstance(name, str) and name for name in names)):
@@ -114,3 +115,8 @@ class TowerOptions:
         if self.accum_steps > 1:  # the alias: accumulation is a one-stage pipeline
             object.__setattr__(self, "micro_batches", self.accum_steps)
             object.__setattr__(self, "pipeline_schedule", "1f1b")
+
+    @property
+    def recompute_stages(self):
+        """Whether each pipeline stage's forward is rerun in its backward (Flight)."""
+        return self.recompute == RECOMPUTE_STAGES

@@ -264,7 +264,8 @@ def start_tower(setup, objective, shard, rows, batch_rows, weights, state, i, lo
         return tower.start_tower(setup.stages, objective, shard, rows, batch_rows, weights,
                                  state, row, tower_index, setup.options.micro_batches,
                                  setup.options.pipeline_schedule, loss_scale,
-                                 may_be_empty=may_be_empty)
+                                 may_be_empty=may_be_empty,
+                                 recompute_stages=setup.options.recompute_stages)
 
 
 def read_weights(setup, weights, state, tower_index):

@@ -18,7 +18,7 @@ from towers.data_parallel.forward import forward, shard_loss
 
 def start_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,
                 micro_batches=1, schedule_name="1f1b", loss_scale=None, forwards=None,
-                may_be_empty=True, count_first=True):
+                may_be_empty=True, count_first=True, recompute_stages=False):
     """Steps 3-4 on one tower, up to where the batch's counts are needed: a started
     flight.Flight (its `terms`, then `finish(scales, densify)` -> a TowerOutput).
 
@@ -56,6 +56,8 @@ def start_tower(stages, objective, shard, rows, batch_rows, weights, state, row,
         is known to give every micro-batch a row: no tf.cond is built.
       count_first: whether the batch's counts may come before the backwards
         (they cannot inside one XLA computation, which holds one tower only).
+      recompute_stages: whether each stage's forward is rerun in its backward,
+        keeping only its inputs (recompute="stages").
 
     Returns:
       the Flight; its TowerOutput has each gradient and state value on its
@@ -66,7 +68,7 @@ def start_tower(stages, objective, shard, rows, batch_rows, weights, state, row,
     return Flight(stages, shard, rows, batch_rows, weights,
                   _offset_seeds(stages.model, state, tower_index), row, micro_batches,
                   schedule_name, objective, loss_scale, forwards, may_be_empty,
-                  count_first).start()
+                  count_first, recompute_stages).start()
 
 
 def run_tower(stages, objective, shard, rows, batch_rows, weights, state, row, tower_index,

@@ -33,7 +33,7 @@ def train_step(trainer, batch, may_be_empty):
     # The step's collective ops take keys derived from the step and the model, the
     # same on every worker whatever else each traced (collectives.instance_keys).
     with collectives.instance_keys(("train_step", cluster_lib.model_signature(trainer.model))), \
-            recompute.recomputing(trainer.options.recompute, trainer.recomputed_layers):
+            recompute.recomputing(trainer.recomputed_layers):
         return _train_step(trainer, batch, may_be_empty)
 
 

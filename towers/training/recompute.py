@@ -5,7 +5,7 @@ TowerTrainer(recompute=...) takes:
 - "stages": GPipe's rematerialisation. Each pipeline stage's forward, on every
   micro-batch, records nothing; only the stage's inputs (the boundary) and the
   state it read are kept, and its backward runs the forward again under a tape
-  (data_parallel/flight.py, `recomputing_stages`). Without pipeline_cuts the model
+  (data_parallel/flight.py, given TowerOptions.recompute_stages). Without pipeline_cuts the model
   is one stage: only its inputs are kept.
 - a list of layer names or paths (op_parallel/paths.py: "/"-separated levels,
   shell wildcards): each layer named runs as one custom-gradient op
@@ -47,10 +47,8 @@ import keras
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel import flight
+from towers.data_parallel.options import RECOMPUTE_STAGES as STAGES
 from towers.op_parallel import grid as op_grid, paths
-
-STAGES = "stages"
 
 
 def recomputed_layers(model, recompute, jit_compile):
@@ -91,13 +89,11 @@ def recomputed_layers(model, recompute, jit_compile):
 
 
 @contextlib.contextmanager
-def recomputing(recompute, layers):
-    """Within it (while a train step is traced): with "stages", every flight recomputes
-    its stages; each of `layers` (recomputed_layers') has its call recomputed, its
-    instance's `call` replaced, and given back on leaving."""
+def recomputing(layers):
+    """Within it (while a train step is traced), each of `layers` (recomputed_layers')
+    has its call recomputed: its instance's `call` replaced, and given back on leaving.
+    ("stages" reaches the flights as TowerOptions.recompute_stages.)"""
     with contextlib.ExitStack() as scopes:
-        if recompute == STAGES:
-            scopes.enter_context(flight.recomputing_stages())
         for layer in layers:
             scopes.enter_context(_call_recomputed(layer))
         yield
