@@ -29,16 +29,17 @@ class Columns(stages_lib.VariableGroups):
         and runs their work.
     """
 
-    def __init__(self, stages, grid, stage_devices, parts=None, owners=None):
+    def __init__(self, stages, grid, stage_devices, parts=None, spread=False):
         """grid[i][k]: tower i's device for stage k; stage_devices[k]: where stage k's
         not-split variables live; parts: None, or an op_parallel.grid.PartRows (its
-        rows[i][k][j]: tower i's device for stage k's part j); owners: None, or
-        (spread placement) {id(variable): the tower holding it, on its device for the
-        variable's group} (spread_owners, per stage and group)."""
+        rows[i][k][j]: tower i's device for stage k's part j); spread: each group's
+        variables spread over its towers' devices (spread_owners, per stage and group),
+        variable_placement="spread"."""
         self.stages = stages
         self._part_of = {} if parts is None else parts.part_of
-        self._owner = owners
-        self._shares = 1 if owners is None else len(grid)  # columns per group
+        # {id(variable): the tower holding it, on its device for the variable's group}
+        self._owner = self._spread_owners(len(grid)) if spread else None
+        self._shares = len(grid) if spread else 1  # columns per group
         self._groups = 1 + (0 if parts is None else len(parts.rows[0][0]))  # per stage
         self.devices, self.rows = [], [[] for _ in grid]
         for k, device in enumerate(stage_devices):
@@ -48,7 +49,7 @@ class Columns(stages_lib.VariableGroups):
                                           for j in range(self._groups - 1)])
             for g, devices in enumerate(towers_devices):
                 home = device if g == 0 else devices[0]
-                self.devices += [home] if owners is None else devices
+                self.devices += devices if spread else [home]
                 for i in range(len(grid)):
                     self.rows[i] += [devices[i]] * self._shares
         super().__init__(stages.model)
@@ -66,13 +67,23 @@ class Columns(stages_lib.VariableGroups):
                 index[self._column_of(k, variables[i])].append(i)
         return index
 
-    def group_of(self, variable):
+    def _spread_owners(self, num_towers):
+        """spread_owners of each stage's groups, each over the towers."""
+        owners = {}
+        for k in range(self.stages.num_stages):
+            variables = self.stages.variables(k)
+            for group in sorted({self._group_of(v) for v in variables}):
+                owners.update(spread_owners(
+                    [v for v in variables if self._group_of(v) == group], num_towers))
+        return owners
+
+    def _group_of(self, variable):
         """0 for a variable in no split layer's part, 1 + j for one of part j."""
         return 1 + self._part_of.get(id(variable), -1)
 
     def _column_of(self, stage, variable):
         share = 0 if self._owner is None else self._owner[id(variable)]
-        return (stage * self._groups + self.group_of(variable)) * self._shares + share
+        return (stage * self._groups + self._group_of(variable)) * self._shares + share
 
     def variables(self, column):
         """Every variable (trainable and not) of `column`, whatever is trainable now."""

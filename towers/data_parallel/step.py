@@ -175,16 +175,9 @@ class StepSetup:
     def use_stages(self, stages):
         """Sets the model's stages (a stages.Stages), and its columns with them."""
         self.stages = stages
-        self.columns = columns_lib.Columns(stages, self.grid, self.stage_devices, self.parts)
-        if self.options.variable_placement == "spread":  # each group over its towers
-            owners, place = {}, self.columns
-            for k in range(stages.num_stages):
-                variables = stages.variables(k)
-                for group in sorted({place.group_of(v) for v in variables}):
-                    owners.update(columns_lib.spread_owners(
-                        [v for v in variables if place.group_of(v) == group], len(self.grid)))
-            self.columns = columns_lib.Columns(stages, self.grid, self.stage_devices,
-                                               self.parts, owners)
+        self.columns = columns_lib.Columns(
+            stages, self.grid, self.stage_devices, self.parts,
+            spread=self.options.variable_placement == "spread")
 
     @property
     def main_device(self):
