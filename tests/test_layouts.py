@@ -11,7 +11,7 @@ from absl.testing import parameterized
 
 import towers
 from towers.cli import plans
-from towers.op_parallel import dense, layers, layouts
+from towers.op_parallel import dense, forms, layouts
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -59,8 +59,8 @@ class LayoutMapTest(tf.test.TestCase, parameterized.TestCase):
     def test_each_layout_is_the_split_a_plan_names(self):
         model, x = _model(), np.arange(12).reshape(3, 4) % 20
         split = towers.split_layers(model, _layout(MEGATRON), DEVICES[:2])
-        self.assertIsInstance(split.get_layer("table"), layers.VocabEmbedding)
-        self.assertIsInstance(split.get_layer("att"), layers.HeadsAttention)
+        self.assertIsInstance(split.get_layer("table"), forms.VocabEmbedding)
+        self.assertIsInstance(split.get_layer("att"), forms.HeadsAttention)
         self.assertIsInstance(split.get_layer("up"), dense.ColumnDense)
         self.assertIsInstance(split.get_layer("down"), dense.RowDense)
         self.assertIsInstance(split.get_layer("norm"), keras.layers.LayerNormalization)

@@ -146,7 +146,7 @@ class NestedPlanTest(tf.test.TestCase):
         parted = towers.split_layers(model, PLAN, PARTS)
         self.assertAllClose(parted(x), model(x), atol=TOLERANCE, rtol=0)
         block = parted.get_layer("transformer_block")
-        self.assertIsInstance(block.att, towers.op_parallel.layers.HeadsAttention)
+        self.assertIsInstance(block.att, towers.op_parallel.forms.HeadsAttention)
         self.assertIsInstance(block.ffn.layers[0], towers.op_parallel.dense.ColumnDense)
         self.assertIsInstance(block.ffn.layers[1], towers.op_parallel.dense.RowDense)
         # The replaced layers' variables left the parents' weights; the parts' took their

@@ -16,7 +16,8 @@ from towers import compat
 from towers import devices as devices_lib
 from towers.op_parallel import exactness, layouts, paths
 from towers.op_parallel.dense import ColumnDense, RowDense, equation_of, split_axes, split_kind
-from towers.op_parallel.layers import HeadsAttention, Placed, VocabEmbedding, part_sizes
+from towers.op_parallel.forms import HeadsAttention, Placed, VocabEmbedding
+from towers.op_parallel.layers import part_sizes
 
 _DENSE_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense)
 # Per kind, the layer types it splits, the most specific first.
