@@ -114,8 +114,9 @@ def main(output):
         spread.train_step(batch)
     results["spread"] = largest_difference(towers.join_layers(spread.model).get_weights(),
                                            wanted[1])
-    results["spread_placement"] = {v.path: device_of(v)
-                                   for v in spread.model.trainable_variables}
+    # What the optimizer updates: each variable, or each slab of one cut across towers.
+    results["spread_placement"] = [(v.path, device_of(v))
+                                   for v in spread.setup.columns.held_variables()]
 
     # fit and evaluate on the grid, GPipe with 2 micro-batches.
     fitted = towers.TowerTrainer(towers.split_layers(build(), PLAN, GRID[0][0]), loss(),

@@ -423,13 +423,15 @@ class MemoryBenchmarkTest(tf.test.TestCase):
         has_matplotlib = importlib.util.find_spec("matplotlib") is not None
         self.assertEqual(os.path.exists(os.path.join(output_dir, "memory.png")), has_matplotlib)
 
-    def test_spread_holds_each_variable_on_one_tower(self):
+    def test_spread_fills_each_tower_to_a_quarter(self):
         # MLP 256 -> 8 -> 8 -> 10 on 4 towers, variables by bytes: 256 x 8 kernel 8192,
-        # 8 x 10 kernel 320, 8 x 8 kernel 256, logits bias 40, two biases of 8: 32 each.
-        # Largest first to the tower holding fewest: 8192, 320, 256, then 40 + 32 + 32.
+        # 8 x 10 kernel 320, 8 x 8 kernel 256, logits bias 40, two biases of 8: 32 each;
+        # 8872 in all, 2218 a tower. Laid end to end, largest first, the first kernel's 256
+        # rows of 32 bytes are cut into slabs of 69, 70, 69 and 48 rows (each row to the
+        # tower holding its middle), and tower 3 takes the rest whole.
         held = self._measure("spread_4")["held"]
-        variables = {"/device:CPU:0": 8192, "/device:CPU:1": 320, "/device:CPU:2": 256,
-                     "/device:CPU:3": 40 + 32 + 32}
+        variables = {"/device:CPU:0": 69 * 32, "/device:CPU:1": 70 * 32,
+                     "/device:CPU:2": 69 * 32, "/device:CPU:3": 48 * 32 + 320 + 256 + 40 + 64}
         self.assertEqual({device: kinds["variables"] for device, kinds in held.items()},
                          variables)
         for device, kinds in held.items():

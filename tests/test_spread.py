@@ -2,12 +2,15 @@
 its gradients' sum on one of the towers, balanced by bytes; a step equals Keras's
 compile + train_on_batch on one device."""
 
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 import towers
-from towers.data_parallel import columns
+from towers import compat
+from towers.data_parallel import slabs as trainer_slabs
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 TOLERANCE = 1e-5
@@ -40,6 +43,36 @@ def _device(variable):
     return towers.devices.canonical_name(variable.value.device)
 
 
+def _held(trainer):
+    """{device: bytes of variables + Adam's two slots held there}, after asserting that
+    every variable the optimizer updates (a slab of a cut one too) has its slots beside it,
+    and that each cut variable reads as its slabs joined."""
+    slots = {v.path.split("/", 1)[1]: v for v in trainer.optimizer.variables}
+    held = {}
+    for variable in trainer.setup.columns.held_variables():
+        device = _device(variable)
+        for kind in ("momentum", "velocity"):
+            slot = slots[variable.path.replace("/", "_") + "_" + kind]
+            assert _device(slot) == device, (slot.path, _device(slot), device)
+        held[device] = held.get(device, 0) + 3 * variable.numpy().nbytes
+    for cut in trainer.setup.columns.cuts.values():
+        np.testing.assert_array_equal(
+            cut.variable.numpy(), np.concatenate([s.numpy() for s in _slabs(cut.variable)]))
+        assert [_device(s) for s in _slabs(cut.variable)] == cut.devices
+    return held
+
+
+def _slabs(variable):
+    return trainer_slabs.held_variables([variable])
+
+
+def _assert_balanced(test, held, variables, num_towers):
+    """No device over 1/N of the state plus what a cut rounds off: a row (half at each end
+    of its run of bytes), with its two slots."""
+    rounding = 3 * max(v.numpy().nbytes // v.shape[0] for v in variables)
+    test.assertLessEqual(max(held.values()), sum(held.values()) / num_towers + rounding)
+
+
 class SpreadTest(tf.test.TestCase):
 
     def test_trains_as_keras_on_one_device_with_state_spread_over_the_towers(self):
@@ -55,22 +88,20 @@ class SpreadTest(tf.test.TestCase):
                 trainer.train_step(batch)
             for got, want in zip(trainer.model.get_weights(), expected.get_weights()):
                 self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
-            # Each variable's slots (Adam's two) live with it, on its owner tower.
-            variables = trainer.model.trainable_variables
-            owners = columns.spread_owners(trainer.model.variables, num_towers)
-            slots = {v.path.split("/", 1)[1]: v for v in trainer.optimizer.variables}
-            held = [0] * num_towers
-            for variable in variables:
-                tower = DEVICES[owners[id(variable)]]
-                self.assertEqual(_device(variable), tower, variable.path)
-                for kind in ("momentum", "velocity"):
-                    slot = slots[variable.path.replace("/", "_") + "_" + kind]
-                    self.assertEqual(_device(slot), tower, slot.path)
-                held[owners[id(variable)]] += 3 * variable.numpy().nbytes
-            # Balanced by bytes: no tower over 1/N of the state plus the largest variable.
-            largest = max(v.numpy().nbytes for v in variables)
-            self.assertLessEqual(max(held), sum(held) / num_towers + 3 * largest)
-            self.assertEqual(sorted({_device(v) for v in variables}), DEVICES[:num_towers])
+            # Each variable's slots (Adam's two) live with it, the towers filled in turn to
+            # 1/N of the bytes, largest first: a variable that does not fit in the tower
+            # being filled is cut into slabs of rows, filling it and the next.
+            held = _held(trainer)
+            self.assertEqual(sorted(held), DEVICES[:num_towers])
+            _assert_balanced(self, held, trainer.model.trainable_variables, num_towers)
+            cut = {c.variable.path: (c.devices, c.sizes)
+                   for c in trainer.setup.columns.cuts.values()}
+            self.assertEqual(cut, {  # 816 floats: 408 per tower on 2, 204 on 4
+                1: {}, 2: {"table/embeddings": (DEVICES[:2], [15, 15])},
+                3: {"hidden/kernel": (DEVICES[1:3], [1, 11])},
+                4: {"conv/kernel": (DEVICES[:2], [2, 1]),  # 288 floats, 96 a row
+                    "table/embeddings": (DEVICES[1:3], [15, 15]),
+                    "hidden/kernel": (DEVICES[2:], [5, 7])}}[num_towers])
 
     def test_batch_norm_state_and_jit_compile_as_main_placement(self):
         # BatchNormalization's moving statistics live on their owner and are merged there,
@@ -96,7 +127,9 @@ class SpreadTest(tf.test.TestCase):
         main, spread = (t.model.get_weights() for t in trainers)
         for got, want in zip(spread, main):
             self.assertAllClose(got, want, atol=1e-6, rtol=0)
-        self.assertLen({_device(v) for v in trainers[1].model.non_trainable_variables}, 2)
+        # The moving statistics (which cannot be cut) in the run of tower 2, not on main.
+        self.assertEqual({_device(v) for v in trainers[1].model.non_trainable_variables},
+                         {DEVICES[2]})
 
     def test_each_pipeline_stage_spread_over_its_towers(self):
         # 2 towers x 2 stages, 2 micro-batches: stage k's variables, slots and gradient
@@ -112,22 +145,22 @@ class SpreadTest(tf.test.TestCase):
             trainer.train_step(batch)
         for got, want in zip(trainer.model.get_weights(), expected.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
-        slots = {v.path.split("/", 1)[1]: v for v in trainer.optimizer.variables}
-        stage_of = {"table": 0, "conv": 0, "hidden": 1, "logits": 1}
-        placed = {}
-        for variable in trainer.model.trainable_variables:
-            device = _device(variable)
-            self.assertIn(device, [row[stage_of[variable.path.split("/")[0]]] for row in grid])
-            self.assertEqual(_device(slots[variable.path.replace("/", "_") + "_momentum"]),
-                             device)
-            placed[variable.path] = device
-        # Largest first within each stage: the table (30 x 8) and the conv kernel
-        # (3 x 8 x 12) on stage 0's two towers; the hidden kernel (12 x 16) and the
-        # logits kernel (16 x 4) on stage 1's.
-        self.assertEqual(placed["conv/kernel"], DEVICES[0])
-        self.assertEqual(placed["table/embeddings"], DEVICES[2])
-        self.assertEqual(placed["hidden/kernel"], DEVICES[1])
-        self.assertEqual(placed["logits/kernel"], DEVICES[3])
+        # Stage 0 on the towers' devices for it, grid[t][0] (the conv kernel on one, the
+        # table on the other), stage 1 on grid[t][1] (its hidden kernel across the middle
+        # of its bytes: cut).
+        held = _held(trainer)
+        self.assertEqual(sorted(held), DEVICES)
+        stage_0 = ("table", "conv")
+        for k in range(2):
+            variables = [v for v in trainer.model.trainable_variables
+                         if v.path.startswith(stage_0) == (k == 0)]
+            devices = [row[k] for row in grid]
+            _assert_balanced(self, {d: held[d] for d in devices}, variables, 2)
+            for variable in trainer_slabs.held_variables(variables):
+                self.assertIn(_device(variable), devices)
+        self.assertEqual({c.variable.path: (c.devices, c.sizes)
+                          for c in trainer.setup.columns.cuts.values()},
+                         {"hidden/kernel": ([DEVICES[1], DEVICES[3]], [9, 3])})
 
     def test_each_part_of_split_layers_spread_over_its_towers(self):
         # 2 towers x 2 parts: part j's variables on the towers' devices for part j
@@ -143,14 +176,20 @@ class SpreadTest(tf.test.TestCase):
             trainer.train_step(batch)
         for got, want in zip(towers.join_layers(parted).get_weights(), expected.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
-        placed = {v.path: _device(v) for v in parted.trainable_variables}
-        self.assertEqual({path: device for path, device in placed.items() if "part_" in path},
-                         {"hidden/part_0/kernel": DEVICES[0], "hidden/part_0/bias": DEVICES[2],
-                          "hidden/part_1/kernel": DEVICES[1], "hidden/part_1/bias": DEVICES[3],
-                          "logits/part_0/kernel": DEVICES[2], "logits/part_0/bias": DEVICES[2],
-                          "logits/part_1/kernel": DEVICES[3]})
-        self.assertEqual({placed["table/embeddings"], placed["conv/kernel"]},
-                         {DEVICES[0], DEVICES[2]})
+        # Part j's variables (the slabs of a cut one too) on the towers' devices for part j
+        # (grid[t][j]), the others on the towers' part 0 devices, each group balanced.
+        held = _held(trainer)
+        groups = {"part_0": [], "part_1": [], None: []}
+        for variable in parted.trainable_variables:
+            part = next((p for p in ("part_0", "part_1") if f"/{p}/" in variable.path), None)
+            groups[part].append(variable)
+        for part, devices in (("part_0", DEVICES[::2]), ("part_1", DEVICES[1::2]),
+                              (None, DEVICES[::2])):
+            for variable in trainer_slabs.held_variables(groups[part]):
+                self.assertIn(_device(variable), devices, variable.path)
+            _assert_balanced(self, {d: held[d] for d in devices},
+                             sum(groups.values(), []), 2)
+        self.assertTrue(trainer.setup.columns.cuts)
 
     def test_checkpoint_restores_into_main_placement(self):
         directory = self.get_temp_dir()
@@ -174,6 +213,81 @@ class SpreadTest(tf.test.TestCase):
         for got, want in zip(restoring.model.get_weights(), expected.model.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
 
+    def test_a_checkpoint_moves_between_tower_counts_whole(self):
+        # Written on 4 towers (three variables cut into slabs), restored on 3 (others cut):
+        # the files hold every weight and slot whole, as one device's would.
+        directory = self.get_temp_dir()
+        batches = _batches()
+        expected = _model()
+        expected.compile(keras.optimizers.Adam(0.01), _loss())
+        for batch in batches:
+            expected.train_on_batch(*batch)
+        saving = towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(0.01),
+                                     devices=DEVICES, variable_placement="spread")
+        checkpointer = towers.Checkpointer(directory, saving.model, saving.optimizer)
+        for batch in batches[:2]:
+            saving.train_step(batch)
+        reader = tf.train.load_checkpoint(checkpointer.save(epoch=0, batch_in_epoch=2))
+        self.assertEqual(reader.get_variable_to_shape_map()[
+            "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"], [VOCAB, 8])
+        restoring = towers.TowerTrainer(_model(seed=1), _loss(), keras.optimizers.Adam(0.01),
+                                        devices=DEVICES[:3], variable_placement="spread")
+        restoring.optimizer.build(restoring.setup.columns.held_variables())
+        self.assertIsNotNone(towers.Checkpointer(directory, restoring.model,
+                                                 restoring.optimizer).restore())
+        self.assertTrue(restoring.setup.columns.cuts)
+        restoring.train_step(batches[2])
+        for got, want in zip(restoring.model.get_weights(), expected.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+
+    def test_cut_variables_frozen_evaluated_and_saved(self):
+        # Three variables cut on 4 towers. The table's layer frozen after a step (its slabs
+        # then read whole and left alone), as main placement trains it (equal to Keras:
+        # tests/test_trainable.py); evaluate as Keras's; the model saves as a .keras file
+        # that plain Keras loads with the same weights.
+        trainers = [towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(0.01),
+                                        devices=DEVICES, variable_placement=placement)
+                    for placement in ("main", "spread")]
+        for i, batch in enumerate(_batches()):
+            for trainer in trainers:
+                trainer.model.get_layer("table").trainable = i == 0
+                trainer.train_step(batch)
+        main, spread = trainers
+        self.assertIn("table/embeddings", [c.variable.path
+                                           for c in spread.setup.columns.cuts.values()])
+        for got, want in zip(spread.model.get_weights(), main.model.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+        keras_model = _model()
+        keras_model.set_weights(spread.model.get_weights())
+        keras_model.compile(loss=_loss())
+        x, y = _batches()[0]
+        self.assertAllClose(spread.evaluate((x, y))["loss"], keras_model.evaluate(x, y, verbose=0),
+                            atol=TOLERANCE, rtol=0)
+        self.assertAllClose(spread.model.predict(x, verbose=0), keras_model.predict(x, verbose=0),
+                            atol=TOLERANCE, rtol=0)
+        path = os.path.join(self.get_temp_dir(), "spread.keras")
+        spread.model.save(path)
+        for got, want in zip(keras.saving.load_model(path, safe_mode=True).get_weights(),
+                             spread.model.get_weights()):
+            self.assertAllEqual(got, want)
+
+    def test_an_optimizer_that_cannot_update_slabs_is_refused_in_one_line(self):
+        for optimizer, message in (
+                (keras.optimizers.Lamb(0.01), r"Lamb does not update each element on its own"),
+                (keras.optimizers.Adafactor(0.01), r"Adafactor does not update each element"),
+                (keras.optimizers.Adam(0.01, clipnorm=1.0), r"clipnorm clips each variable")):
+            model = _model()
+            with self.assertRaisesRegex(ValueError, "variable_placement='spread' cuts "
+                                        r"\['table/embeddings'\] .*" + message) as caught:
+                towers.TowerTrainer(model, _loss(), optimizer, devices=DEVICES[:2],
+                                    variable_placement="spread")
+            self.assertNotIn("\n", str(caught.exception))
+            self.assertIsNone(compat.held_slabs(model.get_layer("table").embeddings))
+        # Without a cut (one tower) they train as ever.
+        towers.TowerTrainer(_model(), _loss(), keras.optimizers.Lamb(0.01),
+                            devices=DEVICES[:1], variable_placement="spread").train_step(
+            _batches()[0])
+
     def test_what_it_cannot_do_yet_is_refused_in_one_line(self):
         built = keras.optimizers.Adam(0.01)
         model = _model()
@@ -181,7 +295,7 @@ class SpreadTest(tf.test.TestCase):
         for make, message in (
                 (lambda: towers.TowerTrainer(model, _loss(), built, devices=DEVICES[:2],
                                              variable_placement="spread"),
-                 r"the optimizer was built before the variables were placed"),
+                 r"spread' cuts \['table/embeddings'\] .* but the optimizer is built already"),
                 (lambda: towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(),
                                              devices=DEVICES[:2], variable_placement="spred"),
                  r"variable_placement must be one of \('main', 'replicated', 'spread'\)")):

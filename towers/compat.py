@@ -16,6 +16,7 @@ from keras.src.backend.common import masking, stateless_scope
 from keras.src.backend.config import keras_home
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import compile_utils
+from keras.src.utils import tracking
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.debug.lib import debug_events_reader
 from tensorflow.python.eager import context as eager_context
@@ -239,16 +240,66 @@ def nodes_by_depth(graph):
 
 
 def move_variable(variable, device):
-    """Puts a keras.Variable's storage on `device`, keeping its value and name.
+    """Puts a keras.Variable's storage on `device`, whole, keeping its value and name
+    (one held in slabs, hold_in_slabs', is joined into one tf.Variable again).
 
     Public alternative: none; a Keras 3 variable stays on the device it was made on
     (`assign` keeps it there), so a new tf.Variable takes the place of the one it wraps.
     """
     old = variable._value
+    if isinstance(variable, _HeldInSlabs):
+        variable.__class__ = keras.Variable
+        with tf.init_scope(), tf.device(device):
+            variable._value = tf.Variable(old.read(), trainable=variable.trainable,
+                                          name=variable.name)
+        return
     with tf.init_scope(), tf.device(device):
         variable._value = tf.Variable(
             old.read_value(), trainable=old.trainable, name=variable.name,
             aggregation=old.aggregation, synchronization=old.synchronization)
+
+
+class _HeldInSlabs(keras.Variable):
+    """A keras.Variable whose storage is a data_parallel.slabs.Slabs (its rows held as
+    slabs on several devices) in place of one tf.Variable: reading it joins them, assigning
+    writes into them, a checkpoint saves and restores it whole.
+
+    Public alternative: none; a Keras 3 variable wraps exactly one tf.Variable (its
+    private `_value`), and tf's ShardedVariable, a composite tensor, is taken apart by
+    every op it meets (tf.identity rebuilds it from tensors and fails)."""
+
+    @property
+    def value(self):
+        value = super().value
+        return self._value.read() if value is self._value else value
+
+    @property
+    def _shared_name(self):
+        return self.name
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self._value.read()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def can_hold_in_slabs(variable):
+    """Whether hold_in_slabs takes `variable`: a plain keras.Variable (not a subclass)."""
+    return type(variable) in (keras.Variable, _HeldInSlabs)
+
+
+def hold_in_slabs(variable, slabs):
+    """Makes `slabs` (a data_parallel.slabs.Slabs of `variable`'s rows) the storage of the
+    keras.Variable `variable` (can_hold_in_slabs), in place of its tf.Variable, which is
+    dropped."""
+    variable.__class__ = _HeldInSlabs
+    variable._value = slabs
+
+
+def held_slabs(variable):
+    """The data_parallel.slabs.Slabs holding `variable`, or None where one tf.Variable does."""
+    return variable._value if isinstance(variable, _HeldInSlabs) else None
 
 
 def drop_weight(layer, attribute):
@@ -277,6 +328,19 @@ def optimizer_knows(optimizer, variable):
     Public alternative: none; apply() raises "Unknown variable" for others.
     """
     return optimizer._var_key(variable) in optimizer._trainable_variables_indices
+
+
+def track_as_optimized(optimizer, variables):
+    """Makes a checkpoint of the built Keras `optimizer` name `variables` (one per variable
+    it was built with, in order, of the same shapes) where it names those: a twin built
+    on stand-ins then saves as an optimizer built on `variables` does.
+
+    Public alternative: none; a Keras optimizer tracks the variables it was built with
+    (its `_trainable_variables`), and tf.train.Checkpoint names a model's weights through
+    it.
+    """
+    with tracking.DotNotTrackScope():  # not among its own variables: the list only
+        optimizer._trainable_variables = list(variables)
 
 
 def optimizer_variables(optimizer):

@@ -21,7 +21,8 @@ CONFIGS = {
     "split_t4": {"towers": 1, "parts": 4},
     # All three: tower i's stage k's part j on device (i * 2 + k) * 2 + j.
     "grid_2x2x2": {"towers": 2, "stages": 2, "parts": 2, "micro_batches": 4},
-    # Each variable, its slots and its gradient sum on one tower, balanced by bytes.
+    # Each variable, its slots and its gradient sum on one tower, the towers filled in
+    # turn to 1/N of the bytes, a variable across a tower's end cut into slabs of rows.
     "spread_1": {"towers": 1, "variable_placement": "spread"},
     "spread_2": {"towers": 2, "variable_placement": "spread"},
     "spread_4": {"towers": 4, "variable_placement": "spread"},
@@ -122,9 +123,9 @@ def _model(width, layers):
 
 
 def _held_bytes(trainer):
-    """{device: {"variables", "slots", "gradient_sums": bytes}}: each model variable and
-    optimizer variable where it lives; a trainable variable's gradient sum where it
-    lives (each column's gradients meet on its variables' device)."""
+    """{device: {"variables", "slots", "gradient_sums": bytes}}: each model variable (or
+    slab of one) and optimizer variable where it lives; a trainable variable's gradient
+    sum where it lives (each column's gradients meet on its variables' device)."""
     from towers import devices as devices_lib
     held = {}
 
@@ -134,14 +135,16 @@ def _held_bytes(trainer):
         held.setdefault(device, {"variables": 0, "slots": 0, "gradient_sums": 0})
         held[device][kind] += size
 
-    model_ids = {id(v) for v in trainer.model.weights}
-    for variable in trainer.model.weights:
+    # What the optimizer updates: the trainable variables, a cut one's slabs in its place
+    # (spread placement holds it as them, data_parallel/slabs.py); then the others.
+    updated = trainer.setup.columns.held_variables()
+    state = trainer.model.non_trainable_variables
+    for variable in updated + state:
         add(variable, "variables")
-    for variable in trainer.model.trainable_variables:
+    for variable in updated:
         add(variable, "gradient_sums")
     for variable in trainer.optimizer.variables:
-        if id(variable) not in model_ids:
-            add(variable, "slots")
+        add(variable, "slots")
     return held
 
 

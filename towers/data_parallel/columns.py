@@ -5,13 +5,17 @@ A column is a pipeline stage's variables that are in no split layer's part (one
 stage without pipeline cuts), or a stage's part j of its split layers: stages,
 parts, or both (the grid of towers x stages x parts) are one kind of column. With
 variable_placement="spread" each such group is one column per tower, what that tower
-holds of it (spread_owners): steps 2, 5 and 6 go over those shares the same way.
+holds of it (spread_owners), a variable larger than a tower's share as one slab of its
+rows per tower (slabs.py): steps 2, 5 and 6 go over those shares the same way.
 """
 
+import collections
 import math
 
 import tensorflow as tf
 
+from towers import compat
+from towers.data_parallel import slabs
 from towers.model_parallel import stages as stages_lib
 
 
@@ -37,21 +41,26 @@ class Columns(stages_lib.VariableGroups):
         variable_placement="spread"."""
         self.stages = stages
         self._part_of = {} if parts is None else parts.part_of
-        # {id(variable): the tower holding it, on its device for the variable's group}
-        self._owner = self._spread_owners(len(grid)) if spread else None
         self._shares = len(grid) if spread else 1  # columns per group
         self._groups = 1 + (0 if parts is None else len(parts.rows[0][0]))  # per stage
         self.devices, self.rows = [], [[] for _ in grid]
+        group_devices = []  # per stage and group: each tower's device for it
         for k, device in enumerate(stage_devices):
             # Per group, each tower's device for it: the stage's, then each part's.
             towers_devices = [[row[k] for row in grid]] + (
                 [] if parts is None else [[tower[k][j] for tower in parts.rows]
                                           for j in range(self._groups - 1)])
             for g, devices in enumerate(towers_devices):
+                group_devices.append(devices)
                 home = device if g == 0 else devices[0]
                 self.devices += devices if spread else [home]
                 for i in range(len(grid)):
                     self.rows[i] += [devices[i]] * self._shares
+        # {id(variable): Cut}: the variables spread placement holds as slabs (slabs.py)
+        # once cut_slabs ran.
+        self.cuts = {}
+        # {id(variable): the tower holding it, on its device for the variable's group}
+        self._owner = self._spread_owners(group_devices) if spread else None
         super().__init__(stages.model)
 
     def reindex(self):
@@ -59,22 +68,96 @@ class Columns(stages_lib.VariableGroups):
         self.stages.reindex()
         super().reindex()
 
+    def cut_slabs(self, optimizer):
+        """Holds each variable spread_owners cut (self.cuts) as slabs on its towers,
+        before `optimizer` makes its slots.
+
+        Raises:
+          ValueError: the optimizer cannot update them slab by slab
+            (slabs.check_optimizer); nothing is cut.
+        """
+        cuts = [(cut.variable, cut.devices, cut.sizes) for cut in self.cuts.values()]
+        slabs.check_optimizer(optimizer, cuts)
+        for variable, devices, sizes in cuts:
+            slabs.cut(variable, devices, sizes)
+
+    def held_variables(self):
+        """The variables the optimizer updates: model.trainable_variables, each cut one
+        replaced by its slabs (cut_slabs first). Gradients, steps 5-7, are of these."""
+        return slabs.held_variables(self.model.trainable_variables)
+
+    def slab_flags(self):
+        """Per held_variables entry, whether it is a slab of a cut variable."""
+        return [flag for variable in self.model.trainable_variables
+                for flag in ([True] * len(self.cuts[id(variable)].sizes)
+                             if id(variable) in self.cuts else [False])]
+
+    def join_slabs(self, values, row):
+        """Step 2 on a tower: `values`, one per held_variables entry on its device of `row`
+        (a tower's entry of self.rows), as one per model.trainable_variables entry: each
+        cut variable's slabs joined on the tower's device for it (an all-gather)."""
+        if not self.cuts:
+            return values
+        values, joined = iter(values), []
+        for variable in self.model.trainable_variables:
+            if id(variable) not in self.cuts:
+                joined.append(next(values))
+                continue
+            cut = self.cuts[id(variable)]
+            rows = [next(values) for _ in cut.sizes]
+            with tf.device(row[cut.columns[0]]):
+                joined.append(tf.concat(rows, 0))
+        return joined
+
+    def cut_gradients(self, grads, row):
+        """Before steps 5-6 on a tower: `grads`, one per model.trainable_variables entry, as
+        one per held_variables entry: each cut variable's gradient cut into its slabs'
+        rows on the tower's device for it (each then meets where its slab lives: a
+        reduce-scatter)."""
+        if not self.cuts:
+            return grads
+        held = []
+        for variable, grad in zip(self.model.trainable_variables, grads):
+            if id(variable) not in self.cuts:
+                held.append(grad)
+                continue
+            cut = self.cuts[id(variable)]
+            with tf.device(row[cut.columns[0]]):
+                held += slabs.cut_rows(grad, cut.sizes)
+        return held
+
     def _positions(self, variables, trainable):
+        """Per column, the positions of its entries: in held_variables' order where
+        `trainable` (a cut variable's slabs in their towers' columns), else in
+        `variables`'."""
         index = [[] for _ in self.devices]
         by_stage = self.stages.trainable_index if trainable else self.stages.state_index
+        # where each variable's first held entry is, and how many it has
+        counts = [len(self.cuts[id(v)].sizes) if trainable and id(v) in self.cuts else 1
+                  for v in variables]
+        starts = [sum(counts[:i]) for i in range(len(variables))]
         for k, positions in enumerate(by_stage):
             for i in positions:
-                index[self._column_of(k, variables[i])].append(i)
+                if trainable and id(variables[i]) in self.cuts:
+                    for t, column in enumerate(self.cuts[id(variables[i])].columns):
+                        index[column].append(starts[i] + t)
+                else:
+                    index[self._column_of(k, variables[i])].append(starts[i])
         return index
 
-    def _spread_owners(self, num_towers):
-        """spread_owners of each stage's groups, each over the towers."""
+    def _spread_owners(self, group_devices):
+        """spread_owners of each stage's groups, each over the towers' devices for it;
+        the cuts it makes go into self.cuts."""
         owners = {}
         for k in range(self.stages.num_stages):
             variables = self.stages.variables(k)
             for group in sorted({self._group_of(v) for v in variables}):
-                owners.update(spread_owners(
-                    [v for v in variables if self._group_of(v) == group], num_towers))
+                group_owners, cuts = spread_owners(
+                    [v for v in variables if self._group_of(v) == group],
+                    group_devices[k * self._groups + group],
+                    (k * self._groups + group) * self._shares)
+                owners.update(group_owners)
+                self.cuts.update(cuts)
         return owners
 
     def _group_of(self, variable):
@@ -86,23 +169,63 @@ class Columns(stages_lib.VariableGroups):
         return (stage * self._groups + self._group_of(variable)) * self._shares + share
 
     def variables(self, column):
-        """Every variable (trainable and not) of `column`, whatever is trainable now."""
+        """Every variable (trainable and not) held in `column`: a cut variable's slab
+        there (cut_slabs first) in its place."""
         stage = column // (self._groups * self._shares)
-        return [v for v in self.stages.variables(stage) if self._column_of(stage, v) == column]
+        held = []
+        for variable in self.stages.variables(stage):
+            if id(variable) in self.cuts:
+                held += [slab for slab, slab_column in zip(
+                    compat.held_slabs(variable).variables, self.cuts[id(variable)].columns)
+                    if slab_column == column]
+            elif self._column_of(stage, variable) == column:
+                held.append(variable)
+        return held
 
 
-def spread_owners(variables, num_towers):
-    """{id(variable): the tower holding it} for variable_placement="spread": each of
-    `variables` (a model's, trainable and not), largest first, to the tower holding the
-    fewest bytes so far (ties: the lowest index), so that every tower holds about 1/N of
-    the bytes; a variable's optimizer slots and gradients' sum live with it. No tower
-    holds more than 1/N of the bytes plus the largest variable's."""
-    held, owners = [0] * num_towers, {}
+Cut = collections.namedtuple("Cut", ["variable", "devices", "sizes", "columns"])
+Cut.__doc__ = """A variable spread placement holds as slabs (slabs.py): slab t of `sizes[t]`
+rows on `devices[t]`, in column `columns[t]`."""
+
+
+def spread_owners(variables, devices, first_column=0):
+    """(owners, cuts) for variable_placement="spread" of `variables` (a model's, trainable
+    and not, of one group), over its towers (`devices`: each tower's device for the group;
+    tower t's share in column first_column + t).
+
+    owners: {id(variable): the tower holding it}; its optimizer slots and gradients' sum
+    live with it. cuts: {id(variable): Cut} for the variables held as slabs. The
+    variables, largest first, are laid end to end and the run of their bytes is cut into N
+    equal runs, one per tower, at row boundaries (each row of a variable, along dim 0, to
+    the tower whose run holds its middle): ZeRO's partition of its flat buffer, by rows.
+    A variable within one run lives whole on its tower; one across a cut is held as
+    slabs (slabs.can_cut), one per tower, at most N - 1 of them; one that cannot be cut
+    (of one row, or not trainable) goes whole to the run holding its middle. So no tower
+    holds more than 1/N of the bytes plus half a row (or half a variable that cannot be
+    cut) at each end of its run. A cut variable's owner is its first slab's tower, where
+    a step reads it whole if it is frozen later.
+    """
+    num_towers = len(devices)
+    share = sum(_bytes(v) for v in variables) / num_towers or 1.0
+    owners, cuts, offset = {}, {}, 0
     for variable in sorted(variables, key=lambda v: -_bytes(v)):  # sorted() keeps ties' order
-        tower = held.index(min(held))
-        owners[id(variable)] = tower
-        held[tower] += _bytes(variable)
-    return owners
+        size = _bytes(variable)
+        if num_towers == 1 or not slabs.can_cut(variable):
+            owners[id(variable)] = min(num_towers - 1, int((offset + size / 2) // share))
+            offset += size
+            continue
+        # Row r goes to the tower whose run of bytes holds its middle.
+        rows, row_bytes = variable.shape[0], size / variable.shape[0]
+        starts = [0] + [min(rows, max(0, math.ceil((t * share - offset) / row_bytes - 0.5)))
+                        for t in range(1, num_towers)] + [rows]
+        slab_towers = [t for t in range(num_towers) if starts[t + 1] > starts[t]]
+        owners[id(variable)] = slab_towers[0]
+        if len(slab_towers) > 1:
+            cuts[id(variable)] = Cut(variable, [devices[t] for t in slab_towers],
+                                     [starts[t + 1] - starts[t] for t in slab_towers],
+                                     [first_column + t for t in slab_towers])
+        offset += size
+    return owners, cuts
 
 
 def _bytes(variable):

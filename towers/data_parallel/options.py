@@ -36,8 +36,9 @@ class TowerOptions:
       variable_placement: "main" (towers read the main device's variables),
         "replicated" (each tower reads its own copy, written from the main
         values at the start of each step) or "spread" (each variable, its
-        gradients' sum and its optimizer slots live on one of the towers,
-        balanced by bytes: columns.spread_owners).
+        gradients' sum and its optimizer slots live on one of the towers, each
+        tower filled to 1/N of the bytes, a variable across a tower's end held
+        as slabs of rows: columns.spread_owners, slabs.py).
       micro_batches: micro-batches each tower's shard is split into, run one
         after another through its stages (one stage: gradient accumulation);
         their gradients are added up before the towers'.

@@ -23,8 +23,9 @@ TowerResult = collections.namedtuple(
     "TowerResult", ["grads", "loss", "state", "y_pred", "examples", "term_losses"])
 TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main device.
 
-grads: mean gradient per model.trainable_variables entry (None where unused),
-  times the loss scale if one was given.
+grads: mean gradient per setup.columns.held_variables() entry (None where unused),
+  times the loss scale if one was given: per model.trainable_variables entry, but
+  for a variable held as slabs (variable_placement="spread") one per slab.
 loss: scalar float32, the batch's loss as Keras computes it (each loss term's
   mean over the batch, weighted and added) plus regularisation.
 state: new value per model.non_trainable_variables entry (None where unchanged).
@@ -147,8 +148,8 @@ class StepSetup:
         where each stage's parts live and where each tower runs them.
       columns: the variables' columns.Columns, built with the stages (use_stages):
         steps 2, 5 and 6 go column by column (stages, parts, or both).
-      tables: None, or per trainable variable whether it is an embedding table the
-        towers look up where it lives (op_parallel.tables): step 2 passes the
+      tables: None, or per columns.held_variables() entry whether it is an embedding
+        table the towers look up where it lives (op_parallel.tables): step 2 passes the
         variable on instead of copying it.
     """
     stages: stages_lib.Stages
@@ -203,7 +204,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
         shards, shard_sizes, rows = split.shards_of(batch, len(grid))             # 1
         batch_rows = tf.cast(rows, tf.float32)
-    weights = [v.value for v in stages.model.trainable_variables]
+    weights = [v.value for v in setup.columns.held_variables()]
     state_values = [v.value for v in stages.model.non_trainable_variables]
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
                                         options.state_policy)
@@ -223,9 +224,10 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             outputs.append(flight.finish(counts.scales, setup.densify))             # 4
     outputs = denominators.fold(outputs, objective, counts, setup.main_device)
     grads, state, columns = [], [], setup.columns
+    tower_grads = [columns.cut_gradients(o.grads, row) for o, row in zip(outputs, columns.rows)]
     for k, column_device in enumerate(columns.devices):
         column = [row[k] for row in columns.rows]
-        grads.append(setup.route([columns.select(o.grads, k) for o in outputs],  # 5, 6
+        grads.append(setup.route([columns.select(g, k) for g in tower_grads],       # 5, 6
                                  column, column_device))
         state.append(aggregate.merge_state(
             [columns.select(o.state, k, trainable=False) for o in outputs],
@@ -262,20 +264,26 @@ def start_tower(setup, objective, shard, rows, batch_rows, weights, state, i, lo
 
 
 def read_weights(setup, weights, state, tower_index):
-    """Step 2 for one tower: (weights, state), each stage's on its device of the tower's
-    row: copies of the main values, or the tower's replicas."""
+    """Step 2 for one tower: (weights, state), one per model.trainable_variables and
+    non_trainable_variables entry, each stage's on its device of the tower's row: copies
+    of the values where they live (`weights`: held_variables'), or the tower's replicas."""
     if setup.replicas is not None:
         return setup.replicas.read(tower_index)
     return copy_weights(setup, weights, state, tower_index)
 
 
 def copy_weights(setup, weights, state, tower_index):
-    """Step 2 by copying: (weights, state) of the main values, each column's copied to its
-    device of the tower's row (a stage's, or a split layer part's). Evaluation reads
-    this way too: it writes no replica."""
-    row = setup.columns.rows[tower_index]
-    return (broadcast_columns(setup.columns, weights, row, kept=setup.tables),
-            broadcast_columns(setup.columns, state, row, trainable=False))
+    """Step 2 by copying: (weights, state) of the values where they live (weights: one
+    per setup.columns.held_variables() entry), each column's copied to its device of the
+    tower's row (a stage's, or a split layer part's), a variable held as slabs joined
+    there. Evaluation reads this way too: it writes no replica."""
+    columns = setup.columns
+    row = columns.rows[tower_index]
+    # A slab is not copied on its own: joining the slabs on the tower reads them there.
+    kept = [table or slab for table, slab in zip(setup.tables or [False] * len(weights),
+                                                  columns.slab_flags())]
+    return (columns.join_slabs(broadcast_columns(columns, weights, row, kept=kept), row),
+            broadcast_columns(columns, state, row, trainable=False))
 
 
 def broadcast_columns(columns, values, row, trainable=True, kept=None):

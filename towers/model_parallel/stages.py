@@ -193,8 +193,7 @@ def place_variables(columns, optimizer):
       ValueError: a variable must move but the optimizer is already built.
     """
     moves = [(variable, device) for column, device in enumerate(columns.devices)
-             for variable in columns.variables(column)
-             if devices_lib.canonical_name(variable.value.device) != device]
+             for variable in columns.variables(column) if not is_whole_on(variable, device)]
     if moves and optimizer.built:
         raise ValueError(
             "the optimizer was built before the variables were placed on their devices "
@@ -203,6 +202,13 @@ def place_variables(columns, optimizer):
             "to each variable).")
     for variable, device in moves:
         compat.move_variable(variable, device)
+
+
+def is_whole_on(variable, device):
+    """Whether `variable` lives on `device` whole (not held as slabs by an earlier
+    trainer's spread placement, data_parallel/slabs.py)."""
+    return compat.held_slabs(variable) is None and \
+        devices_lib.canonical_name(variable.value.device) == device
 
 
 def updates_on_variable_devices(optimizer):

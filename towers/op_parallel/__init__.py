@@ -7,8 +7,8 @@ layers replaced; `join_layers`, the way back), paths (plan keys as layer paths,
 nested layers replaced inside their parents), layouts (a keras LayoutMap read as a
 plan), exactness (what a split would silently change, refused), grid (training a
 split model on towers x (stages x) parts: where each part lives and each tower runs
-it), tables (embedding look-ups where the table lives), joined (a split model's
-checkpoints in the unsplit layout). Every split is explicit, under `tf.device`, and
+it), tables (embedding look-ups where the table lives); training/checkpoint_twin.py
+saves a split model's checkpoints in the unsplit layout. Every split is explicit, under `tf.device`, and
 exact: the split model computes the same function as the original.
 
 May import: towers.data_parallel (part sizes, vocab_loss), towers.devices,

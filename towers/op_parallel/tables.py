@@ -19,15 +19,16 @@ from towers import compat
 LOOKUPS = ("table", "copy")
 
 
-def tables_of(model):
-    """Per model.trainable_variables entry, whether it is an embedding table (of an
-    Embedding layer, a vocab part's too) to be looked up where it lives."""
+def tables_of(model, variables):
+    """Per entry of `variables` (the model's trainable ones, as they are held), whether it
+    is an embedding table (of an Embedding layer, a vocab part's too) to be looked up
+    where it lives; a table held as slabs (spread placement) is not: it is copied."""
     tables = set()
     for layer in compat.nested_layers(model):  # a vocab part inside its form too
         if isinstance(layer, keras.layers.Embedding) and layer.trainable \
                 and not layer.lora_enabled:  # with LoRA the look-up reads a sum, not the table
             tables.add(id(layer.embeddings))
-    return [id(v) in tables for v in model.trainable_variables]
+    return [id(v) in tables for v in variables]
 
 
 def reads_where_they_live(variables, tables):

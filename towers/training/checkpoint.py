@@ -14,8 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 from towers import errors
-from towers.op_parallel import joined, plan as op_plan
-from towers.training import checkpoint_match
+from towers.training import checkpoint_match, checkpoint_twin
 
 OPTIMIZER_CLASS = "optimizer_class"  # the checkpoint's record of the optimizer's class
 
@@ -56,10 +55,21 @@ class Checkpointer:
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         self.batch_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
                                           name="batch_in_epoch")
-        # A split model is saved as its unsplit twin: its checkpoints restore with any
-        # number of parts, with none, and into join_layers' model.
-        self._twin = joined.JoinedTwin(model, optimizer) if op_plan.is_split(model) else None
-        if self._twin is not None:
+        self._directory, self._max_to_keep = directory, max_to_keep
+        self._twin = None
+        self._bind()
+        self._batches_since_save = 0
+
+    def _bind(self):
+        """Makes what tf.train.Checkpoint saves: the model and optimizer, or, for a model
+        that holds weights or slots in pieces (split layers, spread placement's slabs),
+        their whole twin (checkpoint_twin), so that its checkpoints restore with any
+        number of parts or towers, with none, and into join_layers' model. Called again
+        before a save or restore: spread placement cuts a model's variables into slabs
+        when its trainer first sees it built."""
+        model, optimizer = self.model, self.optimizer
+        if checkpoint_twin.needs_twin(model):
+            self._twin = checkpoint_twin.WholeTwin(model, optimizer)
             model, optimizer = self._twin.model, self._twin.optimizer
         self._optimizer_class = optimizer_class(optimizer)
         with tf.device("/device:CPU:0"):  # a string lives on the host
@@ -69,8 +79,12 @@ class Checkpointer:
                                                epoch=self.epoch,
                                                batch_in_epoch=self.batch_in_epoch,
                                                **{OPTIMIZER_CLASS: class_record})
-        self._manager = tf.train.CheckpointManager(self._checkpoint, directory, max_to_keep)
-        self._batches_since_save = 0
+        self._manager = tf.train.CheckpointManager(self._checkpoint, self._directory,
+                                                   self._max_to_keep)
+
+    def _bind_twin_if_needed(self):
+        if self._twin is None and checkpoint_twin.needs_twin(self.model):
+            self._bind()
 
     def has_checkpoint(self):
         """Whether the directory holds a checkpoint for restore() to load."""
@@ -94,6 +108,7 @@ class Checkpointer:
         paths = list(reversed(self._manager.checkpoints))
         if paths:
             self._check_built()
+            self._bind_twin_if_needed()
         for path in paths:
             try:
                 reader = tf.train.load_checkpoint(path)
@@ -161,6 +176,7 @@ class Checkpointer:
             return None
         self.epoch.assign(epoch)
         self.batch_in_epoch.assign(batch_in_epoch)
+        self._bind_twin_if_needed()
         if self._twin is not None:
             self._twin.join()
         path = self._manager.save()

@@ -90,7 +90,7 @@ def _train_step(trainer, batch, may_be_empty):
         finite = aggregate.all_finite([result.loss]) & (grads_finite | (scale is not None))
 
     def apply():  # step 7, only for a finite step
-        apply_update(trainer.optimizer, grads, trainer.model.trainable_variables,
+        apply_update(trainer.optimizer, grads, setup.columns.held_variables(),
                      setup.main_device)
         assign_state(trainer.model, result.state, when=grads_finite)
         return grads_finite
@@ -135,7 +135,7 @@ def eval_step(trainer, batch, may_be_empty):
     variable changes."""
     setup, objective = trainer.setup, trainer.objective
     shards, shard_sizes, rows = split.shards_of(batch, len(setup.grid))
-    weights = [v.value for v in trainer.model.trainable_variables]
+    weights = [v.value for v in setup.columns.held_variables()]
     state = [v.value for v in trainer.model.non_trainable_variables]
     terms, outputs, regularizations = [], [], []
     for i, (row, shard) in enumerate(zip(setup.grid, shards)):

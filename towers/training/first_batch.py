@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from towers import devices as devices_lib, errors
+from towers import compat, devices as devices_lib, errors
 from towers.data_parallel import losses, split, tower
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
@@ -230,12 +230,15 @@ def check_model(trainer):
     if trainer.pipeline_cuts is not None or spread:
         if setup.parts is not None:
             setup.parts.settle(setup.stages)
+        setup.columns.cut_slabs(trainer.optimizer)
         stages_lib.place_variables(setup.columns, trainer.optimizer)
+        return  # stages, split layers and spread placement place their variables on purpose
+    for variable in model.variables:  # held as slabs by an earlier trainer: whole again
+        if compat.held_slabs(variable) is not None:
+            compat.move_variable(variable, setup.main_device)
     misplaced = sorted({v.value.device for v in model.variables
                         if devices_lib.canonical_name(v.value.device) != setup.main_device})
-    # Stages, split layers and spread placement place their variables on purpose.
-    if misplaced and trainer.pipeline_cuts is None and not spread and \
-            not op_plan.is_split(model):
+    if misplaced and not op_plan.is_split(model):
         logging.warning(
             "model %r has variables on %s, not on main_device %s; they stay there. To "
             "keep them on the main device, build the model inside `with tf.device(%r):`.",

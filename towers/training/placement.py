@@ -58,7 +58,7 @@ def step_hooks(trainer):
     if len(setup.columns.devices) > 1:
         hooks.append(stages_lib.updates_on_variable_devices(trainer.optimizer))
     if setup.tables is not None:
-        hooks += op_tables.reads_where_they_live(trainer.model.trainable_variables,
+        hooks += op_tables.reads_where_they_live(setup.columns.held_variables(),
                                                  setup.tables)
     replaced = [(owner, name, vars(owner).get(name, _ABSENT))
                 for owner, replacements in hooks for name in replacements]

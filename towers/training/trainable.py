@@ -41,12 +41,12 @@ def set_up(trainer):
     model, setup = trainer.model, trainer.setup
     check_trainable(model)
     with tf.device(setup.main_device):
-        extend_optimizer(trainer.optimizer, model.trainable_variables)
+        extend_optimizer(trainer.optimizer, setup.columns.held_variables())
         setup.columns.reindex()
         if setup.options.variable_placement == "replicated":
             setup.replicas = Replicas(model, trainer.devices)
         elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:
-            tables = op_tables.tables_of(model)
+            tables = op_tables.tables_of(model, setup.columns.held_variables())
             setup.tables = tables if any(tables) else None
         setup.densify = [setup.dense_choices[id(v)] for v in model.trainable_variables]
         if trainer.jit_compile:
@@ -69,7 +69,9 @@ def check_optimizer(optimizer, model):
     than `model`'s (another model's: one optimizer shared by two trainers)."""
     if not optimizer.built:
         return
-    own = {id(v) for v in model.variables}
+    held = [compat.held_slabs(v) for v in model.variables]  # spread placement's slabs
+    own = {id(v) for v in model.variables} | {
+        id(slab) for slabs in held if slabs is not None for slab in slabs.variables}
     foreign = [v.path for v in compat.optimizer_variables(optimizer) if id(v) not in own]
     if foreign:
         raise ValueError(
