@@ -232,7 +232,7 @@ class SpreadTest(tf.test.TestCase):
             "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"], [VOCAB, 8])
         restoring = towers.TowerTrainer(_model(seed=1), _loss(), keras.optimizers.Adam(0.01),
                                         devices=DEVICES[:3], variable_placement="spread")
-        restoring.optimizer.build(restoring.setup.columns.held_variables())
+        restoring.optimizer.build(restoring.optimized_variables)
         self.assertIsNotNone(towers.Checkpointer(directory, restoring.model,
                                                  restoring.optimizer).restore())
         self.assertTrue(restoring.setup.columns.cuts)

@@ -218,6 +218,24 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(results["steps"], 40)
         self.assertTrue(any("unreadable" in line for line in logs.output))
 
+    def test_spread_checkpoint_resumes_in_main_placement(self):
+        # 4 towers with spread placement cut the mlp's variables into slabs; its
+        # checkpoints are whole, so a run in main placement resumes from them and the
+        # same 20 steps in one main-placement run end on the same weights.
+        directory = self.create_tempdir().full_path
+        with flagsaver.flagsaver(**QUICK, steps=10, checkpoint_every=10,
+                                 checkpoint_dir=directory, variable_placement="spread"):
+            train.train()
+        reader = tf.train.load_checkpoint(directory)
+        kernel = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
+        self.assertLen(reader.get_variable_to_shape_map()[kernel], 2)
+        with flagsaver.flagsaver(**QUICK, steps=20, checkpoint_dir=directory):
+            resumed = train.train()
+        with flagsaver.flagsaver(**QUICK, steps=20):
+            whole = train.train()
+        self.assertEqual(resumed["steps"], 20)
+        self.assertAllClose(resumed["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+
     def test_checkpoint_of_another_model_is_refused_and_kept(self):
         directory = self.create_tempdir().full_path
         with flagsaver.flagsaver(**QUICK, steps=5, checkpoint_dir=directory):

@@ -159,7 +159,7 @@ def run(job):
     checkpointer = None
     if job.checkpoint_dir:
         with tf.device(devices[0]):  # the slots must exist to be restored
-            trainer.optimizer.build(trainer.setup.columns.held_variables())
+            trainer.optimizer.build(trainer.optimized_variables)
         checkpointer = Checkpointer(job.checkpoint_dir, model, trainer.optimizer,
                                     every_steps=job.checkpoint_every, writer=is_chief)
         # Restoring compares the variables and the optimizer's class; this also compares

@@ -6,6 +6,7 @@ a process killed mid-save leaves the index on the previous, complete
 checkpoint: a half-written checkpoint is never loaded.
 """
 
+import contextlib
 import os
 import tempfile
 
@@ -82,6 +83,10 @@ class Checkpointer:
         self._manager = tf.train.CheckpointManager(self._checkpoint, self._directory,
                                                    self._max_to_keep)
 
+    def _as_saved(self):
+        """While inside, the objects are tracked as the checkpoint names them (the twin's)."""
+        return contextlib.nullcontext() if self._twin is None else self._twin.tracked()
+
     def _bind_twin_if_needed(self):
         if self._twin is None and checkpoint_twin.needs_twin(self.model):
             self._bind()
@@ -112,9 +117,10 @@ class Checkpointer:
         for path in paths:
             try:
                 reader = tf.train.load_checkpoint(path)
-                mismatch = self._difference(reader)
-                if mismatch is None:
-                    self._checkpoint.restore(path)
+                with self._as_saved():
+                    mismatch = self._difference(reader)
+                    if mismatch is None:
+                        self._checkpoint.restore(path)
             except (tf.errors.OpError, IndexError) as error:  # IndexError: a truncated file
                 logging.warning("checkpoint %s is unreadable (%s); trying the one before.",
                                 path, str(getattr(error, "message", error)).splitlines()[0])
@@ -142,7 +148,7 @@ class Checkpointer:
             raise ValueError(
                 f"cannot restore into an unbuilt {' and '.join(unbuilt)}: the variables do "
                 "not exist yet, so the checkpoint cannot be matched with them. Call the "
-                "model on a batch and optimizer.build(model.trainable_variables) first "
+                "model on a batch and optimizer.build(trainer.optimized_variables) first "
                 "(fit does both).")
 
     def _difference(self, reader):
@@ -179,7 +185,8 @@ class Checkpointer:
         self._bind_twin_if_needed()
         if self._twin is not None:
             self._twin.join()
-        path = self._manager.save()
+        with self._as_saved():
+            path = self._manager.save()
         self._batches_since_save = 0
         logging.info("saved checkpoint %s", path)
         return path

@@ -54,6 +54,21 @@ class WholeTwin:
         self.optimizer.build(stand_ins)
         compat.track_as_optimized(self.optimizer, model.trainable_variables)
 
+    @contextlib.contextmanager
+    def tracked(self):
+        """While inside, a model that is its own twin and tracks the optimizer (fit sets
+        model.optimizer, as compile() does) tracks the twin's instead, so a checkpoint
+        holds only the whole slots."""
+        swapped = self.model is self._parted and getattr(self.model, "optimizer", None) \
+            is self._optimizer
+        if swapped:
+            self.model.optimizer = self.optimizer
+        try:
+            yield
+        finally:
+            if swapped:
+                self.model.optimizer = self._optimizer
+
     def join(self):
         """The twin takes the model's weights and optimizer state (before a save)."""
         self._copy(to_twin=True)

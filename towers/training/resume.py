@@ -48,7 +48,6 @@ def build_for_restore(trainer, checkpointer, dataset):
         if trainer.setup.stages is None:  # built after the trainer was made
             first_batch.check_model(trainer)
         with tf.device(trainer.main_device):
-            trainable.extend_optimizer(trainer.optimizer,
-                                       trainer.setup.columns.held_variables())
+            trainable.extend_optimizer(trainer.optimizer, trainer.optimized_variables)
         return dataset
     return first_batch.set_up_before_fit(trainer, dataset, "before its checkpoint is restored")

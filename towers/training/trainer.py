@@ -132,6 +132,15 @@ class TowerTrainer:
         return [row[0] for row in self.setup.grid]
 
     @property
+    def optimized_variables(self):
+        """The variables the optimizer updates, and builds its slots for:
+        model.trainable_variables, except that a variable variable_placement="spread"
+        cut across towers is there as its slabs (one per tower holding rows of it)."""
+        if self.setup.columns is None:  # not built yet: nothing is cut
+            return self.model.trainable_variables
+        return self.setup.columns.held_variables()
+
+    @property
     def step(self):
         """Optimizer steps applied so far (int); skipped steps do not count."""
         return int(self.optimizer.iterations.numpy())
