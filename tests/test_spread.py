@@ -271,6 +271,27 @@ class SpreadTest(tf.test.TestCase):
                              spread.model.get_weights()):
             self.assertAllEqual(got, want)
 
+    def test_weight_decay_excluded_from_a_cut_variable_as_from_it_whole(self):
+        # AdamW told to leave the table out of weight decay leaves out its slabs (the
+        # table is cut on 2 towers), as Keras on one device leaves out the table.
+        def optimizer(model):
+            adamw = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+            adamw.exclude_from_weight_decay(var_list=[model.get_layer("table").embeddings])
+            return adamw
+
+        expected = _model()
+        expected.compile(optimizer(expected), _loss())
+        model = _model()
+        trainer = towers.TowerTrainer(model, _loss(), optimizer(model), devices=DEVICES[:2],
+                                      variable_placement="spread")
+        self.assertIn("table/embeddings", [c.variable.path
+                                           for c in trainer.setup.columns.cuts.values()])
+        for batch in _batches():
+            expected.train_on_batch(*batch)
+            trainer.train_step(batch)
+        for got, want in zip(model.get_weights(), expected.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+
     def test_an_optimizer_that_cannot_update_slabs_is_refused_in_one_line(self):
         for optimizer, message in (
                 (keras.optimizers.Lamb(0.01), r"Lamb does not update each element on its own"),

@@ -343,6 +343,25 @@ def track_as_optimized(optimizer, variables):
         optimizer._trainable_variables = list(variables)
 
 
+def excluded_from_weight_decay(optimizer, variable):
+    """Whether `optimizer.exclude_from_weight_decay(var_list=...)` listed `variable` (a
+    keras.Variable held whole).
+
+    Public alternative: none; the optimizer keeps the listed variables' keys, and asks
+    only while it applies (`_use_weight_decay`).
+    """
+    return optimizer._var_key(variable) in getattr(optimizer, "_exclude_from_weight_decay", ())
+
+
+def exclude_from_weight_decay_too(optimizer, variables):
+    """Adds `variables` to those `optimizer.exclude_from_weight_decay(var_list=...)` listed
+    (a variable cut into slabs: its slabs), before the optimizer is built.
+
+    Public alternative: exclude_from_weight_decay itself, which replaces the list.
+    """
+    optimizer._exclude_from_weight_decay |= {optimizer._var_key(v) for v in variables}
+
+
 def optimizer_variables(optimizer):
     """The model variables a built Keras optimizer updates (those it was built with).
 

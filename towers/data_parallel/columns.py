@@ -79,7 +79,7 @@ class Columns(stages_lib.VariableGroups):
         cuts = [(cut.variable, cut.devices, cut.sizes) for cut in self.cuts.values()]
         slabs.check_optimizer(optimizer, cuts)
         for variable, devices, sizes in cuts:
-            slabs.cut(variable, devices, sizes)
+            slabs.cut(variable, devices, sizes, optimizer)
 
     def held_variables(self):
         """The variables the optimizer updates: model.trainable_variables, each cut one

@@ -80,11 +80,19 @@ def is_cut_on(variable, devices, sizes):
     return held is not None and (held.devices, held.sizes) == (list(devices), list(sizes))
 
 
-def cut(variable, devices, sizes):
+def cut(variable, devices, sizes, optimizer):
     """Holds `variable` as slabs, slab t `sizes[t]` rows on `devices[t]`, its value kept,
-    unless it is so held already (is_cut_on)."""
-    if not is_cut_on(variable, devices, sizes):
-        compat.hold_in_slabs(variable, Slabs(variable, devices, sizes))
+    unless it is so held already (is_cut_on). Where `optimizer` (not built yet) was told
+    to exclude the variable from weight decay, it excludes its slabs."""
+    if is_cut_on(variable, devices, sizes):
+        return
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    excluded = compat.held_slabs(variable) is None and \
+        compat.excluded_from_weight_decay(inner, variable)
+    slabs = Slabs(variable, devices, sizes)
+    compat.hold_in_slabs(variable, slabs)
+    if excluded:
+        compat.exclude_from_weight_decay_too(inner, slabs.variables)
 
 
 def held_variables(variables):
