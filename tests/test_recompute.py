@@ -316,17 +316,18 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
         part's rerun reads its input where its forward did). A block holding split
         layers: its rerun sends the parts' activations again (3 rows a tower), no weight."""
         batch = tuple(t[:6] for t in _batches()[0])
-        runs = {recompute: _train(_split_model(0.3), batches=[batch], devices=[CPU[:2], CPU[2:]],
-                                  recompute=recompute)[2]
-                for recompute in (False, ("first",), ("block",))}
-        self.assertEqual(_matmuls_by_device(runs["first",]) - _matmuls_by_device(runs[False]),
+        runs = {name: _train(_split_model(0.3), batches=[batch], devices=[CPU[:2], CPU[2:]],
+                             recompute=recompute)[2]
+                for name, recompute in (("kept", False), ("first", ["first"]),
+                                        ("block", ["block"]))}
+        self.assertEqual(_matmuls_by_device(runs["first"]) - _matmuls_by_device(runs["kept"]),
                          {device: 1 for device in CPU})
-        moved = {recompute: collections.Counter(
+        moved = {name: collections.Counter(
             (source, destination, shape) for source, destination, _, _, shape, _
             in transfers.trainer_step_bytes(trainer, batch)["tensors"])
-            for recompute, trainer in runs.items()}
-        self.assertEqual(moved["first",], moved[False])
-        again = moved["block",] - moved[False]
+            for name, trainer in runs.items()}
+        self.assertEqual(moved["first"], moved["kept"])
+        again = moved["block"] - moved["kept"]
         self.assertTrue(again)
         self.assertEqual({shape[0] for _, _, shape in again}, {3}, again)
 
@@ -334,8 +335,10 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
         ("an_outer_calls_training", ["block"]),    # read by a Dropout it is not passed to
         ("mixed_precision", ["block/up"]))         # a float16 compute of float32 weights
     def test_the_rerun_runs_in_the_keras_state_of_the_first_call(self, recompute):
-        class Block(keras.layers.Layer):  # its call takes no training: its Dropout reads
-            def __init__(self, **kwargs):  # the outer call's (Keras's call context)
+        class Block(keras.layers.Layer):
+            """Its call takes no `training`: its Dropout reads the outer call's."""
+
+            def __init__(self, **kwargs):
                 super().__init__(**kwargs)
                 self.up = keras.layers.Dense(8, activation="relu", name="up",
                                              dtype="mixed_float16")
@@ -352,6 +355,7 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
 
         self.assertSameRun(_train(build(), devices=CPU[:2]),
                            _train(build(), devices=CPU[:2], recompute=recompute))
+
 
 if __name__ == "__main__":
     tf.test.main()
