@@ -1,6 +1,10 @@
 """recompute=: stages and named layers rerun in the backward, equal to keeping their
 activations (dropout included: each rerun draws the first run's mask) and to Keras on one
-device; the rerun is real (counted in the traced step); misuse refused in one line."""
+device, split layers too; the rerun is real (counted in the traced step); misuse refused
+in one line."""
+
+import collections
+import re
 
 import keras
 import numpy as np
@@ -8,6 +12,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from benchmarks.harness import transfers
 from tests import reference
 from towers.data_parallel import forward
 
@@ -43,21 +48,54 @@ def _nested_model(rate, seed=0):
     return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="logits")(hidden))
 
 
+# A column split, and a column -> row pair inside a block, over 2 parts.
+SPLIT_PLAN = {"first": "column", "block/up": "column", "block/down": "row"}
+# 2 towers x 2 stages (cut after "first") x 2 parts on 4 devices: tower 1 runs each
+# stage on the devices tower 0 runs the other on.
+SPLIT_GRID = [[CPU[:2], CPU[2:]], [CPU[2:], CPU[:2]]]
+
+
+def _split_model(rate, seed=0):
+    """split_layers(SPLIT_PLAN) of Dense "first" -> Sequential "block" (Dense "up" with
+    an L2 penalty, Dropout "inner_drop", Dense "down") -> Dropout "drop" -> Dense
+    "logits", its parts on CPU:0 and CPU:1."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="first")(inputs)
+    block = keras.Sequential([keras.layers.Dense(16, activation="relu", name="up",
+                                                 kernel_regularizer=keras.regularizers.L2(0.01)),
+                              keras.layers.Dropout(rate, name="inner_drop"),
+                              keras.layers.Dense(8, activation="tanh", name="down")],
+                             name="block")
+    hidden = keras.layers.Dropout(rate, name="drop")(block(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="logits")(hidden))
+    return towers.split_layers(model, SPLIT_PLAN, CPU[:2])
+
+
+def _split_home(path, pipeline):
+    """Where _split_model's variable `path` lives: part j of a split layer on its
+    stage's device j, any other variable on its stage's first (SPLIT_GRID[0][k])."""
+    stage = 1 if pipeline and not path.startswith("first/") else 0
+    part = re.search(r"/part_(\d)/", path)
+    return CPU[2 * stage + (int(part.group(1)) if part else 0)]
+
+
 def _batches():
     return reference.make_batches(16, STEPS, seed=5)
 
 
-def _train(model, **options):
-    """(weights, logs of every step, trainer) after STEPS steps of TowerTrainer(**options)."""
-    trainer = towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
-                                  **options)
-    logs = [trainer.train_step(batch) for batch in _batches()]
+def _train(model, optimizer="adam", batches=None, **options):
+    """(weights, logs of every step, trainer) after TowerTrainer(**options) trained on
+    `batches` (None: _batches())."""
+    trainer = towers.TowerTrainer(model, reference.make_loss(),
+                                  reference.OPTIMIZERS[optimizer](), **options)
+    logs = [trainer.train_step(batch) for batch in batches or _batches()]
     return [v.numpy() for v in model.weights], logs, trainer
 
 
-def _keras(model):
+def _keras(model, optimizer="adam"):
     """Weights after Keras's compile + train_on_batch on one device, the same batches."""
-    model.compile(optimizer=reference.OPTIMIZERS["adam"](), loss=reference.make_loss())
+    model.compile(optimizer=reference.OPTIMIZERS[optimizer](), loss=reference.make_loss())
     for x, y, w in _batches():
         model.train_on_batch(x, y, sample_weight=w)
     return [v.numpy() for v in model.weights]
@@ -65,6 +103,12 @@ def _keras(model):
 
 def _matmuls(trainer):
     return sum(node.op == "MatMul" for node in reference.traced_nodes(trainer))
+
+
+def _matmuls_by_device(trainer):
+    return collections.Counter(towers.devices.canonical_name(node.device)
+                               for node in reference.traced_nodes(trainer)
+                               if node.op == "MatMul")
 
 
 class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
@@ -153,16 +197,19 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(before, model.weights):
             self.assertAllEqual(want, got.numpy())
 
-    def test_a_loss_added_inside_a_named_layer_refused(self):
-        keras.utils.set_random_seed(0)
-        block = keras.Sequential([keras.layers.Dense(
-            4, name="inner", activity_regularizer=keras.regularizers.L2(0.1))], name="block")
-        model = keras.Sequential([keras.Input((reference.NUM_FEATURES,)), block,
-                                  keras.layers.Dense(reference.NUM_CLASSES)])
-        with self.assertRaisesRegex(ValueError, "a loss is added inside layer 'block' "
-                                                r"\(the activity regularizer of 'inner'\)"):
-            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
-                                devices=CPU[:2], recompute=["block"])
+    def test_a_loss_added_inside_a_named_layer_passes_the_op(self):
+        # A sublayer's activity regularizer: its loss is an output of the op, its gradient
+        # reaches the sublayer's weights through the rerun.
+        def build():
+            keras.utils.set_random_seed(0)
+            block = keras.Sequential([keras.layers.Dense(
+                4, name="inner", activity_regularizer=keras.regularizers.L2(0.1))],
+                name="block")
+            return keras.Sequential([keras.Input((reference.NUM_FEATURES,)), block,
+                                     keras.layers.Dense(reference.NUM_CLASSES)])
+
+        self.assertSameRun(_train(build(), devices=CPU[:2]),
+                           _train(build(), devices=CPU[:2], recompute=["block"]))
 
     def test_a_variable_of_another_layer_read_inside_refused(self):
         class Tied(keras.layers.Layer):  # reads the Dense's kernel, which it does not track
@@ -216,12 +263,99 @@ class RecomputeTest(tf.test.TestCase, parameterized.TestCase):
             for got, want in zip(recomputed, weights):
                 self.assertAllClose(got, want, atol=1e-6, rtol=0)
 
-    def test_named_layers_of_a_split_model_refused(self):
-        model = towers.split_layers(reference.make_up_down_model(), {"up": "column"}, CPU[:2])
-        with self.assertRaisesRegex(ValueError, r"recompute=\['down'\] cannot name layers of "
-                                                "a model with split layers yet"):
-            towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["sgd"](),
-                                devices=[CPU[:2]], recompute=["down"])
+    @parameterized.named_parameters(
+        ("a_split_layer", ["first"], False),                # its parts rerun in their ops
+        ("a_block_of_split_layers", ["block"], False),      # one op, its parts inside
+        ("split_and_plain_layers", ["block/up", "drop", "logits"], False),
+        ("on_a_grid", ["first", "block"], True))            # towers x stages x parts
+    def test_named_layers_of_a_split_model_equal_keeping_them(self, recompute, pipeline):
+        # 2 towers x 2 parts, 2 micro-batches; on the grid (1F1B), 3 rows leave tower 1 an
+        # empty micro-batch (its forward inside a tf.cond).
+        options = dict(devices=[CPU[:2], CPU[2:]], micro_batches=2, optimizer="sgd")
+        batches = None
+        if pipeline:
+            options.update(devices=SPLIT_GRID, pipeline_cuts=["first"], pipeline_schedule="1f1b")
+            batches = [_batches()[0], tuple(t[:3] for t in _batches()[1])]
+        kept = _train(_split_model(0.3), batches=batches, **options)
+        rerun = _train(_split_model(0.3), batches=batches, recompute=recompute, **options)
+        self.assertSameRun(kept, rerun)
+        for variable in rerun[2].model.weights:
+            self.assertEqual(towers.devices.canonical_name(variable.value.device),
+                             _split_home(variable.path, pipeline), variable.path)
+
+    def test_attention_split_by_heads_named_equal_keeping_it(self):
+        # Each part draws its own dropout stream inside the part's op; the rerun the same.
+        def build():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((reference.NUM_FEATURES,))
+            tokens = keras.layers.Dense(4, name="embed")(keras.layers.Reshape((-1, 1))(inputs))
+            attended = keras.layers.MultiHeadAttention(2, 2, dropout=0.3, name="att")(tokens,
+                                                                                       tokens)
+            hidden = keras.layers.GlobalAveragePooling1D()(attended)
+            model = keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(hidden))
+            return towers.split_layers(model, {"att": "heads"}, CPU[:2])
+
+        options = dict(devices=[CPU[:2], CPU[2:]], optimizer="sgd")
+        kept = _train(build(), **options)
+        rerun = _train(build(), recompute=["att"], **options)
+        self.assertSameRun(kept, rerun)
+        for variable in rerun[2].model.weights:
+            self.assertEqual(towers.devices.canonical_name(variable.value.device),
+                             _split_home(variable.path, pipeline=False), variable.path)
+
+    def test_named_layers_of_a_split_model_equal_to_keras_on_one_device(self):
+        expected = _keras(towers.join_layers(_split_model(0.0)), "sgd")
+        _, _, trainer = _train(_split_model(0.0), devices=[CPU[:2], CPU[2:]], optimizer="sgd",
+                               recompute=["first", "block"])
+        self.assertAllClose(expected, towers.join_layers(trainer.model).get_weights(),
+                            atol=KERAS, rtol=0)
+
+    def test_a_recomputed_split_layer_reruns_each_part_on_its_device(self):
+        """A split Dense named: one more MatMul per part and tower, on the part's device
+        (2 towers x 2 parts here), and no more bytes between devices than kept (each
+        part's rerun reads its input where its forward did). A block holding split
+        layers: its rerun sends the parts' activations again (3 rows a tower), no weight."""
+        batch = tuple(t[:6] for t in _batches()[0])
+        runs = {name: _train(_split_model(0.3), batches=[batch], devices=[CPU[:2], CPU[2:]],
+                             recompute=recompute)[2]
+                for name, recompute in (("kept", False), ("first", ["first"]),
+                                        ("block", ["block"]))}
+        self.assertEqual(_matmuls_by_device(runs["first"]) - _matmuls_by_device(runs["kept"]),
+                         {device: 1 for device in CPU})
+        moved = {name: collections.Counter(
+            (source, destination, shape) for source, destination, _, _, shape, _
+            in transfers.trainer_step_bytes(trainer, batch)["tensors"])
+            for name, trainer in runs.items()}
+        self.assertEqual(moved["first"], moved["kept"])
+        again = moved["block"] - moved["kept"]
+        self.assertTrue(again)
+        self.assertEqual({shape[0] for _, _, shape in again}, {3}, again)
+
+    @parameterized.named_parameters(
+        ("an_outer_calls_training", ["block"]),    # read by a Dropout it is not passed to
+        ("mixed_precision", ["block/up"]))         # a float16 compute of float32 weights
+    def test_the_rerun_runs_in_the_keras_state_of_the_first_call(self, recompute):
+        class Block(keras.layers.Layer):
+            """Its call takes no `training`: its Dropout reads the outer call's."""
+
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.up = keras.layers.Dense(8, activation="relu", name="up",
+                                             dtype="mixed_float16")
+                self.drop = keras.layers.Dropout(0.5, name="drop")
+
+            def call(self, x):
+                return self.drop(self.up(x))
+
+        def build():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((reference.NUM_FEATURES,))
+            hidden = Block(name="block")(inputs)
+            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(hidden))
+
+        self.assertSameRun(_train(build(), devices=CPU[:2]),
+                           _train(build(), devices=CPU[:2], recompute=recompute))
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -8,11 +8,12 @@ tensorflow.python, or reads a Keras object's underscored attribute.
 """
 
 import contextlib
+import copy
 import functools
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common import masking, stateless_scope
+from keras.src.backend.common import global_state, masking, stateless_scope
 from keras.src.backend.config import keras_home
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import compile_utils
@@ -111,6 +112,49 @@ def stateless_value(variable):
     """
     scope = stateless_scope.get_stateless_scope()
     return None if scope is None else scope.get_current_value(variable)
+
+
+def keras_call_state():
+    """The Keras state a layer's call reads besides its arguments and variables, as it
+    is now, as fn() -> a context manager that puts it back: the call context (the
+    `training` of an outer call, which a sublayer not given one takes; inside one, a
+    sublayer's call does not clear its losses) and the autocast scope (mixed
+    precision's compute dtype). A recomputation's rerun runs in the backward, outside
+    both.
+
+    Public alternative: none; Keras's Layer.__call__ enters both, in its global state.
+    """
+    saved = {key: global_state.get_global_attribute(key)
+             for key in ("current_call_ctx", "autocast_scope")}
+    saved["current_call_ctx"] = copy.copy(saved["current_call_ctx"])  # calls write into it
+
+    @contextlib.contextmanager
+    def put_back():
+        outer = {key: global_state.get_global_attribute(key) for key in saved}
+        for key, value in saved.items():
+            global_state.set_global_attribute(key, copy.copy(value))
+        try:
+            yield
+        finally:
+            for key, value in outer.items():
+                global_state.set_global_attribute(key, value)
+
+    return put_back
+
+
+def loss_adders(layer, losses):
+    """Per loss in `losses`, added by add_loss inside a stateless call of `layer`, the
+    layer that added it: `layer` or one nested in it (the same order in model.losses).
+
+    Public alternative: none; `layer.losses` gives the losses, and only Keras's own
+    record (Layer._loss_ids) says which layer added each.
+    """
+    adders = {}
+    for nested in layer._flatten_layers():
+        for loss in losses:
+            if id(loss) in nested._loss_ids:
+                adders.setdefault(id(loss), nested)
+    return [adders.get(id(loss), layer) for loss in losses]
 
 
 def nested_layers(model):

@@ -21,7 +21,7 @@ import tensorflow as tf
 import towers
 from towers import compat
 from towers.data_parallel import step as step_lib
-from towers.training import placement
+from towers.training import placement, recompute
 
 _SENDS = ("_Send", "_HostSend")
 _RECEIVES = ("_Recv", "_HostRecv")
@@ -88,7 +88,8 @@ def bytes_between_devices(function, *args):
 def trainer_step_bytes(trainer, batch):
     """bytes_between_devices of one step of `trainer` (set up by a first train_step) on
     `batch`: steps 1-6 (run_towers) and the update, as its compiled step runs them
-    (traced with the trainer's hooks: updates and table reads placed as there)."""
+    (traced with the trainer's hooks: updates and table reads placed as there; the
+    layers recompute names recomputed)."""
     @tf.function
     def step(batch):
         result = step_lib.run_towers(trainer.setup, trainer.objective, batch)
@@ -96,7 +97,7 @@ def trainer_step_bytes(trainer, batch):
                               trainer.model.trainable_variables, trainer.setup.main_device)
         return result.loss
 
-    with placement.step_hooks(trainer):
+    with placement.step_hooks(trainer), recompute.recomputing(trainer.recomputed_layers):
         return bytes_between_devices(step, batch)
 
 

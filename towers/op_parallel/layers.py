@@ -8,7 +8,9 @@ shards do (`part_sizes`).
 Part j's variables live on devices[j]; it runs there too, except inside
 `tower_rows(rows)`, where a form whose parts live on `devices` runs part j on
 rows[devices][j]: tower i of a grid runs its parts on its own devices, reading
-copies of the weights (grid.PartRows).
+copies of the weights (grid.PartRows). Inside `parts_recomputed`, each part's work
+keeps no activation and runs again in its backward, on its device
+(TowerTrainer(recompute=[...]) naming a split layer).
 """
 
 import contextlib
@@ -20,7 +22,8 @@ import tensorflow as tf
 from towers import compat
 from towers.data_parallel import flight, split
 
-_tower = threading.local()  # .rows: where the tower being traced runs its forms' parts
+# .rows: where the tower being traced runs its forms' parts; .recompute: parts_recomputed's.
+_tower = threading.local()
 
 
 def part_sizes(total, num_parts):
@@ -42,6 +45,20 @@ def tower_rows(rows):
         yield
     finally:
         _tower.rows = outer
+
+
+@contextlib.contextmanager
+def parts_recomputed(recompute):
+    """Within it, run_part runs the work of part j as recompute(part, work, inputs, {}),
+    inside the part's op on its device: training/recompute.py's recompute_call, one op
+    that keeps only its inputs and whose gradient runs the work again. A look-up of a
+    table where it lives (op_parallel.tables) keeps only its ids and is not rerun."""
+    outer = getattr(_tower, "recompute", None)
+    _tower.recompute = recompute
+    try:
+        yield
+    finally:
+        _tower.recompute = outer
 
 
 def part_device(devices, j):
@@ -92,19 +109,23 @@ def run_part(devices, j, part, call, *inputs, whole_tables=False):
     its work, on one device and copy its weights there. So a part is one
     custom-gradient op that differentiates itself on its device. Inside a stateless
     call the part's weights are tensors (the tower's copies), inputs of that op, so
-    their gradients flow; outside one, its variables get theirs (`variables`).
+    their gradients flow; outside one, its variables get theirs (`variables`). Inside
+    parts_recomputed the work is an op of its own inside that one, on the same device,
+    keeping only its inputs there.
     """
     device = part_device(devices, j)
     penalties = _counted_penalties(part)
     # Per weight, what a stateless call maps it to (the tower's copy), or None.
     mapped = [compat.stateless_value(weight) for weight in part.trainable_weights]
+    recompute = getattr(_tower, "recompute", None)
+    work = call if recompute is None else (lambda *args: recompute(part, call, args, {}))
     if whole_tables and any(isinstance(value, tf.Variable) for value in mapped):
         # A table the call reads whole (a reverse projection), read once where it lives:
         # a tensor input of the op like a copied weight, so its backward runs here too.
         with tf.device(device):
             mapped = [tf.convert_to_tensor(value) if isinstance(value, tf.Variable) else value
                       for value in mapped]
-        call = _reading(call, [(weight, value) for weight, value
+        work = _reading(work, [(weight, value) for weight, value
                                in zip(part.trainable_weights, mapped) if value is not None])
     reads = {id(weight): weight if value is None else value
              for weight, value in zip(part.trainable_weights, mapped)}
@@ -135,7 +156,7 @@ def run_part(devices, j, part, call, *inputs, whole_tables=False):
         with tf.device(device), tf.GradientTape(
                 persistent=flight.several_backwards()) as tape:
             tape.watch([a for a in args if a.dtype.is_floating])
-            outputs = call(*tf.nest.pack_sequence_as(
+            outputs = work(*tf.nest.pack_sequence_as(
                 inputs, [args[position[id(t)]] for t in flat_inputs]))
             penalty = _penalty(penalties, value)
             if penalty is not None:  # its gradient joins the part's here, on the part
