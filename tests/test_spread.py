@@ -213,6 +213,21 @@ class SpreadTest(tf.test.TestCase):
         for got, want in zip(restoring.model.get_weights(), expected.model.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
 
+    def test_collective_all_reduce_after_main_placement_of_the_same_model(self):
+        # The collective ops' keys follow the step's layout: a spread trainer's all-reduces
+        # (slabs of other shapes) do not take the keys a main-placement trainer of the same
+        # model used in this process (an instance key keeps its first shape).
+        results = []
+        for placement in ("main", "spread"):
+            trainer = towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(0.01),
+                                          devices=DEVICES, variable_placement=placement,
+                                          aggregation="collective")
+            for batch in _batches():
+                trainer.train_step(batch)
+            results.append(trainer.model.get_weights())
+        for got, want in zip(*results):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+
     def test_a_checkpoint_moves_between_tower_counts_whole(self):
         # Written on 4 towers (three variables cut into slabs), restored on 3 (others cut):
         # the files hold every weight and slot whole, as one device's would.

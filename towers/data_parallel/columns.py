@@ -81,6 +81,14 @@ class Columns(stages_lib.VariableGroups):
         for variable, devices, sizes in cuts:
             slabs.cut(variable, devices, sizes, optimizer)
 
+    def signature(self):
+        """Per column, its device and the (path, shape) of the trainable variables held
+        there (a slab's own): equal for two layouts only where steps 5-6 make the same
+        ops."""
+        held = self.held_variables()
+        return tuple((device, tuple((held[i].path, tuple(held[i].shape)) for i in positions))
+                     for device, positions in zip(self.devices, self.trainable_index))
+
     def held_variables(self):
         """The variables the optimizer updates: model.trainable_variables, each cut one
         replaced by its slabs (cut_slabs first). Gradients, steps 5-7, are of these."""

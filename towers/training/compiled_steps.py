@@ -30,9 +30,11 @@ def train_step(trainer, batch, may_be_empty):
     "stop_requested" and "data_ended" (every worker's signals.data_ended is
     set: the step trained on nothing).
     """
-    # The step's collective ops take keys derived from the step and the model, the
-    # same on every worker whatever else each traced (collectives.instance_keys).
-    with collectives.instance_keys(("train_step", cluster_lib.model_signature(trainer.model))), \
+    # The step's collective ops take keys derived from the step, the model and where its
+    # variables live (another placement of the same model makes other ops), the same on
+    # every worker whatever else each traced (collectives.instance_keys).
+    with collectives.instance_keys(("train_step", cluster_lib.model_signature(trainer.model),
+                                    trainer.setup.columns.signature())), \
             recompute.recomputing(trainer.recomputed_layers):
         return _train_step(trainer, batch, may_be_empty)
 
