@@ -286,6 +286,31 @@ class SpreadTest(tf.test.TestCase):
                              spread.model.get_weights()):
             self.assertAllEqual(got, want)
 
+    def test_whole_variables_hands_the_model_back_to_plain_keras(self):
+        # After training with cut variables, towers.whole_variables holds each as one
+        # tf.Variable again: Keras's compile + fit trains the model as a twin of it that
+        # was never cut; the trainer that cut them refuses another step in one line.
+        trainer = towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(0.01),
+                                      devices=DEVICES, variable_placement="spread")
+        batches = _batches()
+        trainer.train_step(batches[0])
+        twin = _model()
+        twin.set_weights(trainer.model.get_weights())
+        cut = [c.variable for c in trainer.setup.columns.cuts.values()]
+        towers.whole_variables(trainer.model, DEVICES[0])
+        self.assertEqual([compat.held_slabs(v) for v in trainer.model.variables],
+                         [None] * len(trainer.model.variables))
+        self.assertEqual({_device(v) for v in cut}, {DEVICES[0]})
+        for model in (trainer.model, twin):
+            model.compile(keras.optimizers.SGD(0.1), _loss())
+            model.train_on_batch(*batches[1])
+        for got, want in zip(trainer.model.get_weights(), twin.get_weights()):
+            self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
+        with self.assertRaisesRegex(ValueError, r"'conv/kernel' is no longer held in the "
+                                    r"slabs this trainer cut it into") as caught:
+            trainer.train_step(batches[2])
+        self.assertNotIn("\n", str(caught.exception))
+
     def test_weight_decay_excluded_from_a_cut_variable_as_from_it_whole(self):
         # AdamW told to leave the table out of weight decay leaves out its slabs (the
         # table is cut on 2 towers), as Keras on one device leaves out the table.

@@ -32,6 +32,7 @@ from towers.data_parallel.aggregate import average_gradients
 from towers.data_parallel.custom_step import StepOutput, tower_step
 from towers.data_parallel.split import split_batch
 from towers.data_parallel.options import TowerOptions
+from towers.data_parallel.slabs import whole_variables
 from towers.data_parallel.step import tower_gradients
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError, Preempted, WorkerLostError

@@ -89,6 +89,18 @@ class Columns(stages_lib.VariableGroups):
         return tuple((device, tuple((held[i].path, tuple(held[i].shape)) for i in positions))
                      for device, positions in zip(self.devices, self.trainable_index))
 
+    def check_held(self):
+        """Raises ValueError, in one line, when a variable cut_slabs cut is no longer held
+        in those slabs (slabs.whole_variables, or another trainer cut it otherwise): the
+        optimizer's slots would train slabs the model no longer reads."""
+        for cut in self.cuts.values():
+            if not slabs.is_cut_on(cut.variable, cut.devices, cut.sizes):
+                raise ValueError(
+                    f"{cut.variable.path!r} is no longer held in the slabs this trainer "
+                    "cut it into (towers.whole_variables, or another trainer's placement), "
+                    "and this trainer's optimizer updates those slabs; make a new "
+                    "TowerTrainer with a fresh optimizer.")
+
     def held_variables(self):
         """The variables the optimizer updates: model.trainable_variables, each cut one
         replaced by its slabs (cut_slabs first). Gradients, steps 5-7, are of these."""

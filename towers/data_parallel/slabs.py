@@ -95,6 +95,20 @@ def cut(variable, devices, sizes, optimizer):
         compat.exclude_from_weight_decay_too(inner, slabs.variables)
 
 
+def whole_variables(model, device=None):
+    """Holds each variable of `model` that spread placement cut into slabs as one
+    tf.Variable again, its value kept, on `device` (default: its first slab's device).
+
+    For plain Keras afterwards: keras.Model.compile + fit (and a Keras optimizer) read
+    each variable as one resource. The TowerTrainer that cut them cannot step again
+    (its optimizer's slots are the slabs'): it refuses in one line; make a new one.
+    """
+    for variable in model.variables:
+        held = compat.held_slabs(variable)
+        if held is not None:
+            compat.move_variable(variable, device or held.devices[0])
+
+
 def held_variables(variables):
     """`variables` (a model's trainable ones) as an optimizer updates them: each held as
     slabs replaced by its slabs."""

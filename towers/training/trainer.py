@@ -347,7 +347,10 @@ class TowerTrainer:
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
-        sets them up again for the new trainable set, to be traced anew."""
+        sets them up again for the new trainable set, to be traced anew. A variable this
+        trainer cut into slabs and someone made whole is refused (Columns.check_held)."""
+        if self.setup.columns is not None:
+            self.setup.columns.check_held()
         if self.setup.trainable_ids is not None and trainable.changed(self):
             trainable.set_up(self)
             self._compiled = self._no_compiled_functions()
