@@ -119,8 +119,12 @@ def main(config):
     model = towers.join_layers(trainer.model) if "split_plan" in config.get(
         "options", {}) else trainer.model
     weights = {f"w{i}": v.numpy() for i, v in enumerate(model.weights)}
+    # The bytes of this worker's optimizer slots (Adam's moments), and the model's.
+    slot_bytes = sum(v.numpy().nbytes for v in trainer.optimizer.variables
+                     if len(v.shape) > 0)
     np.savez(config["output"], losses=np.array(losses), accuracy=trainer.metrics[0].result(),
-             steps=trainer.step, **weights)
+             steps=trainer.step, slot_bytes=slot_bytes,
+             model_bytes=sum(v.numpy().nbytes for v in model.trainable_variables), **weights)
 
 
 def uneven_global_batches(epoch):

@@ -132,7 +132,10 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # across workers (worker 1's part of the first batch is empty), on 1 and 3 towers.
         # Adam updates only the rows a sparse gradient names: the workers' rows of the
         # table must arrive as one device's would, not densified.
-        ("masked_tokens_sparse_table", "masked", "main", False, (1, 3)))
+        ("masked_tokens_sparse_table", "masked", "main", False, (1, 3)),
+        # Each worker holds half the optimizer state (ZeRO-2 across workers): the
+        # gradients reduce-scattered, the updated halves all-gathered.
+        ("spread", "dense", "main", False, (2, 2), {"variable_placement": "spread"}))
     def test_two_workers_of_two_towers_match_one_process_of_four(
             self, model, aggregation, pack, towers_per_worker, more_options=None,
             devices_per_tower=1, trace_on_chief_first=False):
@@ -157,8 +160,14 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(result["losses"], losses, atol=TOLERANCE, rtol=0)
             self.assertAllClose(result["accuracy"], single.metrics[0].result(), atol=1e-6)
         # Every worker applies the same all-reduced update: the copies stay identical.
-        for name in results[0].files:
+        for name in set(results[0].files) - {"slot_bytes"}:
             self.assertAllEqual(results[0][name], results[1][name], msg=name)
+        # Adam's 2 slots per weight: all on each worker, or spread, each its own half
+        # (give or take half a row at each end of its run).
+        spread = options.get("variable_placement") == "spread"
+        slots = [result["slot_bytes"] / (2 * result["model_bytes"]) for result in results]
+        self.assertAllClose(slots, [0.5, 0.5] if spread else [1.0, 1.0], atol=0.1)
+        self.assertAllClose(sum(slots), 1.0 if spread else 2.0)
 
     def test_workers_given_3_and_4_batches_stop_after_the_same_step(self):
         # Both fit 2 epochs: worker 0's data ends a step before worker 1's in each.

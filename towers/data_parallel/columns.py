@@ -31,15 +31,22 @@ class Columns(stages_lib.VariableGroups):
         gradients meet.
       rows: per tower, its device per column: where it reads the column's weights
         and runs their work.
+      cluster: None, or the towers.Cluster whose workers the state is spread over
+        (spread placement in a cluster of 2 workers or more; worker_shares.py).
     """
 
-    def __init__(self, stages, grid, stage_devices, parts=None, spread=False):
+    def __init__(self, stages, grid, stage_devices, parts=None, spread=False, cluster=None):
         """grid[i][k]: tower i's device for stage k; stage_devices[k]: where stage k's
         not-split variables live; parts: None, or an op_parallel.grid.PartRows (its
         rows[i][k][j]: tower i's device for stage k's part j); spread: each group's
         variables spread over its towers' devices (spread_owners, per stage and group),
-        variable_placement="spread"."""
+        variable_placement="spread"; with a `cluster` (a towers.Cluster of 2 workers or
+        more) spread over its workers instead (worker_owners), each worker's towers
+        reading the columns as without spread."""
         self.stages = stages
+        self.cluster = cluster if spread and cluster is not None and \
+            cluster.num_workers > 1 else None
+        spread = spread and self.cluster is None
         self._part_of = {} if parts is None else parts.part_of
         self._shares = len(grid) if spread else 1  # columns per group
         self._groups = 1 + (0 if parts is None else len(parts.rows[0][0]))  # per stage
@@ -61,6 +68,8 @@ class Columns(stages_lib.VariableGroups):
         self.cuts = {}
         # {id(variable): the tower holding it, on its device for the variable's group}
         self._owner = self._spread_owners(group_devices) if spread else None
+        # {id(variable): the worker owning each of its held entries}, with a cluster
+        self._workers = None if self.cluster is None else self._worker_owners()
         super().__init__(stages.model)
 
     def reindex(self):
@@ -105,6 +114,22 @@ class Columns(stages_lib.VariableGroups):
         """The variables the optimizer updates: model.trainable_variables, each cut one
         replaced by its slabs (cut_slabs first). Gradients, steps 5-7, are of these."""
         return slabs.held_variables(self.model.trainable_variables)
+
+    def held_owners(self):
+        """Per held_variables entry, the worker whose optimizer updates it (spread over a
+        cluster's workers), or None where every worker updates every entry."""
+        if self._workers is None:
+            return None
+        return [worker for variable in self.model.trainable_variables
+                for worker in self._workers[id(variable)]]
+
+    def owned_variables(self):
+        """The held_variables entries this worker's optimizer updates and holds slots
+        for: all of them, or spread over a cluster's workers this worker's own."""
+        owners = self.held_owners()
+        return [variable for variable, worker in zip(
+            self.held_variables(), owners or [None] * len(self.held_variables()))
+            if owners is None or worker == self.cluster.task_index]
 
     def slab_flags(self):
         """Per held_variables entry, whether it is a slab of a cut variable."""
@@ -179,6 +204,28 @@ class Columns(stages_lib.VariableGroups):
                 owners.update(group_owners)
                 self.cuts.update(cuts)
         return owners
+
+    def _worker_owners(self):
+        """spread_owners of the model's trainable variables over the cluster's workers,
+        the same on every worker (whatever its towers): {id(variable): the worker of each
+        of its held entries}. A variable across a worker's run is held as slabs, all in
+        its column on this worker (cut_slabs): each worker's rows a variable of their
+        own. The cuts go into self.cuts."""
+        stage_of = {id(variable): k for k in range(self.stages.num_stages)
+                    for variable in self.stages.variables(k)}
+        variables = self.stages.model.trainable_variables
+        owners, cuts = spread_owners(variables, [None] * self.cluster.num_workers)
+        workers = {}
+        for variable in variables:
+            key = id(variable)
+            if key not in cuts:
+                workers[key] = [owners[key]]
+                continue
+            cut, column = cuts[key], self._column_of(stage_of[key], variable)
+            workers[key] = cut.columns  # spread_owners' columns, counted from 0: workers
+            self.cuts[key] = cut._replace(devices=[self.devices[column]] * len(cut.sizes),
+                                          columns=[column] * len(cut.sizes))
+        return workers
 
     def _group_of(self, variable):
         """0 for a variable in no split layer's part, 1 + j for one of part j."""

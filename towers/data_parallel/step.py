@@ -15,7 +15,7 @@ import tensorflow as tf
 from towers import devices as devices_lib
 from towers.data_parallel import aggregate, columns as columns_lib, denominators, exchange
 from towers.data_parallel import forward, losses
-from towers.data_parallel import replicas as replicas_lib, split, tower
+from towers.data_parallel import replicas as replicas_lib, split, tower, worker_shares
 from towers.data_parallel.options import TowerOptions
 from towers.model_parallel import stages as stages_lib
 
@@ -25,7 +25,8 @@ TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main d
 
 grads: mean gradient per setup.columns.held_variables() entry (None where unused),
   times the loss scale if one was given: per model.trainable_variables entry, but
-  for a variable held as slabs (variable_placement="spread") one per slab.
+  for a variable held as slabs (variable_placement="spread") one per slab. With
+  spread placement in a cluster, None for the entries another worker owns.
 loss: scalar float32, the batch's loss as Keras computes it (each loss term's
   mean over the batch, weighted and added) plus regularisation.
 state: new value per model.non_trainable_variables entry (None where unchanged).
@@ -178,7 +179,7 @@ class StepSetup:
         self.stages = stages
         self.columns = columns_lib.Columns(
             stages, self.grid, self.stage_devices, self.parts,
-            spread=self.options.variable_placement == "spread")
+            spread=self.options.variable_placement == "spread", cluster=self.cluster)
 
     @property
     def main_device(self):
@@ -242,6 +243,8 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             examples=batch_rows, term_losses=counts.term_losses)
     if setup.cluster is None:
         return result
+    if columns.cluster is not None:  # the state spread over the workers
+        return worker_shares.across_workers(result, setup, state_rules, state_values)  # 6
     return exchange.across_workers(result, setup.cluster, setup.main_device,       # 6
                                    state_rules, state_values)
 

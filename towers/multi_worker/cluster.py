@@ -213,14 +213,17 @@ def check_same(cluster, values, timeout_s=None):
                          "the same program with the same flags, apart from its task index.")
 
 
-def start_together(cluster, model, optimizer, options, main_device, num_towers):
+def start_together(cluster, model, optimizer, options, main_device, num_towers,
+                   own_slots=False):
     """Before the first step: checks that every worker trains alike, then gives each
     the chief's weights and optimizer state (models built without a common seed
     would start apart).
 
     Args:
       options: the trainer's TowerOptions; main_device: its main device;
-      num_towers: this worker's towers.
+      num_towers: this worker's towers; own_slots: each worker's optimizer holds
+        the slots of its own share of the variables (spread placement,
+        data_parallel/worker_shares.py): only its step count is the chief's.
 
     Returns:
       (first_tower, total_towers): the global index of this worker's first
@@ -235,7 +238,7 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers):
         "the optimizer steps taken (every worker must restore the same checkpoint)":
             int(optimizer.iterations.numpy()),
     })
-    variables = model.variables + optimizer.variables
+    variables = model.variables + ([optimizer.iterations] if own_slots else optimizer.variables)
     with collectives.instance_keys(("start_together", signature)):
         chiefs, _ = exchange.mean_across_workers(
             [v.value for v in variables], float(cluster.is_chief), cluster, HOST_DEVICE)

@@ -9,7 +9,7 @@ builds on: its logs say what a caller needs to decide whether to go on.
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, collectives, forward, losses, split
+from towers.data_parallel import aggregate, collectives, forward, losses, split, worker_shares
 from towers.data_parallel.step import apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.training import recompute
@@ -87,13 +87,20 @@ def _train_step(trainer, batch, may_be_empty):
     with tf.device(setup.main_device):
         grads = aggregate.clip_gradients(result.grads, setup.options.clip_global_norm, scale)
         grads_finite = aggregate.all_finite(grads)
+        if setup.columns.cluster is not None:  # each worker has its own gradients
+            grads_finite = worker_shares.all_finite(grads_finite, trainer.cluster,
+                                                    setup.main_device)
         # With loss scaling an overflowing gradient is routine: the
         # LossScaleOptimizer skips it and halves the scale. Only the loss decides.
         finite = aggregate.all_finite([result.loss]) & (grads_finite | (scale is not None))
 
     def apply():  # step 7, only for a finite step
-        apply_update(trainer.optimizer, grads, setup.columns.held_variables(),
-                     setup.main_device)
+        if setup.columns.cluster is None:
+            apply_update(trainer.optimizer, grads, setup.columns.held_variables(),
+                         setup.main_device)
+        else:  # the state spread over the workers: each applies its own, then gathers
+            worker_shares.apply_update(trainer.optimizer, grads, setup.columns,
+                                       setup.main_device)
         assign_state(trainer.model, result.state, when=grads_finite)
         return grads_finite
 

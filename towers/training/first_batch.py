@@ -40,7 +40,7 @@ def set_up(trainer, batch):
     if trainer.cluster is not None:
         setup.first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
-            setup.main_device, len(setup.grid))
+            setup.main_device, len(setup.grid), own_slots=setup.columns.cluster is not None)
 
 
 def set_up_before_fit(trainer, dataset, why):

@@ -97,6 +97,10 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         _batches("validation_data", validation_data)
     dataset = class_weights.weighted(dataset, class_weight)
     if checkpointer is not None:
+        if trainer.cluster is not None and trainer.options.variable_placement == "spread":
+            raise ValueError("a checkpointer cannot save variable_placement='spread' in a "
+                             "cluster yet: the chief writes, and each worker holds only its "
+                             "own optimizer slots; use 'main'.")
         resume.check_binding(trainer, checkpointer)
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None

@@ -41,7 +41,7 @@ def set_up(trainer):
     model, setup = trainer.model, trainer.setup
     check_trainable(model)
     with tf.device(setup.main_device):
-        extend_optimizer(trainer.optimizer, setup.columns.held_variables())
+        extend_optimizer(trainer.optimizer, setup.columns.owned_variables())
         setup.columns.reindex()
         if setup.options.variable_placement == "replicated":
             setup.replicas = Replicas(model, trainer.devices)

@@ -99,10 +99,11 @@ class TowerTrainer:
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        variable_placement)
         op_grid.check_split_model(model, optimizer, variable_placement, jit_compile)
-        if cluster is not None and variable_placement == "spread":
-            raise ValueError("variable_placement='spread' cannot be combined with a cluster "
-                             "yet (each worker holding 1/W of the state is not built); use "
-                             "'main'.")
+        if cluster is not None and variable_placement == "spread" and (
+                clip_global_norm is not None or model.compute_dtype == "float16"):
+            raise ValueError("variable_placement='spread' in a cluster cannot clip to a "
+                             "global norm or scale the loss (a float16 model) yet: each "
+                             "worker has only its own gradients; use 'main'.")
         self.recomputed_layers = recompute_lib.recomputed_layers(model, self.options.recompute,
                                                                  jit_compile)
         self.setup, self.devices = placement.step_setup(model, devices, main_device,
@@ -135,10 +136,11 @@ class TowerTrainer:
     def optimized_variables(self):
         """The variables the optimizer updates, and builds its slots for:
         model.trainable_variables, except that a variable variable_placement="spread"
-        cut across towers is there as its slabs (one per tower holding rows of it)."""
+        cut across towers is there as its slabs (one per tower holding rows of it);
+        in a cluster, only this worker's own of those (Columns.owned_variables)."""
         if self.setup.columns is None:  # not built yet: nothing is cut
             return self.model.trainable_variables
-        return self.setup.columns.held_variables()
+        return self.setup.columns.owned_variables()
 
     @property
     def step(self):

@@ -1,0 +1,152 @@
+"""variable_placement="spread" in a cluster: each worker holds 1/W of the optimizer state
+(ZeRO-2's partition, by rows, across workers).
+
+Columns (columns.py, worker_owners) lays the model's trainable variables end to end over
+the W workers, the same on every worker; a variable across a worker's run is held as
+slabs on each worker, so that each worker's rows are a variable of their own. Every worker
+keeps the whole weights (its towers read them as without spread); each worker's optimizer
+is built on the held entries it owns only (Columns.owned_variables), so it holds 1/W of
+the slots. A step, across workers:
+
+  steps 5-6 (across_workers): the dense gradients, packed in owner order, each worker's
+    region padded to one size, are summed so that each worker gets only its own region:
+    the global batch's weighted mean of its own entries (weights: examples, as
+    exchange.mean_across_workers). A sparse gradient is gathered as before.
+  step 7 (apply_update): each worker applies its own entries, then the updated values,
+    packed and padded alike, are all-gathered and each worker writes the entries it does
+    not own: every worker's weights stay identical.
+
+The sum is one CollectiveReduceScatterV2 per dtype on GPUs (NCCL's); TensorFlow has no
+reduce-scatter for CPUs, where an all-reduce of the same buffer, each worker keeping its
+region, gives the same sums.
+"""
+
+import math
+
+import tensorflow as tf
+
+from towers.data_parallel import aggregate, collectives, exchange
+
+
+def across_workers(result, setup, state_rules, old_state):
+    """Step 6 across workers with the state spread over them: as exchange.across_workers
+    for the loss, loss terms and state; each gradient (a step.TowerResult's, per
+    setup.columns.held_variables() entry, this worker's mean) becomes the global
+    batch's mean on its owner only, None on the other workers."""
+    cluster, device, columns = setup.cluster, setup.main_device, setup.columns
+    merged = exchange.across_workers(result._replace(grads=[]), cluster, device,
+                                     state_rules, old_state)
+    owners, mine = columns.held_owners(), cluster.task_index
+    sparse = [g if isinstance(g, tf.IndexedSlices) else None for g in result.grads]
+    if any(g is not None for g in sparse):
+        sparse, _ = exchange.mean_across_workers(sparse, result.examples, cluster, device)
+    with tf.device(device), tf.name_scope("across_workers"):
+        weight = tf.cast(result.examples, tf.float32)
+        dense = [None if g is None or isinstance(g, tf.IndexedSlices) else
+                 aggregate.scale(g, weight) for g in result.grads]
+        summed = _reduce_scatter(dense, columns.held_variables(), owners, cluster, device)
+        # sum_w examples_w * mean_w / sum_w examples_w: the global batch's mean
+        means = [None if s is None else tf.math.divide_no_nan(
+            s, tf.cast(merged.examples, s.dtype)) for s in summed]
+        grads = [None if owner != mine else mean if mean is not None else gathered
+                 for mean, gathered, owner in zip(means, sparse, owners)]
+    return merged._replace(grads=grads)
+
+
+def all_finite(finite, cluster, device):
+    """Whether every worker's own gradients are finite (`finite`: this worker's, a bool
+    scalar on `device`): the workers decide alike whether to apply the step, whose
+    all-gather needs them all."""
+    [finite_workers] = collectives.all_reduce_across_workers(
+        [tf.cast(finite, tf.int32)], cluster, device)
+    return tf.equal(finite_workers, cluster.num_workers)
+
+
+def apply_update(optimizer, grads, columns, device):
+    """Step 7 with the state spread over the workers: this worker's optimizer applies
+    its own entries' gradients (None elsewhere: across_workers'), then every entry is
+    written on every worker from its owner's updated value."""
+    held, owners, mine = columns.held_variables(), columns.held_owners(), columns.cluster.task_index
+    with tf.device(device), tf.name_scope("apply"):
+        optimizer.apply_gradients([(g, v) for g, v, owner in zip(grads, held, owners)
+                                   if owner == mine and g is not None])
+    with tf.device(device), tf.name_scope("gather_weights"):
+        values = [v.value if owner == mine else None for v, owner in zip(held, owners)]
+        gathered = _all_gather(values, held, owners, columns.cluster, device)
+    for variable, value, owner in zip(held, gathered, owners):
+        if owner != mine:
+            with tf.device(variable.value.device):
+                variable.assign(value)
+
+
+def _regions(variables, owners, num_workers, present):
+    """Per dtype, per worker, the positions of its entries in `variables` where
+    present[i], and the elements of the longest worker's region."""
+    layout = {}
+    for i, (variable, owner) in enumerate(zip(variables, owners)):
+        if present[i]:
+            regions = layout.setdefault(tf.as_dtype(variable.dtype), [[] for _ in range(
+                num_workers)])
+            regions[owner].append(i)
+    sizes = {dtype: max(1, max(sum(_elements(variables[i]) for i in region)
+                               for region in regions)) for dtype, regions in layout.items()}
+    return layout, sizes
+
+
+def _packed(values, variables, region, size):
+    """`values` at the positions `region` (None: zeros of the variable's shape), flat,
+    concatenated and padded with zeros to `size` elements."""
+    flat = [tf.reshape(tf.zeros(variables[i].shape, variables[i].dtype)
+                       if values[i] is None else values[i], [-1]) for i in region]
+    buffer = tf.concat(flat, 0) if flat else tf.zeros([0], variables[0].dtype)
+    return tf.pad(buffer, [[0, size - sum(_elements(variables[i]) for i in region)]])
+
+
+def _unpacked(buffer, variables, region):
+    """The entries `region` of a worker's region `buffer`, each of its variable's shape."""
+    sizes = [_elements(variables[i]) for i in region]
+    pieces = tf.split(buffer[:sum(sizes)], sizes) if region else []
+    return {i: tf.reshape(piece, variables[i].shape) for i, piece in zip(region, pieces)}
+
+
+def _reduce_scatter(values, variables, owners, cluster, device):
+    """Per dense value (None elsewhere), its sum over the workers where this worker owns
+    it, else None: one reduce-scatter per dtype of the regions laid end to end."""
+    mine, result = cluster.task_index, [None] * len(values)
+    layout, sizes = _regions(variables, owners, cluster.num_workers,
+                             [v is not None for v in values])
+    for dtype, regions in layout.items():
+        buffer = tf.concat([_packed(values, variables, region, sizes[dtype])
+                            for region in regions], 0)
+        if tf.DeviceSpec.from_string(device).device_type == "GPU":
+            group_key = collectives.workers_group_key(device)
+            own = tf.raw_ops.CollectiveReduceScatterV2(
+                input=buffer, group_size=cluster.num_workers, group_key=group_key,
+                instance_key=collectives.instance_key(group_key),
+                ordering_token=[collectives.ordering_token(device)], merge_op="Add",
+                final_op="Id")
+        else:  # no reduce-scatter on CPUs: the same sums, each worker keeping its own
+            [total] = collectives.all_reduce_across_workers([buffer], cluster, device)
+            own = total[mine * sizes[dtype]:(mine + 1) * sizes[dtype]]
+        for i, value in _unpacked(own, variables, regions[mine]).items():
+            result[i] = value
+    return result
+
+
+def _all_gather(values, variables, owners, cluster, device):
+    """Every entry's value from its owner (`values`: this worker's own, None elsewhere):
+    one all-gather per dtype of the workers' regions, each padded to one size."""
+    mine, result = cluster.task_index, [None] * len(values)
+    layout, sizes = _regions(variables, owners, cluster.num_workers, [True] * len(values))
+    for dtype, regions in layout.items():
+        [gathered] = collectives.all_gather_across_workers(
+            [_packed(values, variables, regions[mine], sizes[dtype])], 0, cluster, device)
+        for worker, region in enumerate(regions):
+            buffer = gathered[worker * sizes[dtype]:(worker + 1) * sizes[dtype]]
+            for i, value in _unpacked(buffer, variables, region).items():
+                result[i] = value
+    return result
+
+
+def _elements(variable):
+    return math.prod(variable.shape)
