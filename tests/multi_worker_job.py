@@ -124,7 +124,24 @@ def main(config):
                      if len(v.shape) > 0)
     np.savez(config["output"], losses=np.array(losses), accuracy=trainer.metrics[0].result(),
              steps=trainer.step, slot_bytes=slot_bytes,
-             model_bytes=sum(v.numpy().nbytes for v in model.trainable_variables), **weights)
+             model_bytes=sum(v.numpy().nbytes for v in model.trainable_variables),
+             checkpoint_refusal=checkpoint_refusal(config, cluster, trainer, part), **weights)
+
+
+def checkpoint_refusal(config, cluster, trainer, part):
+    """With spread placement, the ValueError's text where fit with a Checkpointer (on
+    [part]) refuses it before any step (each worker holds its own slots, the chief
+    writes); else ""."""
+    if config.get("options", {}).get("variable_placement") != "spread":
+        return ""
+    checkpointer = towers.Checkpointer(os.path.join(os.path.dirname(config["output"]), "ckpt"),
+                                       trainer.model, trainer.optimizer,
+                                       writer=cluster.is_chief)
+    try:
+        trainer.fit([part], checkpointer=checkpointer, verbose=False)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
 
 
 def uneven_global_batches(epoch):

@@ -134,8 +134,13 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # table must arrive as one device's would, not densified.
         ("masked_tokens_sparse_table", "masked", "main", False, (1, 3)),
         # Each worker holds half the optimizer state (ZeRO-2 across workers): the
-        # gradients reduce-scattered, the updated halves all-gathered.
-        ("spread", "dense", "main", False, (2, 2), {"variable_placement": "spread"}))
+        # gradients reduce-scattered, the updated halves all-gathered; the logits'
+        # kernel is cut across the workers (10 rows and 6), each worker's rows a slab.
+        ("spread", "conv", "main", False, (2, 2), {"variable_placement": "spread"}),
+        # The table cut across the workers: its sparse rows gathered, each worker
+        # applying those of its own slab.
+        ("spread_sparse_table", "embedding", "main", False, (1, 3),
+         {"variable_placement": "spread"}))
     def test_two_workers_of_two_towers_match_one_process_of_four(
             self, model, aggregation, pack, towers_per_worker, more_options=None,
             devices_per_tower=1, trace_on_chief_first=False):
@@ -168,6 +173,9 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         slots = [result["slot_bytes"] / (2 * result["model_bytes"]) for result in results]
         self.assertAllClose(slots, [0.5, 0.5] if spread else [1.0, 1.0], atol=0.1)
         self.assertAllClose(sum(slots), 1.0 if spread else 2.0)
+        # Saving would need every worker's slots on the chief: fit refuses a checkpointer.
+        self.assertEqual("checkpointer cannot save" in str(results[0]["checkpoint_refusal"]),
+                         spread)
 
     def test_workers_given_3_and_4_batches_stop_after_the_same_step(self):
         # Both fit 2 epochs: worker 0's data ends a step before worker 1's in each.

@@ -206,22 +206,23 @@ class Columns(stages_lib.VariableGroups):
         return owners
 
     def _worker_owners(self):
-        """spread_owners of the model's trainable variables over the cluster's workers,
-        the same on every worker (whatever its towers): {id(variable): the worker of each
-        of its held entries}. A variable across a worker's run is held as slabs, all in
-        its column on this worker (cut_slabs): each worker's rows a variable of their
-        own. The cuts go into self.cuts."""
-        stage_of = {id(variable): k for k in range(self.stages.num_stages)
-                    for variable in self.stages.variables(k)}
-        variables = self.stages.model.trainable_variables
-        owners, cuts = spread_owners(variables, [None] * self.cluster.num_workers)
+        """spread_owners of the model's variables (trainable and not, as for towers: a
+        layer unfrozen later has its owner) over the cluster's workers, the same on every
+        worker whatever its towers: {id(variable): the worker of each of its held
+        entries}. A variable across a worker's run is held as slabs, all in its column
+        on this worker (cut_slabs): each worker's rows a variable of their own. The cuts
+        go into self.cuts."""
+        staged = [(k, variable) for k in range(self.stages.num_stages)
+                  for variable in self.stages.variables(k)]
+        owners, cuts = spread_owners([variable for _, variable in staged],
+                                     [None] * self.cluster.num_workers)
         workers = {}
-        for variable in variables:
+        for k, variable in staged:
             key = id(variable)
             if key not in cuts:
                 workers[key] = [owners[key]]
                 continue
-            cut, column = cuts[key], self._column_of(stage_of[key], variable)
+            cut, column = cuts[key], self._column_of(k, variable)
             workers[key] = cut.columns  # spread_owners' columns, counted from 0: workers
             self.cuts[key] = cut._replace(devices=[self.devices[column]] * len(cut.sizes),
                                           columns=[column] * len(cut.sizes))
