@@ -442,6 +442,14 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
             with self.assertRaisesRegex(ValueError, f"port {port} of worker 0 .* is in use"):
                 towers.join_cluster(cluster)
 
+    def test_spread_in_a_cluster_refuses_global_norm_clipping(self):
+        # Each worker has only its own pieces' gradients: no global norm to clip by.
+        cluster = towers.Cluster(["127.0.0.1:1", "127.0.0.1:2"], 1)
+        with self.assertRaisesRegex(ValueError, "spread' in a cluster cannot clip"):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(),
+                                reference.OPTIMIZERS["sgd"](), cluster=cluster,
+                                variable_placement="spread", clip_global_norm=1.0)
+
     def test_trainer_needs_a_joined_cluster(self):
         cluster = towers.Cluster(["127.0.0.1:1", "127.0.0.1:2"], 1)
         with self.assertRaisesRegex(ValueError, "join_cluster"):

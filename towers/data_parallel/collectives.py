@@ -50,6 +50,29 @@ def all_reduce_across_workers(tensors, cluster, device, merge_op="Add", timeout_
             timeout_seconds=float(timeout_s)) for tensor in tensors]
 
 
+def reduce_scatter_across_workers(tensor, cluster, device):
+    """This worker's part of the workers' sum of `tensor` (a vector of W parts of one
+    size, W workers): its task_index-th part, summed over the workers.
+
+    One CollectiveReduceScatterV2 on GPUs (NCCL's). TensorFlow has no reduce-scatter on
+    CPUs ("did not find collective implementation"): there one CollectiveReduceV2 of the
+    whole vector, of which each worker keeps its part: the same sums, W times the bytes.
+    """
+    if cluster.num_workers == 1:
+        return tensor
+    if tf.DeviceSpec.from_string(device).device_type != "GPU":
+        [total] = all_reduce_across_workers([tensor], cluster, device)
+        with tf.device(device):
+            part = tf.shape(tensor)[0] // cluster.num_workers
+            return total[cluster.task_index * part:(cluster.task_index + 1) * part]
+    group_key = workers_group_key(device)
+    with tf.device(device):
+        return tf.raw_ops.CollectiveReduceScatterV2(
+            input=tensor, group_size=cluster.num_workers, group_key=group_key,
+            instance_key=instance_key(group_key), ordering_token=[ordering_token(device)],
+            merge_op="Add", final_op="Id")
+
+
 def all_gather_across_workers(tensors, shape_key, cluster, device):
     """One CollectiveGatherV2 per tensor: every worker's tensor, concatenated on dim 0.
 

@@ -1,8 +1,8 @@
 """variable_placement="spread" in a cluster: each worker holds 1/W of the optimizer state
 (ZeRO-2's partition, by rows, across workers).
 
-Columns (columns.py, worker_owners) lays the model's trainable variables end to end over
-the W workers, the same on every worker; a variable across a worker's run is held as
+Columns (columns.py, _worker_owners) lays the model's variables end to end over the W
+workers (spread_owners, as for towers), the same on every worker; a variable across a worker's run is held as
 slabs on each worker, so that each worker's rows are a variable of their own. Every worker
 keeps the whole weights (its towers read them as without spread); each worker's optimizer
 is built on the held entries it owns only (Columns.owned_variables), so it holds 1/W of
@@ -16,9 +16,7 @@ the slots. A step, across workers:
     packed and padded alike, are all-gathered and each worker writes the entries it does
     not own: every worker's weights stay identical.
 
-The sum is one CollectiveReduceScatterV2 per dtype on GPUs (NCCL's); TensorFlow has no
-reduce-scatter for CPUs, where an all-reduce of the same buffer, each worker keeping its
-region, gives the same sums.
+The sum is one reduce-scatter per dtype (collectives.reduce_scatter_across_workers).
 """
 
 import math
@@ -66,7 +64,8 @@ def apply_update(optimizer, grads, columns, device):
     """Step 7 with the state spread over the workers: this worker's optimizer applies
     its own entries' gradients (None elsewhere: across_workers'), then every entry is
     written on every worker from its owner's updated value."""
-    held, owners, mine = columns.held_variables(), columns.held_owners(), columns.cluster.task_index
+    held, owners = columns.held_variables(), columns.held_owners()
+    mine = columns.cluster.task_index
     with tf.device(device), tf.name_scope("apply"):
         optimizer.apply_gradients([(g, v) for g, v, owner in zip(grads, held, owners)
                                    if owner == mine and g is not None])
@@ -93,12 +92,12 @@ def _regions(variables, owners, num_workers, present):
     return layout, sizes
 
 
-def _packed(values, variables, region, size):
+def _packed(values, variables, region, size, dtype):
     """`values` at the positions `region` (None: zeros of the variable's shape), flat,
-    concatenated and padded with zeros to `size` elements."""
-    flat = [tf.reshape(tf.zeros(variables[i].shape, variables[i].dtype)
+    concatenated and padded with zeros of `dtype` to `size` elements."""
+    flat = [tf.reshape(tf.zeros(variables[i].shape, dtype)
                        if values[i] is None else values[i], [-1]) for i in region]
-    buffer = tf.concat(flat, 0) if flat else tf.zeros([0], variables[0].dtype)
+    buffer = tf.concat(flat, 0) if flat else tf.zeros([0], dtype)
     return tf.pad(buffer, [[0, size - sum(_elements(variables[i]) for i in region)]])
 
 
@@ -116,18 +115,9 @@ def _reduce_scatter(values, variables, owners, cluster, device):
     layout, sizes = _regions(variables, owners, cluster.num_workers,
                              [v is not None for v in values])
     for dtype, regions in layout.items():
-        buffer = tf.concat([_packed(values, variables, region, sizes[dtype])
+        buffer = tf.concat([_packed(values, variables, region, sizes[dtype], dtype)
                             for region in regions], 0)
-        if tf.DeviceSpec.from_string(device).device_type == "GPU":
-            group_key = collectives.workers_group_key(device)
-            own = tf.raw_ops.CollectiveReduceScatterV2(
-                input=buffer, group_size=cluster.num_workers, group_key=group_key,
-                instance_key=collectives.instance_key(group_key),
-                ordering_token=[collectives.ordering_token(device)], merge_op="Add",
-                final_op="Id")
-        else:  # no reduce-scatter on CPUs: the same sums, each worker keeping its own
-            [total] = collectives.all_reduce_across_workers([buffer], cluster, device)
-            own = total[mine * sizes[dtype]:(mine + 1) * sizes[dtype]]
+        own = collectives.reduce_scatter_across_workers(buffer, cluster, device)
         for i, value in _unpacked(own, variables, regions[mine]).items():
             result[i] = value
     return result
@@ -140,7 +130,7 @@ def _all_gather(values, variables, owners, cluster, device):
     layout, sizes = _regions(variables, owners, cluster.num_workers, [True] * len(values))
     for dtype, regions in layout.items():
         [gathered] = collectives.all_gather_across_workers(
-            [_packed(values, variables, regions[mine], sizes[dtype])], 0, cluster, device)
+            [_packed(values, variables, regions[mine], sizes[dtype], dtype)], 0, cluster, device)
         for worker, region in enumerate(regions):
             buffer = gathered[worker * sizes[dtype]:(worker + 1) * sizes[dtype]]
             for i, value in _unpacked(buffer, variables, region).items():
