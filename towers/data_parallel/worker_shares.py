@@ -2,11 +2,11 @@
 (ZeRO-2's partition, by rows, across workers).
 
 Columns (columns.py, _worker_owners) lays the model's variables end to end over the W
-workers (spread_owners, as for towers), the same on every worker; a variable across a worker's run is held as
-slabs on each worker, so that each worker's rows are a variable of their own. Every worker
-keeps the whole weights (its towers read them as without spread); each worker's optimizer
-is built on the held entries it owns only (Columns.owned_variables), so it holds 1/W of
-the slots. A step, across workers:
+workers (spread_owners, as for towers), the same on every worker; a variable across a
+worker's run is held as slabs on each worker, so that each worker's rows are a variable
+of their own. Every worker keeps the whole weights (its towers read them as without
+spread); each worker's optimizer is built on the held entries it owns only
+(Columns.owned_variables), so it holds 1/W of the slots. A step, across workers:
 
   steps 5-6 (across_workers): the dense gradients, packed in owner order, each worker's
     region padded to one size, are summed so that each worker gets only its own region:
@@ -66,9 +66,12 @@ def apply_update(optimizer, grads, columns, device):
     written on every worker from its owner's updated value."""
     held, owners = columns.held_variables(), columns.held_owners()
     mine = columns.cluster.task_index
+    own = [(g, v) for g, v, owner in zip(grads, held, owners) if owner == mine and g is not None]
     with tf.device(device), tf.name_scope("apply"):
-        optimizer.apply_gradients([(g, v) for g, v, owner in zip(grads, held, owners)
-                                   if owner == mine and g is not None])
+        if own:
+            optimizer.apply_gradients(own)
+        else:  # Keras applies no gradients without counting the step; the others count it
+            optimizer.iterations.assign_add(1)
     with tf.device(device), tf.name_scope("gather_weights"):
         values = [v.value if owner == mine else None for v, owner in zip(held, owners)]
         gathered = _all_gather(values, held, owners, columns.cluster, device)
