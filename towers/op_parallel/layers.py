@@ -34,31 +34,30 @@ def part_sizes(total, num_parts):
     return split.shard_sizes(total, num_parts)
 
 
-@contextlib.contextmanager
 def tower_rows(rows):
     """Within it, a form whose parts live on `devices` runs its part j on
     rows[tuple(devices)][j] (None, or devices not in `rows`: on devices[j]). `rows`:
     {a pipeline stage's part devices: the tower's devices for them}."""
-    outer = getattr(_tower, "rows", None)
-    _tower.rows = rows
-    try:
-        yield
-    finally:
-        _tower.rows = outer
+    return _set_within("rows", rows)
 
 
-@contextlib.contextmanager
 def parts_recomputed(recompute):
     """Within it, run_part runs the work of part j as recompute(part, work, inputs, {}),
     inside the part's op on its device: training/recompute.py's recompute_call, one op
     that keeps only its inputs and whose gradient runs the work again. A look-up of a
     table where it lives (op_parallel.tables) keeps only its ids and is not rerun."""
-    outer = getattr(_tower, "recompute", None)
-    _tower.recompute = recompute
+    return _set_within("recompute", recompute)
+
+
+@contextlib.contextmanager
+def _set_within(name, value):
+    """Within it, this thread's tower context has `name` set to `value`."""
+    outer = getattr(_tower, name, None)
+    setattr(_tower, name, value)
     try:
         yield
     finally:
-        _tower.recompute = outer
+        setattr(_tower, name, outer)
 
 
 def part_device(devices, j):
