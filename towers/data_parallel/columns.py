@@ -126,10 +126,11 @@ class Columns(stages_lib.VariableGroups):
     def owned_variables(self):
         """The held_variables entries this worker's optimizer updates and holds slots
         for: all of them, or spread over a cluster's workers this worker's own."""
-        owners = self.held_owners()
-        return [variable for variable, worker in zip(
-            self.held_variables(), owners or [None] * len(self.held_variables()))
-            if owners is None or worker == self.cluster.task_index]
+        held, owners = self.held_variables(), self.held_owners()
+        if owners is None:
+            return held
+        return [variable for variable, worker in zip(held, owners)
+                if worker == self.cluster.task_index]
 
     def slab_flags(self):
         """Per held_variables entry, whether it is a slab of a cut variable."""

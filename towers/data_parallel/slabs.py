@@ -112,9 +112,9 @@ def whole_variables(model, device=None):
 def held_variables(variables):
     """`variables` (a model's trainable ones) as an optimizer updates them: each held as
     slabs replaced by its slabs."""
-    return [held for variable in variables
-            for held in (compat.held_slabs(variable).variables
-                         if compat.held_slabs(variable) is not None else [variable])]
+    slabs_of = [compat.held_slabs(variable) for variable in variables]
+    return [held for variable, slabs in zip(variables, slabs_of)
+            for held in (slabs.variables if slabs is not None else [variable])]
 
 
 def cut_rows(gradient, sizes):
