@@ -166,6 +166,21 @@ def nested_layers(model):
     return model._flatten_layers(include_self=False)
 
 
+@contextlib.contextmanager
+def batch_norm_moments(layer, moments):
+    """Inside, BatchNormalization `layer` in training takes its batch's (mean, variance)
+    from moments(layer, inputs, mask), each of shape (channels,).
+
+    Private: Keras's `_moments`. Public alternative: `synchronized=True`, whose moments
+    ask tf.distribute's replica context to all-reduce; the towers run in none.
+    """
+    layer._moments = functools.partial(moments, layer)  # an instance attribute, shadowing
+    try:
+        yield
+    finally:
+        del layer._moments
+
+
 def sublayers(layer):
     """The layers `layer` holds directly (its attributes' and its graph's), in the order
     `layer.weights` lists their weights after its own.

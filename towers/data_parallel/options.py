@@ -4,7 +4,7 @@ import dataclasses
 from typing import Optional, Union
 
 from towers import errors
-from towers.data_parallel import exchange, replicas as replicas_lib
+from towers.data_parallel import batch_statistics, exchange, replicas as replicas_lib
 from towers.model_parallel import schedule
 
 ON_NONFINITE = ("raise", "skip")
@@ -53,6 +53,10 @@ class TowerOptions:
         "stages" (each stage's forward rerun in its backward, per micro-batch:
         only the stages' inputs kept), or layer names or paths, held as a tuple
         (those layers' activations rerun in the backward); training/recompute.py.
+      batch_statistics: "per_tower" (each BatchNormalization normalises a tower's
+        shard by the shard's statistics; those built synchronized=True excepted) or
+        "global" (every one by the global batch's, met across the towers inside
+        the forward and backward: one device's numbers); batch_statistics.py.
     """
     accum_steps: int = 1
     clip_global_norm: Optional[float] = None
@@ -66,6 +70,7 @@ class TowerOptions:
     pipeline_schedule: str = "gpipe"
     embedding_lookup: str = "table"
     recompute: Union[bool, str, tuple] = False
+    batch_statistics: str = batch_statistics.PER_TOWER
 
     def __post_init__(self):
         # Frozen: the checked counts are set as Python ints (np.int64(2) is taken too).
@@ -106,6 +111,9 @@ class TowerOptions:
         if self.embedding_lookup not in EMBEDDING_LOOKUPS:
             raise ValueError(f"embedding_lookup must be one of {EMBEDDING_LOOKUPS}, got "
                              f"{self.embedding_lookup!r}.")
+        if self.batch_statistics not in batch_statistics.BATCH_STATISTICS:
+            raise ValueError(f"batch_statistics must be one of "
+                             f"{batch_statistics.BATCH_STATISTICS}, got {self.batch_statistics!r}.")
         if self.recompute is not False and self.recompute != RECOMPUTE_STAGES:
             names = self.recompute
             if not (isinstance(names, (list, tuple)) and names

@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, columns as columns_lib, denominators, exchange
+from towers.data_parallel import aggregate, batch_statistics, columns as columns_lib
+from towers.data_parallel import denominators, exchange
 from towers.data_parallel import forward, losses
 from towers.data_parallel import replicas as replicas_lib, split, tower, worker_shares
 from towers.data_parallel.options import TowerOptions
@@ -152,6 +153,9 @@ class StepSetup:
       tables: None, or per columns.held_variables() entry whether it is an embedding
         table the towers look up where it lives (op_parallel.tables): step 2 passes the
         variable on instead of copying it.
+      statistics: the batch_statistics.Meeting of the model's BatchNormalization layers
+        whose statistics are the global batch's (options.batch_statistics, or built
+        synchronized=True), built with the stages.
     """
     stages: stages_lib.Stages
     grid: list
@@ -168,6 +172,7 @@ class StepSetup:
     parts: Optional[object] = None
     tables: Optional[list] = None
     columns: Optional[columns_lib.Columns] = None
+    statistics: Optional[batch_statistics.Meeting] = None
 
     def __post_init__(self):
         self.route = exchange.route(self.options.aggregation, self.options.pack_gradients)
@@ -180,14 +185,21 @@ class StepSetup:
         self.columns = columns_lib.Columns(
             stages, self.grid, self.stage_devices, self.parts,
             spread=self.options.variable_placement == "spread", cluster=self.cluster)
+        self.statistics = batch_statistics.Meeting(
+            batch_statistics.global_layers(stages.model, self.options.batch_statistics),
+            [sum(tower, []) for tower in self.parts.rows] if self.parts else self.grid)
 
     @property
     def main_device(self):
         return self.stage_devices[0]
 
+    @contextlib.contextmanager
     def tower_scope(self, tower_index):
-        """Where tower `tower_index` traces its model: its split layers on its row."""
-        return contextlib.nullcontext() if self.parts is None else self.parts.scope(tower_index)
+        """Where tower `tower_index` traces its model: its split layers on its row, its
+        global BatchNormalization layers meeting the other towers'."""
+        with (contextlib.nullcontext() if self.parts is None else self.parts.scope(tower_index)
+              ), self.statistics.on_tower(tower_index):
+            yield
 
 
 def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
@@ -205,6 +217,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
         shards, shard_sizes, rows = split.shards_of(batch, len(grid))             # 1
         batch_rows = tf.cast(rows, tf.float32)
+    setup.statistics.start_step(shard_sizes)  # BatchNorm over the global batch: 3 meets
     weights = [v.value for v in setup.columns.held_variables()]
     state_values = [v.value for v in stages.model.non_trainable_variables]
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,

@@ -40,7 +40,9 @@ class TowerTrainer:
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
         micro_batches, pipeline_schedule, embedding_lookup, recompute: False,
         "stages" or layer names or paths, whose activations the backward
-        recomputes instead of keeping them; training/recompute.py).
+        recomputes instead of keeping them; training/recompute.py;
+        batch_statistics: "per_tower" or "global", BatchNormalization's statistics
+        over each tower's shard or the global batch; data_parallel/batch_statistics.py).
       recomputed_layers: the layers recompute names ([] for False or "stages").
       metrics: a metrics.Metrics: `metrics` and `weighted_metrics` in every form
         keras.Model.compile takes them, updated on every train and evaluation
@@ -73,7 +75,8 @@ class TowerTrainer:
                  sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
                  pipeline_schedule="gpipe", steps_per_execution=1,
-                 prefetch_to_devices="auto", embedding_lookup="table", recompute=False):
+                 prefetch_to_devices="auto", embedding_lookup="table", recompute=False,
+                 batch_statistics="per_tower"):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         if not isinstance(jit_compile, bool):
@@ -91,7 +94,8 @@ class TowerTrainer:
                                     variable_placement=variable_placement,
                                     micro_batches=micro_batches,
                                     pipeline_schedule=pipeline_schedule,
-                                    embedding_lookup=embedding_lookup, recompute=recompute)
+                                    embedding_lookup=embedding_lookup, recompute=recompute,
+                                    batch_statistics=batch_statistics)
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.

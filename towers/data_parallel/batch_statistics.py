@@ -1,0 +1,165 @@
+"""Where rows meet: BatchNormalization's statistics over the global batch (step 3).
+
+One device normalises a batch by the mean and variance of all its rows; a tower
+sees only its shard. With global statistics, each BatchNormalization layer's
+moments meet across the towers inside the forward, as MirroredStrategy's
+synchronized BatchNorm does:
+
+    tower i:   sum_i = sum of its rows' x, count_i = its rows   (per channel)
+    all:       mean  = (sum_0 + ... + sum_N-1) / (count_0 + ... + count_N-1)
+    tower i:   dev_i = sum of its rows' (x - mean)**2
+    all:       variance = (dev_0 + ... + dev_N-1) / count
+
+Two all-reduces, as one device's tf.nn.moments takes two passes (a mean, then
+the squared distances from it), so a channel whose mean is far from 0 keeps its
+variance's digits. Each all-reduce's gradient is an all-reduce of the towers'
+gradients (the towers' backwards meet there too), so every tower's backward
+gets the gradient that one device's backward gives its rows. Each tower then
+updates the moving statistics with the same global moments, and the step's
+weighted mean of the towers' new values (aggregate.merge_state) is one device's.
+
+The all-reduces are TensorFlow's collective ops, which meet at run time: the
+towers are traced one after another as ever, and the n-th all-reduce each tower
+traces takes the n-th instance key. A tower whose shard is empty skips the model
+(forward.unless_empty): the group is the towers with rows (split gives those
+first), its size known at run time, one group key per size.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from towers import compat, devices as devices_lib
+from towers.data_parallel import collectives
+
+PER_TOWER, GLOBAL = "per_tower", "global"
+BATCH_STATISTICS = (PER_TOWER, GLOBAL)
+
+
+def global_layers(model, batch_statistics):
+    """The BatchNormalization layers of `model` whose statistics are the global batch's:
+    every one with batch_statistics="global", else those built synchronized=True."""
+    return [layer for layer in compat.nested_layers(model)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            and (batch_statistics == GLOBAL or layer.synchronized)]
+
+
+class Meeting:
+    """The global BatchNormalization layers of one step and the all-reduces they meet by.
+
+    Attributes:
+      layers: the layers (global_layers), [] where none: nothing changes then.
+      tower_devices: per tower, its devices in one order alike for every tower (its
+        stages', or its split layers' parts'): a layer run on tower i's j-th device
+        meets the layers run on every tower's j-th.
+    """
+
+    def __init__(self, layers, tower_devices):
+        self.layers, self.tower_devices = layers, tower_devices
+        self._instance_keys = []  # the n-th all-reduce's, alike on every tower
+        self._traced = {}  # tower index -> all-reduces it traced in this step
+        self._shard_sizes, self._tokens = None, {}
+
+    def __bool__(self):
+        return bool(self.layers)
+
+    def start_step(self, shard_sizes):
+        """A new step is traced: its towers' rows (int32 scalars or ints, larger first)."""
+        self._shard_sizes, self._traced = shard_sizes, {}
+        if not self.layers:
+            return
+        # Each device's ordering token read into the step's own graph: a gradient traced
+        # inside a tf.cond's branch (an empty shard's) cannot capture the eager handle.
+        self._tokens = {}
+        for device in {d for devices in self.tower_devices for d in devices}:
+            with tf.device(device):
+                self._tokens[device] = tf.identity(collectives.ordering_token(device))
+
+    @contextlib.contextmanager
+    def on_tower(self, tower_index):
+        """While a tower's forward or backward is traced: each layer's batch moments are
+        the towers' with rows, met by all-reduces (nothing changes without layers)."""
+        if not self.layers:
+            yield
+            return
+        moments = lambda layer, inputs, mask: self._moments(layer, tower_index, inputs, mask)
+        with contextlib.ExitStack() as stack:
+            for layer in self.layers:
+                stack.enter_context(compat.batch_norm_moments(layer, moments))
+            yield
+
+    def _moments(self, layer, tower_index, inputs, mask):
+        """(mean, variance) of `inputs` over every tower's rows, per channel (shape (C,)),
+        as Keras's BatchNormalization computes them on one device (a mask: the masked
+        entries left out, Keras's epsilon in the denominator)."""
+        axes = _reduction_axes(layer, inputs)
+        weights = tf.ones_like(inputs) if mask is None else tf.cast(
+            tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), inputs.dtype)
+        sums = tf.reduce_sum(inputs * weights, axes)
+        counts = tf.reduce_sum(weights, axes)
+        group = self._group(tower_index, sums.device)
+        total, count = tf.split(self._all_reduce(tf.concat([sums, counts], 0), group), 2)
+        if mask is not None:
+            count = count + keras.backend.epsilon()  # as Keras's masked moments
+        mean = tf.math.divide_no_nan(total, count)
+        deviations = tf.reduce_sum(tf.square(inputs - mean) * weights, axes)
+        variance = tf.math.divide_no_nan(self._all_reduce(deviations, group), count)
+        return mean, variance
+
+    def _group(self, tower_index, device):
+        """(tower index, this tower's device, every tower's device at its place)."""
+        device = devices_lib.canonical_name(device) if device else None
+        own = self.tower_devices[tower_index]
+        if device not in own:
+            raise ValueError(
+                f"a BatchNormalization layer runs on {device or 'no named device'}, not on "
+                f"one of tower {tower_index}'s devices {own}; global batch statistics meet "
+                "on the towers' own devices.")
+        place = own.index(device)
+        return tower_index, device, [devices[place] for devices in self.tower_devices]
+
+    def _all_reduce(self, value, group):
+        """The sum of `value` over the towers with rows, on this tower's device; its
+        gradient is the towers' gradients summed alike."""
+        tower_index, device, members = group
+        with_rows = tf.add_n([tf.cast(tf.greater(size, 0), tf.int32)
+                              for size in self._shard_sizes])
+        # The towers with rows are the first ones: one group per count.
+        group_keys = tf.constant([collectives.group_key(("batch_statistics", tuple(members[:n])))
+                                  for n in range(1, len(members) + 1)])
+        forward_key, backward_key = self._next_key(tower_index, members), None
+
+        def reduce(tensor, instance_key):
+            with tf.device(device):
+                return tf.raw_ops.CollectiveReduceV2(
+                    input=tensor, group_size=with_rows,
+                    group_key=tf.gather(group_keys, with_rows - 1), instance_key=instance_key,
+                    ordering_token=[self._tokens[device]], merge_op="Add",
+                    final_op="Id")
+
+        @tf.custom_gradient
+        def summed(tensor):
+            def gradient(upstream):
+                nonlocal backward_key  # taken when traced: a backward may be traced twice
+                backward_key = self._next_key(tower_index, members)
+                return reduce(upstream, backward_key)
+            return reduce(tensor, forward_key), gradient
+
+        return summed(value)
+
+    def _next_key(self, tower_index, members):
+        """The instance key of this tower's next all-reduce: the n-th one a tower traces
+        in a step takes the n-th key, whichever tower traces it first."""
+        n = self._traced.get(tower_index, 0)
+        self._traced[tower_index] = n + 1
+        if n == len(self._instance_keys):
+            self._instance_keys.append(collectives.instance_key(
+                collectives.group_key(("batch_statistics", tuple(members)))))
+        return self._instance_keys[n]
+
+
+def _reduction_axes(layer, inputs):
+    """Every axis of `inputs` but the layer's channel axis."""
+    channel = layer.axis % inputs.shape.rank
+    return [axis for axis in range(inputs.shape.rank) if axis != channel]
