@@ -60,6 +60,7 @@ class Job:
     micro_batches: int
     pipeline_schedule: str
     recompute: Optional[list]
+    batch_statistics: str
     tensor_parallel: int
     split_plan: Optional[list]
     # What is written.
@@ -155,7 +156,7 @@ def run(job):
                              "off": False}[job.prefetch_to_devices],
         micro_batches=job.micro_batches, pipeline_schedule=job.pipeline_schedule,
         clip_global_norm=job.clip_global_norm or None, cluster=cluster,
-        recompute=_recompute(job.recompute))
+        recompute=_recompute(job.recompute), batch_statistics=job.batch_statistics)
     checkpointer = None
     if job.checkpoint_dir:
         with tf.device(devices[0]):  # the slots must exist to be restored
@@ -205,6 +206,7 @@ def run(job):
         "pipeline_schedule": job.pipeline_schedule,
         "pipeline_cuts": cuts,
         "recompute": _recompute(job.recompute),
+        "batch_statistics": job.batch_statistics,
         "tensor_parallel": num_parts,
         "split_plan": plan,
     }

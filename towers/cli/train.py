@@ -105,6 +105,11 @@ RECOMPUTE = flags.DEFINE_list(
     "(each pipeline stage's forward rerun per micro-batch, only the stages' inputs kept; "
     "with --pipeline_stages=1 the whole model) or LAYER,... (layer names or paths, shell "
     "wildcards allowed). The same weights, less activation memory, one more forward.")
+BATCH_STATISTICS = flags.DEFINE_enum(
+    "batch_statistics", "per_tower", ("per_tower", "global"),
+    "BatchNormalization's mean and variance in training: per_tower (each tower's shard, "
+    "as MirroredStrategy) or global (the global batch's, met across the towers: the same "
+    "weights as one device).")
 TENSOR_PARALLEL = flags.DEFINE_integer(
     "tensor_parallel", 1, "Op parallelism: parts each split layer is cut into, one device each "
     "(docs/op_parallel.md); with the built-in mlp and text a default plan, else --split_plan. "

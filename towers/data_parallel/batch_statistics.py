@@ -25,6 +25,7 @@ traces takes the n-th instance key. A tower whose shard is empty skips the model
 first), its size known at run time, one group key per size.
 """
 
+import collections
 import contextlib
 
 import keras
@@ -57,12 +58,38 @@ class Meeting:
 
     def __init__(self, layers, tower_devices):
         self.layers, self.tower_devices = layers, tower_devices
-        self._instance_keys = []  # the n-th all-reduce's, alike on every tower
-        self._traced = {}  # tower index -> all-reduces it traced in this step
+        self._traced = {}  # tower index -> Counter of the all-reduces it traced, by shape
         self._shard_sizes, self._tokens = None, {}
 
     def __bool__(self):
         return bool(self.layers)
+
+    def check(self, micro_batches, jit_compile, cluster):
+        """Raises ValueError, in one line, where the layers cannot meet as one device's:
+        micro-batches (each would be normalised on its own), XLA (one computation per
+        tower holds no collective), a cluster, or two towers on one device."""
+        if not self.layers:
+            return
+        names = [layer.name for layer in self.layers][:3]
+        why = None
+        if micro_batches > 1:
+            why = (f"micro_batches={micro_batches} (or accum_steps) normalises each "
+                   "micro-batch on its own; use micro_batches=1")
+        elif jit_compile:
+            why = "jit_compile=True compiles each tower alone, with no all-reduce inside"
+        elif cluster is not None:
+            why = "they do not meet across the workers of a cluster yet"
+        else:
+            for place in zip(*self.tower_devices):
+                if len(set(place)) < len(place):
+                    why = (f"towers share the device {sorted(place)[0]}, and an all-reduce "
+                           "needs one device per tower")
+                    break
+        if why:
+            raise ValueError(
+                f"global batch statistics for BatchNormalization {names} cannot be computed "
+                f"here: {why}, or train with batch_statistics='per_tower' and layers built "
+                "with synchronized=False (statistics per tower).")
 
     def start_step(self, shard_sizes):
         """A new step is traced: its towers' rows (int32 scalars or ints, larger first)."""
@@ -128,7 +155,7 @@ class Meeting:
         # The towers with rows are the first ones: one group per count.
         group_keys = tf.constant([collectives.group_key(("batch_statistics", tuple(members[:n])))
                                   for n in range(1, len(members) + 1)])
-        forward_key, backward_key = self._next_key(tower_index, members), None
+        forward_key, backward_key = self._next_key(tower_index, members, value), None
 
         def reduce(tensor, instance_key):
             with tf.device(device):
@@ -142,21 +169,25 @@ class Meeting:
         def summed(tensor):
             def gradient(upstream):
                 nonlocal backward_key  # taken when traced: a backward may be traced twice
-                backward_key = self._next_key(tower_index, members)
+                backward_key = self._next_key(tower_index, members, upstream)
                 return reduce(upstream, backward_key)
             return reduce(tensor, forward_key), gradient
 
         return summed(value)
 
-    def _next_key(self, tower_index, members):
-        """The instance key of this tower's next all-reduce: the n-th one a tower traces
-        in a step takes the n-th key, whichever tower traces it first."""
-        n = self._traced.get(tower_index, 0)
-        self._traced[tower_index] = n + 1
-        if n == len(self._instance_keys):
-            self._instance_keys.append(collectives.instance_key(
-                collectives.group_key(("batch_statistics", tuple(members)))))
-        return self._instance_keys[n]
+    def _next_key(self, tower_index, members, value):
+        """The instance key of this tower's next all-reduce of a tensor like `value`: the
+        n-th one of its shape a tower traces in a step takes the n-th key of the range
+        named by the shape, whichever tower traces it first. TensorFlow holds a key to
+        the shape it first ran with, for the life of the process: keyed by shape, another
+        trainer's step (another model, recompute rerunning the forward in the backward)
+        never meets a key of another shape."""
+        like = (tuple(value.shape), value.dtype.name)
+        traced = self._traced.setdefault(tower_index, collections.Counter())
+        n, traced[like] = traced[like], traced[like] + 1
+        with collectives.instance_keys(("batch_statistics", like)):
+            return collectives.instance_key(
+                collectives.group_key(("batch_statistics", tuple(members))), n + 1) + n
 
 
 def _reduction_axes(layer, inputs):

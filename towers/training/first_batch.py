@@ -226,6 +226,7 @@ def check_model(trainer):
     trainable.check_optimizer(trainer.optimizer, model)
     if setup.stages is None:
         setup.use_stages(stages_lib.Stages(model, trainer.pipeline_cuts))
+    setup.statistics.check(setup.options.micro_batches, trainer.jit_compile, trainer.cluster)
     spread = setup.options.variable_placement == "spread"
     if trainer.pipeline_cuts is not None or spread:
         if setup.parts is not None:
