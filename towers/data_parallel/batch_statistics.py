@@ -28,6 +28,7 @@ first), its size known at run time, one group key per size.
 import collections
 import contextlib
 
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -51,13 +52,19 @@ class Meeting:
 
     Attributes:
       layers: the layers (global_layers), [] where none: nothing changes then.
+      per_tower: the model's other BatchNormalization layers (each tower's statistics).
       tower_devices: per tower, its devices in one order alike for every tower (its
         stages', or its split layers' parts'): a layer run on tower i's j-th device
         meets the layers run on every tower's j-th.
     """
 
-    def __init__(self, layers, tower_devices):
-        self.layers, self.tower_devices = layers, tower_devices
+    def __init__(self, model, batch_statistics, tower_devices):
+        self.layers = global_layers(model, batch_statistics)
+        self.per_tower = [layer for layer in compat.nested_layers(model)
+                          if isinstance(layer, keras.layers.BatchNormalization)
+                          and layer not in self.layers]
+        self.tower_devices = tower_devices
+        self._warned = False
         self._traced = {}  # tower index -> Counter of the all-reduces it traced, by shape
         self._shard_sizes, self._tokens = None, {}
 
@@ -90,6 +97,19 @@ class Meeting:
                 f"global batch statistics for BatchNormalization {names} cannot be computed "
                 f"here: {why}, or train with batch_statistics='per_tower' and layers built "
                 "with synchronized=False (statistics per tower).")
+
+    def warn_single_rows(self, micro_batch_rows):
+        """Logs one warning, once, where a per-tower BatchNormalization would train on a
+        micro-batch of one row: its variance is 0, so it outputs beta whatever the input.
+        micro_batch_rows: the rows of each micro-batch of each tower (ints)."""
+        if self.per_tower and not self._warned and 1 in micro_batch_rows:
+            self._warned = True
+            logging.warning(
+                "BatchNormalization %s normalises each tower's rows by their own statistics, "
+                "and a tower has a single row: its variance is 0 and the layer outputs its "
+                "beta, whatever the input. Give every tower several rows, or train with "
+                "batch_statistics='global' (one device's statistics).",
+                [layer.name for layer in self.per_tower][:3])
 
     def start_step(self, shard_sizes):
         """A new step is traced: its towers' rows (int32 scalars or ints, larger first)."""

@@ -186,7 +186,7 @@ class StepSetup:
             stages, self.grid, self.stage_devices, self.parts,
             spread=self.options.variable_placement == "spread", cluster=self.cluster)
         self.statistics = batch_statistics.Meeting(
-            batch_statistics.global_layers(stages.model, self.options.batch_statistics),
+            stages.model, self.options.batch_statistics,
             [sum(tower, []) for tower in self.parts.rows] if self.parts else self.grid)
 
     @property

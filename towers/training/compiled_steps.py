@@ -69,6 +69,16 @@ def fills_every_micro_batch(setup, batch):
     return split.smallest_shard_rows(batch, len(setup.grid)) >= setup.options.micro_batches
 
 
+def micro_batch_rows(setup, batch):
+    """The rows of each micro-batch of each tower for `batch` (Tensors or split.Shards):
+    ints, or [] where the rows are known only at run time."""
+    rows = ([split.batch_size(shard) for shard in batch] if isinstance(batch, split.Shards)
+            else split.shard_sizes(split.batch_size(batch), len(setup.grid)))
+    if not all(isinstance(r, int) for r in rows):
+        return []
+    return [m for r in rows for m in split.shard_sizes(r, setup.options.micro_batches)]
+
+
 def num_micro_batches(setup):
     """Micro-batches per step: towers x micro-batches per tower."""
     return len(setup.grid) * setup.options.micro_batches

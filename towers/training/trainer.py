@@ -345,6 +345,9 @@ class TowerTrainer:
         if self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
             check = None
+        if kind == "train":
+            self.setup.statistics.warn_single_rows(compiled_steps.micro_batch_rows(self.setup,
+                                                                                   batch))
         variant = compiled_steps.variant(self.setup, kind, batch)
         step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
         may_be_empty = variant != kind
