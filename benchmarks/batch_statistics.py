@@ -73,6 +73,7 @@ def _model(name, shape):
         keras.utils.set_random_seed(0)
         return keras.applications.MobileNetV3Small(
             input_shape=shape, weights=None, classes=CLASSES, include_preprocessing=False,
+            dropout_rate=0.0,
             classifier_activation=None)
     return models.build_model(name, shape, CLASSES, seed=0)
 

@@ -1,0 +1,242 @@
+"""BatchNormalization over the global batch (batch_statistics="global", synchronized=True)
+against Keras's compile + train_on_batch on one device.
+
+Per tower, BatchNorm normalises a shard by the shard's statistics, which one device never
+does; with global statistics every tower normalises by the whole batch's, forward and
+backward, and the moving statistics follow: the weights after a few steps are one
+device's. Uneven shards, empty ones, every aggregation route, placements, pipeline stages,
+recompute and split layers are compared; what cannot meet is refused in one line.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from absl.testing import parameterized
+
+import towers
+from towers.cli import models
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+TOLERANCE = 1e-5
+CLASSES = 3
+
+
+def conv_model(synchronized=False):
+    """Conv -> BatchNorm -> relu -> Dense -> BatchNorm -> logits; no bias before a BatchNorm
+    (its gradient is 0 up to round-off, which Adam would magnify)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(4, 3, use_bias=False, name="conv")(inputs)
+    h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn_conv")(h)
+    h = keras.layers.Activation("relu", name="relu")(h)
+    h = keras.layers.Flatten(name="flatten")(h)
+    h = keras.layers.Dense(8, use_bias=False, name="dense")(h)
+    h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn_dense")(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="logits")(h))
+
+
+def masked_model():
+    """Token ids -> Embedding(mask_zero) -> BatchNorm over the unmasked tokens -> pooled."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(12, 4, mask_zero=True, name="embedding")(inputs)
+    h = keras.layers.BatchNormalization(name="bn_tokens")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="logits")(h))
+
+
+def images(rows, shape=(6, 6, 2), seed=1):
+    """Images far from mean 0 (a variance taken in one pass would lose digits), labels."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(rows, *shape)) * 2 + 3).astype("float32")
+    return x, rng.integers(0, CLASSES, rows)
+
+
+def _sce():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+_OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+               "adam": lambda: keras.optimizers.Adam(1e-3),
+               # MobileNetV3Small's 34 BatchNorms: at 0.1 two steps magnify the float32
+               # round-off of its statistics to 1.5e-5 (one tower: 3.8e-6 from Keras).
+               "sgd_deep": lambda: keras.optimizers.SGD(0.01, momentum=0.9)}
+_keras_weights = {}
+
+
+def keras_weights(build, batch, optimizer, steps=3):
+    """The weights (moving statistics too) after `steps` of Keras's train_on_batch."""
+    key = (build, batch[0].shape, optimizer, steps)
+    if key not in _keras_weights:
+        model = build()
+        model.compile(_OPTIMIZERS[optimizer](), _sce())
+        for _ in range(steps):
+            model.train_on_batch(*batch)
+        _keras_weights[key] = model.get_weights()
+    return _keras_weights[key]
+
+
+def assert_weights_close(test, expected, actual, tolerance=TOLERANCE):
+    test.assertEqual(len(expected), len(actual))
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, atol=tolerance, rtol=0)
+
+
+class GlobalStatisticsTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ("3_towers_uneven", 7, {}),
+        # 3 rows on 4 towers: one shard empty (2 rows would do on 3 towers, but a BatchNorm
+        # of 2 rows magnifies float32 round-off to 1e-4 in 3 steps; exact in float64).
+        ("4_towers_one_empty", 3, {"num_towers": 4}),
+        ("synchronized_layers", 7, {"synchronized": True, "batch_statistics": "per_tower"}),
+        ("collective", 7, {"aggregation": "collective"}),
+        ("replicated", 3, {"variable_placement": "replicated", "num_towers": 4}),
+        ("spread", 7, {"variable_placement": "spread"}),
+        ("recompute_stages", 7, {"recompute": "stages"}),
+        ("recompute_named", 3, {"recompute": ["bn_dense"], "num_towers": 4}),
+    )
+    def test_towers_equal_keras(self, rows, options):
+        options = dict(options)
+        devices = DEVICES[:options.pop("num_towers", 3)]
+        synchronized = options.pop("synchronized", False)
+        batch = images(rows)
+        for optimizer in ("sgd", "adam"):
+            model = conv_model(synchronized)
+            trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS[optimizer](),
+                                          devices=devices,
+                                          **{"batch_statistics": "global", **options})
+            for _ in range(3):
+                trainer.train_step(batch)
+            assert_weights_close(self, keras_weights(conv_model, batch, optimizer),
+                                 model.get_weights())
+
+    def test_per_tower_differs(self):
+        """Without global statistics the towers normalise their shards: not one device's
+        numbers (what batch_statistics="global" is for)."""
+        batch = images(7)
+        model = conv_model()
+        trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS["sgd"](), devices=DEVICES[:3])
+        for _ in range(3):
+            trainer.train_step(batch)
+        difference = max(np.abs(e - a).max() for e, a in zip(
+            keras_weights(conv_model, batch, "sgd"), model.get_weights()))
+        self.assertGreater(difference, 1e-2)
+
+    def test_pipeline_stages_and_split_layers(self):
+        """2 towers x 2 pipeline stages (one micro-batch), and 2 towers x 2 parts of a
+        column-split Dense: each BatchNorm meets the same stage's or part's devices."""
+        batch = images(5)
+        expected = keras_weights(conv_model, batch, "sgd")
+        model = conv_model()
+        trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS["sgd"](),
+                                      devices=[DEVICES[:2], DEVICES[2:]], pipeline_cuts=["relu"],
+                                      batch_statistics="global")
+        for _ in range(3):
+            trainer.train_step(batch)
+        assert_weights_close(self, expected, model.get_weights())
+        parted = towers.split_layers(conv_model(), {"dense": "column"}, DEVICES[:2])
+        trainer = towers.TowerTrainer(parted, _sce(), _OPTIMIZERS["sgd"](),
+                                      devices=[DEVICES[:2], DEVICES[2:]],
+                                      batch_statistics="global")
+        for _ in range(3):
+            trainer.train_step(batch)
+        assert_weights_close(self, expected, towers.join_layers(parted).get_weights())
+
+    def test_masked_inputs(self):
+        """A BatchNorm fed a Keras mask takes its statistics over the unmasked tokens of the
+        whole batch, as Keras's masked moments do."""
+        rng = np.random.default_rng(2)
+        x = rng.integers(1, 12, (7, 5)).astype("int32")
+        x[np.arange(5)[None] >= rng.integers(1, 6, 7)[:, None]] = 0
+        batch = (x, rng.integers(0, CLASSES, 7))
+        model = masked_model()
+        trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS["sgd"](), devices=DEVICES[:3],
+                                      batch_statistics="global")
+        for _ in range(3):
+            trainer.train_step(batch)
+        assert_weights_close(self, keras_weights(masked_model, batch, "sgd"), model.get_weights())
+
+    def test_tower_gradients_synchronized(self):
+        """towers.tower_gradients in your own tf.function: a synchronized=True layer's
+        statistics are the whole batch's, as a one-device GradientTape's."""
+        x, y = images(7)
+        reference, model = conv_model(True), conv_model(True)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(_sce()(y, reference(x, training=True)))
+        expected = tape.gradient(loss, reference.trainable_variables)
+
+        @tf.function
+        def gradients(x, y):
+            return towers.tower_gradients(model, _sce(), (x, y), DEVICES[:3])
+
+        grads, logs = gradients(tf.constant(x), tf.constant(y))
+        self.assertAllClose(float(loss), float(logs["loss"]), atol=TOLERANCE)
+        for e, g in zip(expected, grads):
+            self.assertAllClose(e, g, atol=TOLERANCE)
+        for e, a in zip(reference.non_trainable_variables, model.non_trainable_variables):
+            self.assertAllClose(e, a, atol=TOLERANCE)  # the moving statistics
+
+    @parameterized.named_parameters(
+        ("micro_batches", {"micro_batches": 2}, "micro_batches=2"),
+        ("jit_compile", {"jit_compile": True}, "jit_compile=True"),
+        ("shared_device", {"devices": [DEVICES[0], DEVICES[0]]}, "share the device"),
+    )
+    def test_refused_in_one_line(self, options, says):
+        model = conv_model()
+        before = model.get_weights()
+        with self.assertRaisesRegex(ValueError, says) as raised:
+            trainer = towers.TowerTrainer(
+                model, _sce(), _OPTIMIZERS["sgd"](),
+                **{"devices": DEVICES[:2], "batch_statistics": "global", **options})
+            trainer.train_step(images(4))
+        message = str(raised.exception)
+        self.assertNotIn("\n", message)
+        self.assertIn("bn_conv", message)
+        self.assertIn("batch_statistics='per_tower'", message)
+        assert_weights_close(self, before, model.get_weights(), 0)
+
+    def test_single_row_warns_once(self):
+        """Per-tower statistics over one row make the layer output beta: one warning
+        naming the layer and the option, once."""
+        trainer = towers.TowerTrainer(conv_model(), _sce(), _OPTIMIZERS["sgd"](),
+                                      devices=DEVICES[:3])
+        with self.assertLogs(logging.get_absl_logger(), "WARNING") as logs:
+            trainer.train_step(images(4))  # shards of 2, 1 and 1 rows
+            trainer.train_step(images(5))  # 2, 2, 1
+        warnings = [record.getMessage() for record in logs.records
+                    if "single row" in record.getMessage()]
+        self.assertLen(warnings, 1)
+        self.assertIn("bn_conv", warnings[0])
+        self.assertIn("batch_statistics='global'", warnings[0])
+
+
+class ApplicationsTest(tf.test.TestCase):
+    """Models users bring, with batch_statistics="global" on 3 towers against Keras."""
+
+    def _compare(self, build, batch, steps=2):
+        model = build()
+        trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS["sgd_deep"](),
+                                      devices=DEVICES[:3], batch_statistics="global")
+        for _ in range(steps):
+            trainer.train_step(batch)
+        assert_weights_close(self, keras_weights(build, batch, "sgd_deep", steps),
+                             model.get_weights())
+
+    def test_mobilenet_v3_small(self):
+        self._compare(_mobilenet, images(7, (32, 32, 3)))
+
+    def test_command_line_models(self):
+        """The command line's resnet (BatchNorm in every block) and cnn (none)."""
+        for name in ("resnet", "cnn"):
+            self._compare(lambda: models.build_model(name, (8, 8, 1), CLASSES, seed=0),
+                          images(7, (8, 8, 1)))
+
+
+def _mobilenet():
+    keras.utils.set_random_seed(0)
+    return keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), weights=None, classes=CLASSES, include_preprocessing=False,
+        dropout_rate=0.0,  # dropout masks are drawn per tower: not one device's
+        classifier_activation=None)
