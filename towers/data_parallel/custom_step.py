@@ -4,10 +4,12 @@
 two optimizers, gradient surgery, a contrastive loss over the whole batch):
 
 1. `batch` is split into one shard per tower (split.shards_of);
-2. `fn(tower, shard)` runs once per tower under its device; `tower(model, ...)`
-   calls a model on the tower's copies of its weights, copied there the first
-   time the tower reads them (replicas.broadcast_weights), with any arguments;
-3. the call writes nothing: state updates (BatchNorm statistics, counters, a
+2. `fn(tower, shard)` runs once per tower under its device; every variable it
+   reads is the tower's copy, copied there the first time the tower reads it
+   (replicas.broadcast_weights): through `tower(model, ...)`, which calls a
+   model with any arguments, or directly (a penalty over the weights, a model
+   called directly, a MAML inner step on `v.value`; tower_handle.py);
+3. fn writes nothing: state updates (BatchNorm statistics, counters, a
    metric updated in `call`) are kept per tower and merged after the step by
    each variable's rule (aggregate.state_rules);
 4. each named loss is differentiated on the tower with respect to its own
@@ -26,9 +28,9 @@ import collections
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, exchange, forward, replicas, split, tower
+from towers.data_parallel import aggregate, exchange, forward, split, tower_handle
 
-StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux"])
+StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux", "rows"])
 StepOutput.__doc__ = """What tower_step computed, on the main device.
 
 grads: {name: one gradient per variable of wrt[name]} (None where the loss does not
@@ -37,6 +39,8 @@ grads: {name: one gradient per variable of wrt[name]} (None where the loss does 
 losses: {name: float32 scalar}: the global batch's mean of each per-example loss, plus
   its batch loss (or the batch loss alone).
 aux: fn's auxiliary outputs of every tower, rows in batch order (None where fn gave None).
+rows: the global batch's rows, an int32 scalar: what each mean is over, so a loop that
+  accumulates several calls weights each by its rows without counting them.
 """
 
 
@@ -50,11 +54,15 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
         shard: that tower's rows of `batch` (its structure). tower(model, *args,
         **kwargs) calls `model` on the tower's copies of its weights with the
         arguments given (training=... as given, else Keras's default) and returns
-        its outputs; state the call updates is kept on the tower and merged after
-        the step. tower.losses: the regularisation (model.losses) of the calls so
-        far, a float32 scalar (0.0 for none). losses: {name: per-example losses,
-        shape (n,)} for the shard's n rows; aux: any nested structure of (n, ...)
-        tensors, or None.
+        its outputs (a call on no rows is skipped). Every other read of a Keras
+        variable inside fn is the tower's copy too (model.trainable_variables in a
+        penalty, a model called directly, `v.value` for a MAML inner step: take
+        inner gradients with respect to those values), each with its exact
+        gradient; state fn or a call updates is kept on the tower and merged after
+        the step. tower.losses: the regularisation (model.losses) of the tower(...)
+        calls so far, a float32 scalar (0.0 for none). losses: {name: per-example
+        losses, shape (n,)} for the shard's n rows; aux: any nested structure of
+        (n, ...) tensors, or None.
       batch: a Tensor or a nested structure of Tensors sharing dim 0 (the global
         batch); its rows need not divide by the number of towers.
       devices: tower device names, one shard each.
@@ -65,13 +73,15 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
         global batch's aux (rows in batch order), computed on the main device.
 
     Returns:
-      a StepOutput (grads, losses, aux), on main_device.
+      a StepOutput (grads, losses, aux, rows), on main_device.
 
     Raises:
       ValueError: in one line, before anything runs: no devices or one that does not
         exist, a batch of no rows, `wrt` naming no loss, fn returning something
         other than per-example losses, a batch loss that is not a scalar, a model
-        call that assigns a variable the step would lose.
+        call that assigns a variable the step would lose, a loss that reads none of
+        its wrt list's variables, fn differentiating with respect to a variable
+        itself (not its value).
     """
     devices = devices_lib.device_grid(devices_lib.device_list(devices))
     devices = [row[0] for row in devices]
@@ -82,11 +92,12 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
     shards, sizes, rows = split.shards_of(batch, len(devices))                      # 1
     batch_rows = tf.cast(rows, tf.float32)
     watched = {id(v) for variables in wrt.values() for v in variables}
-    towers = [Tower(device, i, watched, persistent=len(wrt) > 1)
+    towers = [tower_handle.Tower(device, i, watched, persistent=len(wrt) > 1)
               for i, device in enumerate(devices)]
+    required = set(wrt) - set(batch_losses)
     for i, (handle, shard) in enumerate(zip(towers, shards)):
         with tf.name_scope(f"tower_{i}"):
-            handle.run(fn, shard, sizes[i], batch_rows, set(wrt) - set(batch_losses))  # 2, 3
+            handle.run(fn, shard, sizes[i], batch_rows, required)                   # 2, 3
     aux, whole = _whole_batch(batch_losses, towers, sizes, main_device, wrt)
     for i, handle in enumerate(towers):
         with tf.name_scope(f"tower_{i}"):
@@ -98,123 +109,12 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
         summed = route([handle.grads[name] for handle in towers], devices, main_device)  # 5, 6
         direct = whole[name][2] if name in whole else [None] * len(variables)
         with tf.device(main_device):
-            grads[name] = [_add(g, d) for g, d in zip(summed, direct)]
+            grads[name] = [tower_handle.add_gradients(g, d) for g, d in zip(summed, direct)]
+        _check_read(name, variables, grads[name])
     _assign_state(towers, sizes, main_device)
-    return StepOutput(grads, _losses(towers, whole, main_device), aux)
-
-
-class Tower:
-    """The handle `fn` gets for one tower: `tower(model, ...)` calls a model on this
-    tower's copies of its weights, writing no variable.
-
-    Attributes:
-      device: the tower's device name.
-      index: the tower's index (its RNG seeds are offset by it: dropout masks differ).
-      losses: the sum of the regularisation losses (model.losses) of the calls made
-        on this tower so far, a float32 scalar (0.0 before any).
-    """
-
-    def __init__(self, device, index, watched, persistent):
-        self.device, self.index = device, index
-        self._watched, self._persistent = watched, persistent
-        self._values = {}  # id(variable) -> its current value on this tower
-        self._sources = {}  # id(variable) -> the copy the tape watches, for wrt
-        self._variables = {}  # id(variable) -> variable, for every one changed
-        self._changed = {}  # id(variable) -> its new value after the calls
-        self._regularization = []
-        self._tape, self._running = None, False
-        self.grads, self.parts, self.aux = {}, {}, None
-
-    @property
-    def losses(self):
-        with tf.device(self.device):
-            return tf.add_n(self._regularization) if self._regularization else tf.constant(0.0)
-
-    def __call__(self, model, *args, **kwargs):
-        """model(*args, **kwargs) on this tower's copies of its weights and state: its
-        outputs. A call on no rows returns outputs of no rows and changes nothing."""
-        if not self._running:
-            raise ValueError("a tower handle calls models only while tower_step runs fn.")
-        variables = list({id(v): v for v in model.trainable_variables +
-                          model.non_trainable_variables + model.metrics_variables}.values())
-        with tf.device(self.device):
-            values = [self._read(v) for v in variables]
-
-            def call(weights, state, x):
-                del weights, x  # every value is in state, the call's arguments in args
-                return forward.stateless_run(model, variables, state,
-                                             lambda: model(*args, **kwargs))
-
-            outputs, new_values, regularization = forward.unless_empty(
-                _rows(args, kwargs), call, [], values, None)
-        for variable, value in zip(variables, new_values):
-            if value is not None:
-                self._values[id(variable)] = self._changed[id(variable)] = value
-                self._variables[id(variable)] = variable
-        if regularization is not None:
-            self._regularization.append(regularization)
-        return outputs
-
-    def run(self, fn, shard, rows, batch_rows, required):
-        """Steps 2-3: fn(self, shard) under this tower's device and a GradientTape; keeps
-        its aux and per named loss the tower's part of the batch's mean (their sum /
-        batch_rows), checked (`required`: the loss names fn must give)."""
-        with tf.device(self.device), tf.GradientTape(persistent=self._persistent) as tape:
-            self._tape, self._running = tape, True
-            try:
-                result = fn(self, shard)
-            finally:
-                self._running = False
-            losses, self.aux = _checked_result(result, rows, required)
-            self.parts = {name: tf.reduce_sum(values) / batch_rows
-                          for name, values in losses.items()}
-
-    def backward(self, wrt, cotangents):
-        """Step 4 on this tower: per name in wrt, the gradient of its part of the batch's
-        mean and of the aux times the cotangents a batch loss sent back
-        (cotangents[name]: per aux leaf, or None)."""
-        aux_leaves = tf.nest.flatten(self.aux)
-        with tf.device(self.device):
-            for name, variables in wrt.items():
-                targets, starts = [], []
-                if name in self.parts:
-                    targets.append(self.parts[name])
-                    starts.append(tf.ones([]))
-                for leaf, cotangent in zip(aux_leaves, cotangents.get(name) or ()):
-                    if cotangent is not None:
-                        targets.append(leaf)
-                        starts.append(tf.identity(cotangent))  # to this tower's device
-                sources = [self._sources.get(id(v), v) for v in variables]
-                self.grads[name] = (self._tape.gradient(targets, sources,
-                                                        output_gradients=starts)
-                                    if targets else [None] * len(variables))
-        self._tape = None  # the activations may now be freed
-
-    def changed_state(self):
-        """{id(variable): (variable, its new value on this tower)} for every one changed."""
-        return {key: (self._variables[key], value) for key, value in self._changed.items()}
-
-    def _read(self, variable):
-        """Step 2 for one variable: its value on this tower, copied the first time
-        (a seed state offset by the tower's index), the latest after a call."""
-        key = id(variable)
-        if key not in self._values:
-            [copy] = replicas.broadcast_weights([variable.value], self.device)
-            copy = tower.offset_seed(variable, copy, self.index)
-            if key in self._watched:
-                self._tape.watch(copy)
-                self._sources[key] = copy
-            self._values[key] = copy
-        return self._values[key]
-
-
-def _rows(args, kwargs):
-    """The rows of a call's first tensor argument (an int, or an int32 scalar)."""
-    leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if tf.is_tensor(leaf)]
-    if not leaves or leaves[0].shape.rank == 0:
-        return 1  # nothing with rows: the call runs
-    first = leaves[0]
-    return first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
+    with tf.device(main_device):
+        rows = tf.convert_to_tensor(rows, tf.int32)
+    return StepOutput(grads, _losses(towers, whole, main_device), aux, rows)
 
 
 def _whole_batch(batch_losses, towers, sizes, main_device, wrt):
@@ -280,10 +180,14 @@ def _assign_state(towers, sizes, main_device):
             variable.assign(value)
 
 
-def _add(a, b):
-    if a is None or b is None:
-        return b if a is None else a
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+def _check_read(name, variables, grads):
+    """Refuses a wrt list none of whose variables loss `name` reads: every gradient
+    None in the traced graph (a tower on no rows still traces its forward)."""
+    if variables and all(g is None for g in grads):
+        raise ValueError(
+            f"loss {name!r} reads none of the {len(variables)} variables wrt[{name!r}] "
+            "lists (every gradient is None); list the variables of the models fn runs "
+            f"for {name!r} (e.g. model.trainable_variables).")
 
 
 def _checked_wrt(wrt):
@@ -305,31 +209,6 @@ def _checked_batch_losses(batch_losses):
         raise ValueError("batch_losses must be a dict {name: callable(aux) -> scalar loss}, "
                          f"got {batch_losses!r}.")
     return dict(batch_losses)
-
-
-def _checked_result(result, rows, required):
-    """fn's (losses, aux), checked: per-example losses of the shard's rows."""
-    if not isinstance(result, (tuple, list)) or len(result) != 2 or not isinstance(
-            result[0], dict):
-        raise ValueError("fn must return (losses, aux): losses a dict {name: per-example "
-                         "losses, shape (n,)} and aux a structure or None, got "
-                         f"{type(result).__name__}.")
-    losses, aux = result
-    for name, values in losses.items():
-        values = tf.convert_to_tensor(values)
-        if values.shape.rank != 1 or (isinstance(rows, int) and values.shape[0] is not None
-                                      and values.shape[0] != rows):
-            raise ValueError(
-                f"fn's loss {name!r} has shape {tuple(values.shape)} for a shard of {rows} "
-                "rows; it must be per-example, shape (rows,): each row's loss depending on "
-                "its row alone. For a loss over the whole batch use batch_losses=.")
-        if not values.dtype.is_floating:
-            raise ValueError(f"fn's loss {name!r} is {values.dtype.name}; losses are floats.")
-    missing = sorted(required - set(losses))
-    if missing:
-        raise ValueError(f"wrt names {missing}, which neither fn's losses (it returned "
-                         f"{sorted(losses)}) nor batch_losses have; give each named loss.")
-    return {name: tf.cast(values, tf.float32) for name, values in losses.items()}, aux
 
 
 def _checked_scalar(name, value):
