@@ -212,6 +212,64 @@ class GlobalStatisticsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIn("batch_statistics='global'", warnings[0])
 
 
+def simclr_encoder(synchronized=True):
+    """SimCLR's encoder and projection head in miniature: BatchNorm between them."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, use_bias=False),
+        keras.layers.BatchNormalization(synchronized=synchronized, name="bn_encoder"),
+        keras.layers.Activation("relu"), keras.layers.Dense(4)])
+
+
+def nt_xent(embeddings, temperature=0.5):
+    """SimCLR's NT-Xent: each view's positive is the other view of its row, the negatives
+    every other row of the whole batch (both views)."""
+    a, b = (tf.math.l2_normalize(e, -1) for e in embeddings)
+    both = tf.concat([a, b], 0)                                       # (2B, D)
+    rows = tf.shape(a)[0]
+    logits = tf.matmul(both, both, transpose_b=True) / temperature    # (2B, 2B)
+    logits -= 1e9 * tf.eye(2 * rows)                                  # not itself
+    positives = tf.concat([tf.range(rows) + rows, tf.range(rows)], 0)
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+        positives, logits, from_logits=True))
+
+
+class TowerStepTest(tf.test.TestCase):
+
+    def test_simclr_synchronized_encoder(self):
+        """NT-Xent over the global batch (batch_losses) with a synchronized=True encoder,
+        3 SGD steps on 3 towers (7 rows), against one device's GradientTape loop: the
+        weights and the moving statistics."""
+        rng = np.random.default_rng(3)
+        x = rng.normal(size=(7, 6)).astype("float32") + 2
+        views = (tf.constant(x), tf.constant(x + rng.normal(0, 0.3, x.shape).astype("float32")))
+        reference, encoder = simclr_encoder(), simclr_encoder()
+        reference_optimizer, optimizer = _OPTIMIZERS["sgd"](), _OPTIMIZERS["sgd"]()
+
+        @tf.function
+        def reference_step(a, b):
+            with tf.GradientTape() as tape:
+                loss = nt_xent((reference(a, training=True), reference(b, training=True)))
+            variables = reference.trainable_variables
+            reference_optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        @tf.function
+        def tower_step(a, b):
+            out = towers.tower_step(
+                lambda tower, s: ({}, (tower(encoder, s[0], training=True),
+                                       tower(encoder, s[1], training=True))),
+                (a, b), DEVICES[:3], {"nt_xent": encoder.trainable_variables},
+                batch_losses={"nt_xent": nt_xent})
+            optimizer.apply_gradients(zip(out.grads["nt_xent"], encoder.trainable_variables))
+            return out.losses["nt_xent"]
+
+        for _ in range(3):
+            self.assertAllClose(float(reference_step(*views)), float(tower_step(*views)),
+                                atol=TOLERANCE)
+        assert_weights_close(self, reference.get_weights(), encoder.get_weights())
+
+
 class ApplicationsTest(tf.test.TestCase):
     """Models users bring, with batch_statistics="global" on 3 towers against Keras."""
 

@@ -39,12 +39,17 @@ PER_TOWER, GLOBAL = "per_tower", "global"
 BATCH_STATISTICS = (PER_TOWER, GLOBAL)
 
 
-def global_layers(model, batch_statistics):
+def global_layers(model, batch_statistics=PER_TOWER):
     """The BatchNormalization layers of `model` whose statistics are the global batch's:
     every one with batch_statistics="global", else those built synchronized=True."""
+    return [layer for layer in batch_norm_layers(model)
+            if batch_statistics == GLOBAL or layer.synchronized]
+
+
+def batch_norm_layers(model):
+    """Every BatchNormalization layer inside `model`, nested ones too."""
     return [layer for layer in compat.nested_layers(model)
-            if isinstance(layer, keras.layers.BatchNormalization)
-            and (batch_statistics == GLOBAL or layer.synchronized)]
+            if isinstance(layer, keras.layers.BatchNormalization)]
 
 
 class Meeting:
@@ -58,27 +63,27 @@ class Meeting:
         meets the layers run on every tower's j-th.
     """
 
-    def __init__(self, model, batch_statistics, tower_devices):
-        self.layers = global_layers(model, batch_statistics)
-        self.per_tower = [layer for layer in compat.nested_layers(model)
-                          if isinstance(layer, keras.layers.BatchNormalization)
-                          and layer not in self.layers]
+    def __init__(self, tower_devices, layers=(), per_tower=()):
+        self.layers, self.per_tower = list(layers), list(per_tower)
         self.tower_devices = tower_devices
         self._warned = False
         self._traced = {}  # tower index -> Counter of the all-reduces it traced, by shape
-        self._shard_sizes, self._tokens = None, {}
+        self._shard_sizes, self._graph, self._tokens = None, None, {}
 
-    def __bool__(self):
-        return bool(self.layers)
+    @classmethod
+    def of_model(cls, model, batch_statistics, tower_devices):
+        """The Meeting of `model`'s layers (global_layers) for a trainer's step."""
+        layers = global_layers(model, batch_statistics)
+        return cls(tower_devices, layers,
+                   [layer for layer in batch_norm_layers(model) if layer not in layers])
 
     def check(self, micro_batches, jit_compile, cluster):
         """Raises ValueError, in one line, where the layers cannot meet as one device's:
         micro-batches (each would be normalised on its own), XLA (one computation per
         tower holds no collective), a cluster, or two towers on one device."""
+        why = None
         if not self.layers:
             return
-        names = [layer.name for layer in self.layers][:3]
-        why = None
         if micro_batches > 1:
             why = (f"micro_batches={micro_batches} (or accum_steps) normalises each "
                    "micro-batch on its own; use micro_batches=1")
@@ -86,17 +91,24 @@ class Meeting:
             why = "jit_compile=True compiles each tower alone, with no all-reduce inside"
         elif cluster is not None:
             why = "they do not meet across the workers of a cluster yet"
-        else:
-            for place in zip(*self.tower_devices):
-                if len(set(place)) < len(place):
-                    why = (f"towers share the device {sorted(place)[0]}, and an all-reduce "
-                           "needs one device per tower")
-                    break
+        self._refuse(self.layers, why or self._shared_device())
+
+    def _shared_device(self):
+        """Why the towers cannot meet where two share a device; None where none does."""
+        for place in zip(*self.tower_devices):
+            if len(set(place)) < len(place):
+                return (f"towers share the device {sorted(place)[0]}, and an all-reduce needs "
+                        "one device per tower")
+        return None
+
+    @staticmethod
+    def _refuse(layers, why):
         if why:
             raise ValueError(
-                f"global batch statistics for BatchNormalization {names} cannot be computed "
-                f"here: {why}, or train with batch_statistics='per_tower' and layers built "
-                "with synchronized=False (statistics per tower).")
+                f"global batch statistics for BatchNormalization "
+                f"{[layer.name for layer in layers][:3]} cannot be computed here: {why}, or "
+                "train with batch_statistics='per_tower' and layers built with "
+                "synchronized=False (statistics per tower).")
 
     def warn_single_rows(self, micro_batch_rows):
         """Logs one warning, once, where a per-tower BatchNormalization would train on a
@@ -112,27 +124,22 @@ class Meeting:
                 [layer.name for layer in self.per_tower][:3])
 
     def start_step(self, shard_sizes):
-        """A new step is traced: its towers' rows (int32 scalars or ints, larger first)."""
-        self._shard_sizes, self._traced = shard_sizes, {}
-        if not self.layers:
-            return
-        # Each device's ordering token read into the step's own graph: a gradient traced
-        # inside a tf.cond's branch (an empty shard's) cannot capture the eager handle.
-        self._tokens = {}
-        for device in {d for devices in self.tower_devices for d in devices}:
-            with tf.device(device):
-                self._tokens[device] = tf.identity(collectives.ordering_token(device))
+        """A new step is traced, in the current graph: its towers' rows (int32 scalars or
+        ints, larger first)."""
+        self._shard_sizes, self._traced, self._tokens = shard_sizes, {}, {}
+        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
     @contextlib.contextmanager
-    def on_tower(self, tower_index):
-        """While a tower's forward or backward is traced: each layer's batch moments are
-        the towers' with rows, met by all-reduces (nothing changes without layers)."""
-        if not self.layers:
-            yield
-            return
+    def on_tower(self, tower_index, layers=None):
+        """While a tower's forward or backward is traced: each of `layers` (None: the
+        Meeting's) takes its batch moments from the towers with rows, met by all-reduces
+        (nothing changes without layers)."""
+        layers = self.layers if layers is None else layers
+        if layers and layers is not self.layers:
+            self._refuse(layers, self._shared_device())
         moments = lambda layer, inputs, mask: self._moments(layer, tower_index, inputs, mask)
         with contextlib.ExitStack() as stack:
-            for layer in self.layers:
+            for layer in layers:
                 stack.enter_context(compat.batch_norm_moments(layer, moments))
             yield
 
@@ -182,7 +189,7 @@ class Meeting:
                 return tf.raw_ops.CollectiveReduceV2(
                     input=tensor, group_size=with_rows,
                     group_key=tf.gather(group_keys, with_rows - 1), instance_key=instance_key,
-                    ordering_token=[self._tokens[device]], merge_op="Add",
+                    ordering_token=[self._token(device)], merge_op="Add",
                     final_op="Id")
 
         @tf.custom_gradient
@@ -194,6 +201,17 @@ class Meeting:
             return reduce(tensor, forward_key), gradient
 
         return summed(value)
+
+    def _token(self, device):
+        """`device`'s ordering token (collectives.ordering_token), read into the step's
+        own graph once: a gradient traced inside a tf.cond's branch (an empty shard's)
+        cannot capture the eager handle itself."""
+        if self._graph is None:
+            return collectives.ordering_token(device)
+        if device not in self._tokens:
+            with self._graph.as_default(), tf.control_dependencies(None), tf.device(device):
+                self._tokens[device] = tf.identity(collectives.ordering_token(device))
+        return self._tokens[device]
 
     def _next_key(self, tower_index, members, value):
         """The instance key of this tower's next all-reduce of a tensor like `value`: the

@@ -28,7 +28,8 @@ import collections
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, exchange, forward, split, tower_handle
+from towers.data_parallel import aggregate, batch_statistics, exchange, forward, split
+from towers.data_parallel import tower_handle
 
 StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux", "rows"])
 StepOutput.__doc__ = """What tower_step computed, on the main device.
@@ -92,7 +93,10 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
     shards, sizes, rows = split.shards_of(batch, len(devices))                      # 1
     batch_rows = tf.cast(rows, tf.float32)
     watched = {id(v) for variables in wrt.values() for v in variables}
-    towers = [tower_handle.Tower(device, i, watched, persistent=len(wrt) > 1)
+    # A model's BatchNormalization(synchronized=True) layers meet over the towers.
+    meeting = batch_statistics.Meeting([[device] for device in devices])
+    meeting.start_step(sizes)
+    towers = [tower_handle.Tower(device, i, watched, persistent=len(wrt) > 1, meeting=meeting)
               for i, device in enumerate(devices)]
     required = set(wrt) - set(batch_losses)
     for i, (handle, shard) in enumerate(zip(towers, shards)):

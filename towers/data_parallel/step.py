@@ -185,7 +185,7 @@ class StepSetup:
         self.columns = columns_lib.Columns(
             stages, self.grid, self.stage_devices, self.parts,
             spread=self.options.variable_placement == "spread", cluster=self.cluster)
-        self.statistics = batch_statistics.Meeting(
+        self.statistics = batch_statistics.Meeting.of_model(
             stages.model, self.options.batch_statistics,
             [sum(tower, []) for tower in self.parts.rows] if self.parts else self.grid)
 

@@ -16,7 +16,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import forward, replicas, tower
+from towers.data_parallel import batch_statistics, forward, replicas, tower
 
 
 class Tower:
@@ -30,8 +30,8 @@ class Tower:
         on this tower so far, a float32 scalar (0.0 before any).
     """
 
-    def __init__(self, device, index, watched, persistent):
-        self.device, self.index = device, index
+    def __init__(self, device, index, watched, persistent, meeting):
+        self.device, self.index, self._meeting = device, index, meeting
         self._watched, self._persistent = watched, persistent
         self._values = {}  # id(variable) -> its current value on this tower
         self._sources = {}  # id(variable) -> the copy the tape watches, for wrt
@@ -64,8 +64,9 @@ class Tower:
                 return forward.stateless_run(model, variables, state,
                                              lambda: model(*args, **kwargs))
 
-            outputs, new_values, regularization = forward.unless_empty(
-                _rows(args, kwargs), call, [], values, None)
+            with self._meeting.on_tower(self.index, batch_statistics.global_layers(model)):
+                outputs, new_values, regularization = forward.unless_empty(
+                    _rows(args, kwargs), call, [], values, None)
         for variable, value in zip(variables, new_values):
             if value is not None:
                 self._keep(variable, value)
