@@ -192,6 +192,17 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         # auto: off on CPU towers.
         self.assertEqual([r["prefetch_to_devices"] for r in results], [False] * 4 + [True])
 
+    def test_global_batch_statistics_flag_trains_the_one_device_model(self):
+        """--batch_statistics=global on 3 towers: the resnet (BatchNorm in every block)
+        ends where one tower (one device's statistics) does."""
+        results = []
+        for num_towers, statistics in ((1, "per_tower"), (3, "global")):
+            with flagsaver.flagsaver(model="resnet", num_towers=num_towers, global_batch_size=32,
+                                     steps=4, batch_statistics=statistics):
+                results.append(train.train())
+        self.assertAllClose(results[0]["eval_loss"], results[1]["eval_loss"], atol=1e-5)
+        self.assertEqual(results[1]["batch_statistics"], "global")
+
     @parameterized.parameters("mixed_float16", "mixed_bfloat16")
     def test_mixed_precision_flag(self, policy):
         with flagsaver.flagsaver(**QUICK, steps=8, mixed_precision=policy, clip_global_norm=1.0):

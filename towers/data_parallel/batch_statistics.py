@@ -182,7 +182,7 @@ class Meeting:
         # The towers with rows are the first ones: one group per count.
         group_keys = tf.constant([collectives.group_key(("batch_statistics", tuple(members[:n])))
                                   for n in range(1, len(members) + 1)])
-        forward_key, backward_key = self._next_key(tower_index, members, value), None
+        forward_key = self._next_key(tower_index, members, value)
 
         def reduce(tensor, instance_key):
             with tf.device(device):
@@ -194,10 +194,8 @@ class Meeting:
 
         @tf.custom_gradient
         def summed(tensor):
-            def gradient(upstream):
-                nonlocal backward_key  # taken when traced: a backward may be traced twice
-                backward_key = self._next_key(tower_index, members, upstream)
-                return reduce(upstream, backward_key)
+            def gradient(upstream):  # its key taken when traced: a backward may be traced twice
+                return reduce(upstream, self._next_key(tower_index, members, upstream))
             return reduce(tensor, forward_key), gradient
 
         return summed(value)
