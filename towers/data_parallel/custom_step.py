@@ -26,7 +26,8 @@ import collections
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, exchange, forward, replicas, split, tower
+from towers.data_parallel import aggregate, exchange, forward, model_losses, replicas, split
+from towers.data_parallel import tower
 
 StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux"])
 StepOutput.__doc__ = """What tower_step computed, on the main device.
@@ -151,8 +152,8 @@ class Tower:
             if value is not None:
                 self._values[id(variable)] = self._changed[id(variable)] = value
                 self._variables[id(variable)] = variable
-        if regularization is not None:
-            self._regularization.append(regularization)
+        if regularization:
+            self._regularization.append(model_losses.total(regularization))
         return outputs
 
     def run(self, fn, shard, rows, batch_rows, required):
