@@ -35,6 +35,9 @@ class AddedLoss(keras.layers.Layer):
         elif self.form == "kl":  # a VAE's KL of (mean, log variance) halves, summed over rows
             mean, log_var = ops.split(h, 2, axis=-1)
             self.add_loss(-0.005 * ops.sum(1 + log_var - mean ** 2 - ops.exp(log_var)))
+        elif self.form == "on_big_batches":  # present on some calls only
+            if h.shape[0] is not None and h.shape[0] > 2:
+                self.add_loss(0.1 * ops.mean(h ** 2))
         elif self.form == "load_balancing":  # Switch: batch mean of routing x of gates
             gates = ops.softmax(h)
             routed = ops.one_hot(ops.argmax(h, axis=-1), h.shape[-1])
@@ -96,15 +99,38 @@ class AddedLossFormsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertTrue(np.isfinite(trainer.train_step(_batches(steps=1)[0])["loss"]))
         self.assertEqual(trainer.objective.model_loss_forms, {"regularized#0": "mean"})
 
-    def test_a_loss_that_couples_rows_is_refused_before_any_step(self):
-        model = _model("load_balancing")
+    @parameterized.named_parameters(
+        ("couples_rows", "load_balancing", "couples the batch's rows"),
+        ("on_some_calls_only", "on_big_batches", "on some rows and not on others"))
+    def test_a_loss_of_no_form_is_refused_before_any_step(self, form, why):
+        model = _model(form)
         before = [w.numpy() for w in model.weights]
         trainer = towers.TowerTrainer(model, "sparse_categorical_crossentropy",
                                       keras.optimizers.SGD(0.1), devices=DEVICES)
-        with self.assertRaisesRegex(ValueError, r"^layer 'added' .* couples the batch's "
-                                                r"rows.*tower_step\(\.\.\., batch_losses=\)"
+        with self.assertRaisesRegex(ValueError, f"^layer 'added' .*{why}.*"
+                                                r"tower_step\(\.\.\., batch_losses=\)"
                                     ) as raised:
             trainer.train_step(_batches(steps=1)[0])
         self.assertNotIn("\n", str(raised.exception))
         for want, got in zip(before, model.weights):
             self.assertAllEqual(want, got)
+
+    @parameterized.named_parameters(("column", "hidden", "column"), ("row", "hidden", "row"),
+                                    ("heads", "attention", "heads"))
+    def test_a_split_layer_regularises_its_activity_as_the_layer(self, name, how):
+        # A part's output is a share of the layer's (a slice, or a term of a sum): the
+        # regulariser applies where the parts meet (and to an attention's q, k, v parts).
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3, 4))
+        regularizer = keras.regularizers.L2(0.05)
+        h = keras.layers.Dense(6, activation="tanh", activity_regularizer=regularizer,
+                               name="hidden")(inputs)
+        h = keras.layers.MultiHeadAttention(2, 2, activity_regularizer=regularizer,
+                                            name="attention")(h, h)
+        model = keras.Model(inputs, h)
+        x = np.random.default_rng(1).normal(size=(5, 3, 4)).astype("float32")
+        model(x)
+        expected = float(tf.add_n(model.losses))
+        parted = towers.split_layers(model, {name: how}, DEVICES[:2])
+        parted(x)
+        self.assertAllClose(tf.add_n(parted.losses), expected, atol=1e-6, rtol=0)

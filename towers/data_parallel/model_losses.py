@@ -76,8 +76,8 @@ def part(terms, forms, share):
         form = MEAN if forms is None or key == WEIGHTS else forms.get(key)
         if form is None:
             raise ValueError(
-                f"layer {layer_of(key)!r} adds a loss (add_loss or activity_regularizer, "
-                f"its {index_of(key)}th of the call) that it did not add on the first batch, "
+                f"layer {layer_of(key)!r} adds a loss (add_loss or activity_regularizer; "
+                f"loss {index_of(key)} of its call) that it did not add on the first batch, "
                 "where towers measured each loss's form (mean or sum over rows); add the "
                 "same losses on every call, or compute it over the global batch with "
                 "towers.tower_step(..., batch_losses=).")
