@@ -28,8 +28,8 @@ import threading
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, losses, split
-from towers.data_parallel.forward import batch_share, concat_rows, cross_cut, shard_loss
-from towers.data_parallel.forward import unless_empty
+from towers.data_parallel.forward import concat_rows, cross_cut, regularization_part
+from towers.data_parallel.forward import shard_loss, unless_empty
 from towers.model_parallel import schedule
 
 TowerOutput = collections.namedtuple(
@@ -39,7 +39,8 @@ TowerOutput.__doc__ = """What one tower computed, on that tower.
 grads: per trainable variable, d(part * loss_scale)/d(weight), None where unused.
 loss: float32 scalar, `part`: the shard's part of the batch's loss (unscaled):
     each term's sum over the batch's denominator, times its loss weight, plus
-    the regularisation times rows / the batch's rows. Summed over the towers,
+    the regularisation's part (forward.regularization_part: a mean term times rows
+    / the batch's rows, a sum term whole). Summed over the towers,
     the grads are the batch's mean gradient and the losses its loss.
 state: per non-trainable variable, its new value, None where unchanged.
 y_pred: (outputs, masks) for the shard's rows, as forward.forward returns them.
@@ -220,8 +221,8 @@ class Flight:
                            in zip(terms, self.objective.weights) if term.per_row is None]
             else:
                 outputs, masks = tf.nest.flatten(outputs[0]), outputs[1]
-                part = (None if regularization is None
-                        else regularization * batch_share(self.sizes[m], self.batch_rows))
+                part = regularization_part(self.objective, regularization, self.sizes[m],
+                                           self.batch_rows)
             targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
                        for t in [part] + counted]
         return _Run(tape, watched, outputs, masks, new_state, part, terms, targets)

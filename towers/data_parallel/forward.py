@@ -12,7 +12,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import losses, split
+from towers.data_parallel import losses, model_losses, split
 
 
 def predict(stages, weights, state, x, rows, row, may_be_empty=True):
@@ -20,8 +20,8 @@ def predict(stages, weights, state, x, rows, row, may_be_empty=True):
 
     weights, state: in model order, each on its stage's device. x: `rows`
     examples (an int or int32 scalar); may_be_empty as run_tower's. outputs
-    ((y_pred, masks), as `forward`'s) and the regularisation (the sum over
-    stages, a float32 scalar; 0 for no rows or none) are on row[-1].
+    ((y_pred, masks), as `forward`'s) and the regularisation (every stage's keyed
+    terms, model_losses.merged; each 0 for no rows) are on row[-1].
     """
     values, regularization = x, []
     for k, device in enumerate(row):
@@ -31,10 +31,9 @@ def predict(stages, weights, state, x, rows, row, may_be_empty=True):
                 rows, functools.partial(forward, stages.models[k], training=False),
                 stages.select(weights, k), stages.select(state, k, trainable=False), values,
                 may_be_empty)
-            if stage_regularization is not None:
-                regularization.append(stage_regularization)
+            regularization.append(stage_regularization)
     with tf.device(row[-1]):
-        return values, tf.add_n([tf.identity(r) for r in regularization] or [tf.constant(0.0)])
+        return values, model_losses.merged(regularization)
 
 
 def cross_cut(outputs):
@@ -64,8 +63,7 @@ def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
 
     Returns:
       forward_fn's result; for no rows, outputs with 0 rows shaped like real
-      ones (unknown dims 0), the state as it was and a regularisation of 0
-      (None where the model has none).
+      ones (unknown dims 0), the state as it was and every regularisation term 0.
     """
     if not may_be_empty or isinstance(rows, int) and rows > 0:
         return forward_fn(weights, state, x)
@@ -85,7 +83,7 @@ def unless_empty(rows, forward_fn, weights, state, x, may_be_empty=True):
         outputs, new_state, regularization = traced[0]
         return (tf.nest.map_structure(split.no_rows, outputs),
                 [None if new is None else old for new, old in zip(new_state, state)],
-                None if regularization is None else tf.constant(0.0))
+                {key: tf.constant(0.0) for key in regularization})
 
     return tf.cond(tf.greater(rows, 0), run, skip)
 
@@ -98,8 +96,8 @@ def forward(model, weights, state, x, training):
       model's outputs and the Keras masks they carry ({index in
       tf.nest.flatten(y_pred): bool mask}, {} for none: a mask would not survive
       the copies and concatenations ahead); the new non-trainable values (None
-      where the layer did not change them); the sum of the model's
-      regularisation losses, a float32 scalar, or None where it has none.
+      where the layer did not change them); the model's regularisation losses
+      (model.losses) keyed by term (model_losses.keyed_terms), {} for none.
     """
     kwargs = {"training": training} if _accepts_training(model) else {}
     y_pred, new_values, regularization = stateless_run(
@@ -116,9 +114,9 @@ def stateless_run(model, variables, values, call):
 
     Returns:
       (result, new_values, regularization): call()'s result; per variable its value
-      after the call, None where the call left it; the sum of the losses the call
-      added and of the weights' regularisers (model.losses), a float32 scalar, or
-      None where there are none.
+      after the call, None where the call left it; the losses the call added and the
+      weights' regularisers (model.losses), keyed by term (model_losses.keyed_terms:
+      {key: float32 scalar}, {} for none).
 
     Raises:
       ValueError: the call assigned a variable that is not in `variables`: its update
@@ -144,9 +142,7 @@ def stateless_run(model, variables, values, call):
             "metric held by one.")
     new_values = [None if scope.state_mapping[id(v)] is given[id(v)] else
                   scope.state_mapping[id(v)] for v in variables]
-    regularization = tf.add_n([tf.cast(l, tf.float32) for l in extra_losses]
-                              ) if extra_losses else None
-    return result, new_values, regularization
+    return result, new_values, model_losses.keyed_terms(model, extra_losses, scope.losses)
 
 
 def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
@@ -155,8 +151,8 @@ def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
     part: a float32 scalar, or None where there is nothing to it: the sum of the
     terms whose denominator is known, each over the batch's (Keras's
     "sum_over_batch_size": rows x values per row) and times its loss weight,
-    plus the regularisation times rows / batch_rows. Adding up the parts of a
-    batch's shards gives its mean loss plus the regularisation counted once,
+    plus the regularisation's part (regularization_part). Adding up the parts of
+    a batch's shards gives its mean loss plus the regularisation counted once,
     which is what one device computes. An empty shard's part is 0. The terms
     whose denominator is counted (a Keras mask) are not in it: denominators.py
     scales them once every shard is counted.
@@ -165,9 +161,18 @@ def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
     terms = objective.terms(y, outputs, sample_weight)
     parts = [weight * tf.math.divide_no_nan(term.sum, batch_rows * term.per_row)
              for term, weight in zip(terms, objective.weights) if term.per_row is not None]
+    regularization = regularization_part(objective, regularization, rows, batch_rows)
     if regularization is not None:
-        parts.append(regularization * batch_share(rows, batch_rows))
+        parts.append(regularization)
     return (tf.add_n(parts) if parts else None), terms
+
+
+def regularization_part(objective, regularization, rows, batch_rows):
+    """A shard's part of the batch's regularisation (keyed terms, as `forward` returns
+    them) by the forms measured on the first batch (objective.model_loss_forms): a
+    mean term times rows / batch_rows, a sum term whole. A float32 scalar, or None."""
+    return model_losses.part(regularization, objective.model_loss_forms,
+                             batch_share(rows, batch_rows))
 
 
 def batch_share(rows, batch_rows):

@@ -52,6 +52,9 @@ class Objective:
       sparse_targets: None before the first call of `terms`, then the indices in
         tf.nest.flatten(y_true) of the targets a sparse categorical crossentropy
         term reads (class ids; `check_sparse_labels`).
+      model_loss_forms: None (every term of model.losses counts as a mean over
+        rows), or {key: model_losses.MEAN or SUM} per loss the model adds in its
+        call, as measured on the first batch (training/model_loss_forms.py).
     """
 
     def __init__(self, loss, loss_weights=None, output_names=None):
@@ -70,6 +73,7 @@ class Objective:
             raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
         _check_loss_weights(loss, loss_weights, output_names)
         self._recorded, self.counted, self.sparse_targets = None, None, None
+        self.model_loss_forms = None
         self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
 
     @property

@@ -16,7 +16,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import batch_statistics, forward, replicas, tower
+from towers.data_parallel import batch_statistics, forward, model_losses, replicas, tower
 
 
 class Tower:
@@ -70,8 +70,8 @@ class Tower:
         for variable, value in zip(variables, new_values):
             if value is not None:
                 self._keep(variable, value)
-        if regularization is not None:
-            self._regularization.append(regularization)
+        if regularization:
+            self._regularization.append(model_losses.total(regularization))
         return outputs
 
     def run(self, fn, shard, rows, batch_rows, required):

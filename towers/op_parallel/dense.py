@@ -163,9 +163,10 @@ class _Parted(keras.layers.Layer):
 
     def _part(self, j, output_size, use_bias):
         """Part j: the layer with `output_size` units on its split output axis (None: as
-        the layer's), its own bias or none, no activation (applied where parts meet)."""
+        the layer's), its own bias or none, no activation nor activity regularizer (both
+        applied where parts meet, on the whole output)."""
         config = {**self.layer_config, "name": f"part_{j}", "activation": None,
-                  "dtype": self.dtype_policy}
+                  "activity_regularizer": None, "dtype": self.dtype_policy}
         if self.dense:
             config.update(use_bias=use_bias, units=output_size or config["units"])
         else:

@@ -168,6 +168,12 @@ class HeadsAttention(keras.layers.Layer):
             build_part(part, device, query_shape, value_shape, key_shape)
             if j > 0 and part.use_bias:
                 compat.drop_weight(part.output_dense, "bias")
+        # Keras regularises each projection's activity: a part's query, key and value
+        # hold its heads' entries (their penalties add up), but its output projection a
+        # share of a sum, so that one is regularised here, on the parts' sum.
+        self.output_regularizer = self.parts[0].output_dense.activity_regularizer
+        for part in self.parts:
+            part.output_dense.activity_regularizer = None
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
              attention_mask=None, return_attention_scores=False, training=None,
@@ -205,6 +211,10 @@ class HeadsAttention(keras.layers.Layer):
             if cache is not None:
                 new_caches.append(result[-1])  # (B, 2, S, heads_j, k)
         output = [ops.sum(ops.stack(outputs), axis=0)]
+        if self.output_regularizer is not None:  # as Keras's Layer.__call__ adds one
+            penalty = self.output_regularizer(output[0])
+            self.add_loss(ops.divide_no_nan(
+                penalty, ops.cast(ops.shape(output[0])[0], penalty.dtype)))
         if return_attention_scores:
             output.append(ops.concatenate(scores, axis=1))
         if cache is not None:

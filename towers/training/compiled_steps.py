@@ -156,6 +156,7 @@ def eval_step(trainer, batch, may_be_empty):
     shards, shard_sizes, rows = split.shards_of(batch, len(setup.grid))
     weights = [v.value for v in setup.columns.held_variables()]
     state = [v.value for v in trainer.model.non_trainable_variables]
+    batch_rows = tf.cast(rows, tf.float32)
     terms, outputs, regularizations = [], [], []
     for i, (row, shard) in enumerate(zip(setup.grid, shards)):
         with tf.name_scope(f"tower_{i}"):
@@ -167,17 +168,17 @@ def eval_step(trainer, batch, may_be_empty):
             with tf.device(row[-1]):
                 _, y, sample_weight = split.unpack_batch(shard)
                 terms.append(objective.terms(y, tower_outputs, sample_weight))
+                regularizations.append(forward.regularization_part(
+                    objective, regularization, shard_sizes[i], batch_rows))
             outputs.append(tower_outputs)
-            regularizations.append(regularization)
     with tf.device(setup.main_device):
         term_losses = [tf.math.divide_no_nan(tf.add_n([t.sum for t in per_tower]),
                                              tf.add_n([t.units for t in per_tower]))
                        for per_tower in zip(*terms)]
         metric_logs = trainer.metrics.update(batch, forward.concat_rows(outputs),
                                              setup.main_device)
-        # Tower 0 holds the batch's first rows; an empty tower skips its regularisation.
+        # Each tower's part of the regularisation, as in training (an empty tower's is 0).
         loss = tf.add_n([weight * value for weight, value in zip(objective.weights, term_losses)]
-                        + [regularizations[0]])
-        examples = tf.cast(rows, tf.float32)
-        return {"loss": loss, **dict(zip(objective.names, term_losses)), "examples": examples,
+                        + [tf.identity(r) for r in regularizations if r is not None])
+        return {"loss": loss, **dict(zip(objective.names, term_losses)), "examples": batch_rows,
                 **metric_logs}

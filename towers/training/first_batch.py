@@ -10,11 +10,11 @@ import tensorflow as tf
 from absl import logging
 
 from towers import compat, devices as devices_lib, errors
-from towers.data_parallel import losses, split, tower
+from towers.data_parallel import forward, losses, split, tower
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import plan as op_plan
-from towers.training import trainable
+from towers.training import model_loss_forms, trainable
 
 
 def set_up(trainer, batch):
@@ -30,6 +30,8 @@ def set_up(trainer, batch):
     whole = not isinstance(batch, split.Shards) and split.batch_size(batch) != 0
     with tf.device(setup.main_device):
         y, outputs = check_examples(trainer, batch if whole else first_shard)
+        trainer.objective.model_loss_forms = model_loss_forms.measure(
+            trainer.model, _inputs(shards, first_shard), trainer.cluster)
         for shard in shards:  # the whole first batch's labels, once
             losses.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
         trainer.metrics.build(y, outputs)
@@ -41,6 +43,15 @@ def set_up(trainer, batch):
         setup.first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
             setup.main_device, len(setup.grid), own_slots=setup.columns.cluster is not None)
+
+
+def _inputs(shards, first_shard):
+    """x of the batch's rows in order (its shards' joined), or of `first_shard` where the
+    batch has none."""
+    parts = [split.unpack_batch(shard)[0] for shard in shards if split.batch_size(shard)]
+    if not parts:
+        return split.unpack_batch(first_shard)[0]
+    return parts[0] if len(parts) == 1 else forward.concat_rows(parts)
 
 
 def set_up_before_fit(trainer, dataset, why):
