@@ -7,7 +7,7 @@ Per model, two TowerTrainers on the same towers and batch, step times interleave
 (medians of rounds): per_tower normalises each shard by its own statistics (no
 communication); global meets every BatchNormalization's moments across the towers,
 two all-reduces in the forward and two in the backward per layer. The models: the
-command line's cnn (no BatchNormalization: global changes nothing), its resnet (7
+command line's cnn (no BatchNormalization: global changes nothing), its resnet (9
 BatchNormalization layers) and keras.applications.MobileNetV3Small (34), random weights.
 Writes DIR/results.json and DIR/results.md.
 """

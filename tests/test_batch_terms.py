@@ -90,14 +90,23 @@ class AddedLossFormsTest(tf.test.TestCase, parameterized.TestCase):
                             trainer.evaluate((x, y))["loss"],
                             atol=TOLERANCE, rtol=0)
 
-    def test_batch_norm_before_an_activity_regularizer_is_accepted_as_a_mean(self):
+    def test_batch_norm_before_an_activity_regularizer_is_a_mean_equal_to_keras(self):
         # Measured in inference, where BatchNorm's moving statistics keep the term per
-        # row; in training its batch statistics would make it look coupled.
+        # row; in training its batch statistics would make it look coupled. With global
+        # batch statistics the whole step is one device's.
+        batches = _batches()
+        expected = _model("activity_l2", batch_norm=True)
+        expected.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        keras_losses = [expected.train_on_batch(x, y) for x, y in batches]
         trainer = towers.TowerTrainer(_model("activity_l2", batch_norm=True),
                                       "sparse_categorical_crossentropy",
-                                      keras.optimizers.SGD(0.1), devices=DEVICES)
-        self.assertTrue(np.isfinite(trainer.train_step(_batches(steps=1)[0])["loss"]))
+                                      keras.optimizers.SGD(0.1), devices=DEVICES,
+                                      batch_statistics="global")
+        losses = [trainer.train_step(batch)["loss"] for batch in batches]
         self.assertEqual(trainer.objective.model_loss_forms, {"regularized#0": "mean"})
+        self.assertAllClose(keras_losses, losses, atol=TOLERANCE, rtol=0)
+        for want, got in zip(expected.weights, trainer.model.weights):
+            self.assertAllClose(want, got, atol=TOLERANCE, rtol=0, msg=want.path)
 
     @parameterized.named_parameters(
         ("couples_rows", "load_balancing", "couples the batch's rows"),
