@@ -15,7 +15,6 @@ Writes DIR/results.json and DIR/results.md.
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
 
@@ -95,12 +94,9 @@ class _Step:
         self.run(2)
 
     def run(self, num_steps):
-        times = []
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            self.trainer.train_step(self.batch)  # returns floats: the step has finished
-            times.append(time.perf_counter() - start)
-        return times
+        from benchmarks.harness import measure
+        # train_step returns floats: the step has finished.
+        return measure.wall_times(lambda: self.trainer.train_step(self.batch), num_steps)
 
 
 def _table(results, num_towers):

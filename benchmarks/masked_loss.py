@@ -17,7 +17,6 @@ rounds; writes DIR/results.json and DIR/results.md.
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
 
@@ -111,12 +110,9 @@ class _Towers:
         self.run(2)
 
     def run(self, num_steps):
-        times = []
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            self.trainer.train_step(self.batch)  # its logs' one read waits for the step
-            times.append(time.perf_counter() - start)
-        return times
+        from benchmarks.harness import measure
+        # Its logs' one read waits for the step.
+        return measure.wall_times(lambda: self.trainer.train_step(self.batch), num_steps)
 
 
 class _Keras(_Towers):
@@ -129,12 +125,8 @@ class _Keras(_Towers):
         self.run(2)
 
     def run(self, num_steps):
-        times = []
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            self.model.train_on_batch(*self.batch)
-            times.append(time.perf_counter() - start)
-        return times
+        from benchmarks.harness import measure
+        return measure.wall_times(lambda: self.model.train_on_batch(*self.batch), num_steps)
 
 
 def _table(results, num_towers):

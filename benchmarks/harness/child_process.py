@@ -9,7 +9,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
 RESULT_PREFIX = "RESULT "
 
@@ -60,11 +59,7 @@ def time_steps(step, steps, warmup_steps=1, after_warmup=None):
         step()
     if after_warmup is not None:
         after_warmup()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    times = measure.wall_times(step, steps)
     peak_mb = peak_rss_mb()
     return {"setup_mb": setup_mb, "peak_mb": peak_mb, "step_mb": peak_mb - setup_mb,
             **measure.step_time_stats(times)}

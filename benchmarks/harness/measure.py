@@ -112,6 +112,17 @@ def physical_device_count(devices):
     return max(1, min(len(devices), len(tf.config.list_physical_devices(kind))))
 
 
+def wall_times(step, num_steps):
+    """Calls step() `num_steps` times; returns each call's wall time in seconds. The step
+    must wait for its work (return a float it read, or the logs of train_step)."""
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def time_interleaved(built, steps, rounds, seed):
     """Per-step seconds of each of the `built` modes (anything with run(num_steps) -> times):
     `rounds` blocks each, the modes in turn, their order shuffled per round, so that a

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from benchmarks.harness import measure
 from towers.data_parallel import split
 
 LEARNING_RATE = 0.01
@@ -64,12 +65,7 @@ class Mode:
 
     def run(self, num_steps):
         """Runs `num_steps` training steps; returns each one's wall time in seconds."""
-        times = []
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            self._step()  # returns the loss as a float: the step's host sync
-            times.append(time.perf_counter() - start)
-        return times
+        return measure.wall_times(self._step, num_steps)  # the loss as a float: the sync
 
     def weights(self):
         """The weights now, as a list of NumPy arrays (for independent: tower 0's copy)."""
