@@ -181,6 +181,24 @@ def batch_norm_moments(layer, moments):
         del layer._moments
 
 
+@contextlib.contextmanager
+def every_batch_norm_moments(moments):
+    """Inside, every BatchNormalization in training, of any model, takes its batch's
+    (mean, variance) from moments(layer, inputs, mask, own_moments), own_moments(inputs,
+    mask) being Keras's (a layer's own batch_norm_moments still comes first).
+
+    Private: Keras's `_moments`, replaced on the class while inside. Public
+    alternative: as batch_norm_moments'.
+    """
+    keras_moments = keras.layers.BatchNormalization._moments
+    keras.layers.BatchNormalization._moments = lambda layer, inputs, mask: moments(
+        layer, inputs, mask, functools.partial(keras_moments, layer))
+    try:
+        yield
+    finally:
+        keras.layers.BatchNormalization._moments = keras_moments
+
+
 def sublayers(layer):
     """The layers `layer` holds directly (its attributes' and its graph's), in the order
     `layer.weights` lists their weights after its own.

@@ -39,7 +39,7 @@ PER_TOWER, GLOBAL = "per_tower", "global"
 BATCH_STATISTICS = (PER_TOWER, GLOBAL)
 
 
-def global_layers(model, batch_statistics=PER_TOWER):
+def global_layers(model, batch_statistics):
     """The BatchNormalization layers of `model` whose statistics are the global batch's:
     every one with batch_statistics="global", else those built synchronized=True."""
     return [layer for layer in batch_norm_layers(model)
@@ -130,29 +130,43 @@ class Meeting:
         self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
     @contextlib.contextmanager
-    def on_tower(self, tower_index, layers=None):
-        """While a tower's forward or backward is traced: each of `layers` (None: the
-        Meeting's) takes its batch moments from the towers with rows, met by all-reduces
-        (nothing changes without layers)."""
-        layers = self.layers if layers is None else layers
-        if layers and layers is not self.layers:
-            self._refuse(layers, self._shared_device())
+    def on_tower(self, tower_index):
+        """While a tower's forward or backward is traced: each of the Meeting's layers
+        takes its batch moments from the towers with rows (a tower without skips the
+        model: forward.unless_empty), met by all-reduces."""
         moments = lambda layer, inputs, mask: self._moments(layer, tower_index, inputs, mask)
         with contextlib.ExitStack() as stack:
-            for layer in layers:
+            for layer in self.layers:
                 stack.enter_context(compat.batch_norm_moments(layer, moments))
             yield
 
-    def _moments(self, layer, tower_index, inputs, mask):
+    @contextlib.contextmanager
+    def synchronized_on_tower(self, tower_index, skips_empty):
+        """While a tower's own function is traced (tower_step's fn): every layer built
+        BatchNormalization(synchronized=True), of any model, takes its batch moments
+        from the towers, others their own rows'. skips_empty() says whether the call
+        running now skips a tower of no rows (tower(...) does; a model called directly
+        runs on them too, and then every tower meets)."""
+        def moments(layer, inputs, mask, own_moments):
+            if not layer.synchronized:
+                return own_moments(inputs, mask)
+            self._refuse([layer], self._shared_device())
+            return self._moments(layer, tower_index, inputs, mask, every_tower=not skips_empty())
+
+        with compat.every_batch_norm_moments(moments):
+            yield
+
+    def _moments(self, layer, tower_index, inputs, mask, every_tower=False):
         """(mean, variance) of `inputs` over every tower's rows, per channel (shape (C,)),
         as Keras's BatchNormalization computes them on one device (a mask: the masked
-        entries left out, Keras's epsilon in the denominator)."""
+        entries left out, Keras's epsilon in the denominator). The all-reduces meet the
+        towers with rows, or every tower (`every_tower`: each runs this, rows or none)."""
         axes = _reduction_axes(layer, inputs)
         weights = tf.ones_like(inputs) if mask is None else tf.cast(
             tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(inputs)), inputs.dtype)
         sums = tf.reduce_sum(inputs * weights, axes)
         counts = tf.reduce_sum(weights, axes)
-        group = self._group(tower_index, sums.device)
+        group = self._group(tower_index, sums.device, every_tower)
         total, count = tf.split(self._all_reduce(tf.concat([sums, counts], 0), group), 2)
         if mask is not None:
             count = count + keras.backend.epsilon()  # as Keras's masked moments
@@ -161,8 +175,9 @@ class Meeting:
         variance = tf.math.divide_no_nan(self._all_reduce(deviations, group), count)
         return mean, variance
 
-    def _group(self, tower_index, device):
-        """(tower index, this tower's device, every tower's device at its place)."""
+    def _group(self, tower_index, device, every_tower):
+        """(tower index, this tower's device, every tower's device at its place, whether
+        every tower meets or only those with rows)."""
         device = devices_lib.canonical_name(device) if device else None
         own = self.tower_devices[tower_index]
         if device not in own:
@@ -171,14 +186,15 @@ class Meeting:
                 f"one of tower {tower_index}'s devices {own}; global batch statistics meet "
                 "on the towers' own devices.")
         place = own.index(device)
-        return tower_index, device, [devices[place] for devices in self.tower_devices]
+        return (tower_index, device, [devices[place] for devices in self.tower_devices],
+                every_tower)
 
     def _all_reduce(self, value, group):
         """The sum of `value` over the towers with rows, on this tower's device; its
         gradient is the towers' gradients summed alike."""
-        tower_index, device, members = group
-        with_rows = tf.add_n([tf.cast(tf.greater(size, 0), tf.int32)
-                              for size in self._shard_sizes])
+        tower_index, device, members, every_tower = group
+        with_rows = len(members) if every_tower else tf.add_n(
+            [tf.cast(tf.greater(size, 0), tf.int32) for size in self._shard_sizes])
         # The towers with rows are the first ones: one group per count.
         group_keys = tf.constant([collectives.group_key(("batch_statistics", tuple(members[:n])))
                                   for n in range(1, len(members) + 1)])

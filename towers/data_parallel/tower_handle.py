@@ -16,7 +16,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import batch_statistics, forward, model_losses, replicas, tower
+from towers.data_parallel import forward, model_losses, replicas, tower
 
 
 class Tower:
@@ -39,6 +39,7 @@ class Tower:
         self._changed = {}  # id(variable) -> its new value after the calls
         self._regularization = []
         self._tape, self._running, self._rows = None, False, None
+        self._calls = 0  # tower(...) calls running now: they skip a shard of no rows
         self._graph = None  # fn's graph: copies are made there, not in a branch of it
         self._copying = False  # while a copy reads the main value through the scope
         self._outside_calls = False  # whether fn read or wrote a variable itself
@@ -64,9 +65,12 @@ class Tower:
                 return forward.stateless_run(model, variables, state,
                                              lambda: model(*args, **kwargs))
 
-            with self._meeting.on_tower(self.index, batch_statistics.global_layers(model)):
+            self._calls += 1
+            try:
                 outputs, new_values, regularization = forward.unless_empty(
                     _rows(args, kwargs), call, [], values, None)
+            finally:
+                self._calls -= 1
         for variable, value in zip(variables, new_values):
             if value is not None:
                 self._keep(variable, value)
@@ -83,7 +87,8 @@ class Tower:
             self._tape, self._running = tape, True
             self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
             try:
-                with _TowerReads(self):
+                with _TowerReads(self), self._meeting.synchronized_on_tower(
+                        self.index, skips_empty=lambda: self._calls > 0):
                     result = fn(self, shard)
             except AttributeError as error:
                 if "attribute 'handle'" not in str(error):
