@@ -179,6 +179,11 @@ class GlobalStatisticsTest(tf.test.TestCase, parameterized.TestCase):
         for e, a in zip(reference.non_trainable_variables, model.non_trainable_variables):
             self.assertAllClose(e, a, atol=TOLERANCE)  # the moving statistics
 
+    def test_tower_gradients_refuses_accumulation_in_one_line(self):
+        model = conv_model(True)
+        with self.assertRaisesRegex(ValueError, "^global batch statistics .*micro_batches=2"):
+            towers.tower_gradients(model, _sce(), images(4), DEVICES[:2], accum_steps=2)
+
     @parameterized.named_parameters(
         ("micro_batches", {"micro_batches": 2}, "micro_batches=2"),
         ("jit_compile", {"jit_compile": True}, "jit_compile=True"),

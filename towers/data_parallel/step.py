@@ -74,8 +74,9 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
 
     Raises:
       ValueError: as TowerTrainer: a model that is not a keras.Model, no devices, one
-        that does not exist, a grid of devices, or (without a cluster) a batch of no
-        rows; nothing is computed.
+        that does not exist, a grid of devices, (without a cluster) a batch of no rows,
+        or BatchNormalization(synchronized=True) layers that cannot meet (accum_steps,
+        a cluster, towers sharing a device); nothing is computed.
     """
     options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
     if not isinstance(model, keras.Model):
@@ -93,6 +94,7 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
     if cluster is None:
         split.check_not_empty(batch)
     setup = StepSetup(stages_lib.Stages(model), grid, [main_device], options, cluster=cluster)
+    setup.statistics.check(options.micro_batches, jit_compile=False, cluster=cluster)
     if not isinstance(loss, losses.Objective):
         loss = losses.Objective(loss, output_names=getattr(model, "output_names", None))
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)
@@ -217,7 +219,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
         shards, shard_sizes, rows = split.shards_of(batch, len(grid))             # 1
         batch_rows = tf.cast(rows, tf.float32)
-    setup.statistics.start_step(shard_sizes)  # BatchNorm over the global batch: 3 meets
+    setup.statistics.start_step(shard_sizes)  # where step 3's global BatchNorms meet
     weights = [v.value for v in setup.columns.held_variables()]
     state_values = [v.value for v in stages.model.non_trainable_variables]
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
