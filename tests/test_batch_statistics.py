@@ -145,6 +145,20 @@ class GlobalStatisticsTest(tf.test.TestCase, parameterized.TestCase):
             trainer.train_step(batch)
         assert_weights_close(self, expected, towers.join_layers(parted).get_weights())
 
+    def test_fit_with_steps_per_execution_and_staged_shards(self):
+        """fit's in-graph loop of 2 steps per call, the shards staged on their towers by
+        the input pipeline: the global moments are met inside the loop's body."""
+        x, y = images(14)
+        expected = conv_model()
+        expected.compile(_OPTIMIZERS["sgd"](), _sce())
+        expected.fit(x, y, batch_size=7, shuffle=False, verbose=0)
+        model = conv_model()
+        trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS["sgd"](), devices=DEVICES[:3],
+                                      batch_statistics="global", steps_per_execution=2,
+                                      prefetch_to_devices=True)
+        trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(7), verbose=0)
+        assert_weights_close(self, expected.get_weights(), model.get_weights())
+
     def test_masked_inputs(self):
         """A BatchNorm fed a Keras mask takes its statistics over the unmasked tokens of the
         whole batch, as Keras's masked moments do."""
