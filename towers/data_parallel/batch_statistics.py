@@ -23,6 +23,12 @@ towers are traced one after another as ever, and the n-th all-reduce each tower
 traces takes the n-th instance key. A tower whose shard is empty skips the model
 (forward.unless_empty): the group is the towers with rows (split gives those
 first), its size known at run time, one group key per size.
+
+Which layers meet: in TowerTrainer's step, every BatchNormalization with
+batch_statistics="global", else those built synchronized=True (`on_tower`); in
+tower_step's function, every synchronized=True layer of any model it runs
+(`synchronized_on_tower`). A model tower_step's function calls directly runs on a
+tower of no rows too, so there every tower meets, with nothing to add where empty.
 """
 
 import collections
@@ -81,9 +87,9 @@ class Meeting:
         """Raises ValueError, in one line, where the layers cannot meet as one device's:
         micro-batches (each would be normalised on its own), XLA (one computation per
         tower holds no collective), a cluster, or two towers on one device."""
-        why = None
         if not self.layers:
             return
+        why = None
         if micro_batches > 1:
             why = (f"micro_batches={micro_batches} (or accum_steps) normalises each "
                    "micro-batch on its own; use micro_batches=1")
