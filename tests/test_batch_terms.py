@@ -6,6 +6,7 @@ refused in one line, naming its layer, before any weight changes."""
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 from absl.testing import parameterized
 from keras import ops
 
@@ -143,3 +144,27 @@ class AddedLossFormsTest(tf.test.TestCase, parameterized.TestCase):
         parted = towers.split_layers(model, {name: how}, DEVICES[:2])
         parted(x)
         self.assertAllClose(tf.add_n(parted.losses), expected, atol=1e-6, rtol=0)
+
+    def test_tower_gradients_warns_that_it_counts_added_losses_as_means(self):
+        """Inside your tf.function no batch values exist to measure a loss's form:
+        tower_gradients counts it a mean over rows (exact for one), and says so once."""
+        x, y = _batches(steps=1)[0]
+        expected, model = _model("mean"), _model("mean")
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, expected(x))) + tf.add_n(expected.losses)
+        want = tape.gradient(loss, expected.trainable_variables)
+
+        @tf.function
+        def gradients(x, y):
+            return towers.tower_gradients(model, "sparse_categorical_crossentropy", (x, y),
+                                          DEVICES)
+
+        with self.assertLogs(logging.get_absl_logger(), "WARNING") as logs:
+            grads, _ = gradients(tf.constant(x), tf.constant(y))
+        for w, g in zip(want, grads):
+            self.assertAllClose(w, g, atol=TOLERANCE, rtol=0)
+        warnings = [r.getMessage() for r in logs.records if "tower_gradients" in r.getMessage()]
+        self.assertLen(warnings, 1)
+        self.assertIn("'added'", warnings[0])
+        self.assertIn("TowerTrainer", warnings[0])

@@ -23,6 +23,7 @@ the layer that added them, training/recompute.py), a split layer's part.
 import collections
 
 import tensorflow as tf
+from absl import logging
 
 from towers import compat
 
@@ -71,6 +72,8 @@ def part(terms, forms, share):
     """
     if not terms:
         return None
+    if forms is None:
+        _warn_unmeasured(terms)
     means, sums = [], []
     for key, value in sorted(terms.items()):
         form = MEAN if forms is None or key == WEIGHTS else forms.get(key)
@@ -84,6 +87,24 @@ def part(terms, forms, share):
         (sums if form == SUM else means).append(value)
     pieces = ([tf.add_n(means) * share] if means else []) + sums
     return tf.add_n(pieces)
+
+
+_warned = set()  # the layers _warn_unmeasured has named, once each per process
+
+
+def _warn_unmeasured(terms):
+    """One warning per layer whose added losses count as a mean over rows because
+    nothing measured their form (towers.tower_gradients, inside the caller's
+    tf.function, sees no batch values): a sum over rows would be scaled wrong."""
+    layers = sorted({layer_of(key) for key in terms if key != WEIGHTS} - _warned)
+    if layers:
+        _warned.update(layers)
+        logging.warning(
+            "layers %s add losses in their call (add_loss, activity_regularizer), which "
+            "towers.tower_gradients counts as means over rows, unmeasured: a loss summed "
+            "over the batch's rows would be scaled by each tower's rows. Train with "
+            "TowerTrainer, which measures each loss's form on the first batch, or with "
+            "towers.tower_step, adding tower.losses yourself.", layers)
 
 
 def total(terms):
