@@ -1,8 +1,12 @@
 """The code's shape, checked: private Keras and TensorFlow names live in towers/compat.py
-only, and the packages import downwards only (docs/architecture.md)."""
+only, the packages import downwards only (docs/architecture.md), and the public surface is
+what docs/api.md lists."""
 
 import ast
 import os
+import re
+import subprocess
+import sys
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +57,41 @@ class StructureTest(unittest.TestCase):
                 if parts[1] in LAYERS and LAYERS.index(parts[1]) < LAYERS.index(package):
                     upward.append(f"{os.path.relpath(path, ROOT)} imports {name}")
         self.assertEqual(upward, [])
+
+
+class PublicSurfaceTest(unittest.TestCase):
+
+    def test_all_is_what_the_api_table_lists(self):
+        import towers
+        with open(os.path.join(ROOT, "docs", "api.md")) as doc:
+            table = [line for line in doc if re.match(r"\| `towers\.", line)]
+        listed = {name for line in table for name in re.findall(r"`towers\.(\w+)`", line)}
+        self.assertEqual(sorted(towers.__all__), sorted(listed))
+        for name in towers.__all__:
+            self.assertTrue(hasattr(towers, name), name)
+
+    def test_import_towers_imports_no_command_line(self):
+        code = ("import sys, towers; print(sorted(m for m in sys.modules if m.startswith("
+                "('towers.cli', 'towers.multi_worker.launch'))))")
+        shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+                               timeout=120, check=True).stdout
+        self.assertEqual(shown.strip(), "[]")
+
+    def test_old_module_paths_name_the_moved_modules(self):
+        import towers
+        import towers.trainer  # noqa: F401  (the import statement's form)
+        from towers import models, split
+        from towers.cli import models as cli_models
+        from towers.data_parallel import split as data_parallel_split
+        from towers.training import trainer
+        self.assertIs(towers.trainer, trainer)
+        self.assertIs(sys.modules["towers.trainer"], trainer)
+        self.assertEqual(trainer.__spec__.name, "towers.training.trainer")
+        self.assertIs(split, data_parallel_split)
+        self.assertIs(models, cli_models)
+        with self.assertRaises(AttributeError):
+            towers.not_a_module  # noqa: B018
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ The packages, one per part (docs/architecture.md; imports point down the list):
   devices, errors  shared by all of them
 """
 
-import importlib
-import sys
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
+import sys as _sys
 
 try:
     import tensorflow as _tf  # noqa: F401
@@ -44,7 +46,8 @@ from towers.training.checkpoint import Checkpointer
 from towers.training.trainer import TowerTrainer
 
 # Modules that lived directly in towers/ before the packages: their old paths
-# (`import towers.trainer`, `from towers import split`) name the same module object.
+# (`import towers.trainer`, `from towers import split`, `towers.models`) name the same
+# module objects, imported when first named, so `import towers` imports no command line.
 # towers.train is a file of its own, since `python -m towers.train` runs it.
 _MOVED = {
     "aggregate": "data_parallel", "exchange": "data_parallel", "losses": "data_parallel",
@@ -56,10 +59,41 @@ _MOVED = {
     "cluster": "multi_worker", "launch": "multi_worker",
     "data": "cli", "data_files": "cli", "model_spec": "cli", "models": "cli",
 }
-for _name, _package in _MOVED.items():
-    _module = importlib.import_module(f"towers.{_package}.{_name}")
-    sys.modules.setdefault(f"towers.{_name}", _module)
-    globals().setdefault(_name, _module)
+
+
+def __getattr__(name):
+    """towers.<old module name>: the moved module (PEP 562), imported now."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _moved(name)
+
+
+def _moved(name):
+    module = _importlib.import_module(f"{__name__}.{_MOVED[name]}.{name}")
+    _sys.modules.setdefault(f"{__name__}.{name}", module)
+    globals()[name] = module
+    return module
+
+
+class _MovedModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """`import towers.<old module name>`: the moved module under its old path."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in _MOVED:
+            return None
+        return _importlib_util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = _moved(spec.name.rpartition(".")[2])
+        self._own_spec = module.__spec__  # the import system sets the alias's; put back
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self._own_spec
+
+
+_sys.meta_path.append(_MovedModules())
 
 __all__ = [
     "Checkpointer",
@@ -81,5 +115,6 @@ __all__ = [
     "split_model",
     "tower_gradients",
     "tower_step",
+    "whole_variables",
 ]
 __version__ = "0.1.0"
