@@ -83,10 +83,9 @@ class _Step:
     def __init__(self, name, shape, devices, statistics, batch):
         import keras
         import towers
-        from towers import compat
+        from towers.data_parallel import batch_statistics
         model = _model(name, shape)
-        self.batch_norm_layers = sum(isinstance(layer, keras.layers.BatchNormalization)
-                                     for layer in compat.nested_layers(model))
+        self.batch_norm_layers = len(batch_statistics.batch_norm_layers(model))
         self.trainer = towers.TowerTrainer(
             model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             keras.optimizers.SGD(0.01), devices=devices, batch_statistics=statistics)

@@ -1,5 +1,6 @@
-"""The code's shape, checked: private Keras and TensorFlow names live in towers/compat.py
-only, the packages import downwards only (docs/architecture.md), and the public surface is
+"""The code's shape, checked: private Keras and TensorFlow names live in towers/compat/ only
+(the benchmarks' own in benchmarks/harness/compat.py), the packages import downwards only
+(docs/architecture.md), no module of towers passes 400 lines, and the public surface is
 what docs/api.md lists."""
 
 import ast
@@ -14,6 +15,7 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 # Each package may import those after it (docs/architecture.md's order).
 LAYERS = ["cli", "training", "multi_worker", "op_parallel", "data_parallel", "model_parallel"]
 SHARED = ("devices", "errors", "compat")
+MAX_LINES = 400  # past that, a module usually holds two ideas
 
 
 def _python_files(*folders):
@@ -37,12 +39,23 @@ def _imports(path):
 class StructureTest(unittest.TestCase):
 
     def test_private_keras_and_tensorflow_names_only_in_compat(self):
+        allowed = (os.path.join(ROOT, "towers", "compat") + os.sep,
+                   os.path.join(ROOT, "benchmarks", "harness", "compat.py"))
         offenders = sorted(
             f"{os.path.relpath(path, ROOT)}: {name}"
             for path in _python_files("towers", "benchmarks", "examples")
-            if not path.endswith(os.path.join("towers", "compat.py"))
+            if not path.startswith(allowed)
             for name in _imports(path) if name.startswith(PRIVATE_MODULES))
         self.assertEqual(offenders, [])
+
+    def test_no_module_passes_400_lines(self):
+        long = []
+        for path in _python_files("towers"):
+            with open(path) as source:
+                lines = sum(1 for _ in source)
+            if lines > MAX_LINES:
+                long.append(f"{os.path.relpath(path, ROOT)}: {lines}")
+        self.assertEqual(long, [])
 
     def test_packages_import_downwards_only(self):
         upward = []

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 import towers
-from towers import compat
+from benchmarks.harness import compat
 from towers.data_parallel import step as step_lib
 from towers.training import placement, recompute
 

@@ -1,0 +1,30 @@
+"""Every private Keras and TensorFlow name towers uses, each beside the public one it stands in for.
+
+Checked on Keras 3.15.1 and TensorFlow 2.21.0 (constraints.txt). A Keras or
+TensorFlow upgrade that moves one of these breaks this package only; each entry
+says what it does, the public alternative, and why that does not serve.
+Nothing else in towers imports keras.src or tensorflow.python, or reads a Keras
+object's underscored attribute (tests/test_structure.py); the benchmarks' own such
+names are in benchmarks/harness/compat.py.
+
+Kept apart by what they lean on, so that an upgrade of one library is read in
+one place: `keras_layers` (models, layers, variables, losses), `keras_optimizers`
+(optimizers, Keras's configuration), `tensorflow_runtime` (tf.data, the eager
+runtime, checkpoints). Everything is used as `compat.<name>`.
+"""
+
+from towers.compat.keras_layers import (  # noqa: F401
+    keras_mask, set_keras_mask, same_rank, CompileLoss, CompileMetrics, stateless_value,
+    keras_call_state, loss_adders, nested_layers, batch_norm_moments,
+    every_batch_norm_moments, sublayers, own_weights, replace_sublayer, functional_graph,
+    nodes_by_depth, move_variable, can_hold_in_slabs, hold_in_slabs, held_slabs,
+    drop_weight,
+)
+from towers.compat.keras_optimizers import (  # noqa: F401
+    REPLICA_SUM, optimizer_knows, track_as_optimized, excluded_from_weight_decay,
+    exclude_from_weight_decay_too, optimizer_variables, slots_for, add_optimizer_variables,
+    keras_home_dir,
+)
+from towers.compat.tensorflow_runtime import (  # noqa: F401
+    OwnedMultiDeviceIterator, eager_runtime, saves_own_tensors, saved_variable_names,
+)

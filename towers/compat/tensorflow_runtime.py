@@ -1,0 +1,53 @@
+"""Private TensorFlow names, each beside the public alternative it stands in for
+(towers/compat/__init__.py says why they live here)."""
+
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+from tensorflow.python.data.ops import multi_device_iterator_ops
+from tensorflow.python.eager import context as eager_context
+from tensorflow.python.training.saving import saveable_object_util
+
+# ---------------------------------------------------------------------------------------
+# TensorFlow
+
+# tf.data's iterator that stages each element on its device ahead of use (what
+# MirroredStrategy's distributed datasets use inside). Public alternatives:
+# tf.data.experimental.prefetch_to_device stages on one device only, and
+# tf.distribute's distribute_dataset belongs to a strategy.
+OwnedMultiDeviceIterator = multi_device_iterator_ops.OwnedMultiDeviceIterator
+
+
+def eager_runtime():
+    """TensorFlow's eager context: starting a cluster's collective ops from a ServerDef
+    with a group leader and device filters, aborting them, checking peers' health, and
+    collecting the partitioned graphs a function ran.
+
+    Public alternative: tf.config.experimental_connect_to_cluster, which sets neither
+    the collective group leader nor device filters, and has no abort or health check.
+    """
+    return eager_context.context()
+
+
+def saves_own_tensors(trackable):
+    """Whether a checkpoint holds tensors `trackable` gives it itself, as a lookup table
+    (tf.lookup.experimental.MutableHashTable, a Keras StringLookup's token counts) gives
+    its keys and values; a variable does too.
+
+    Public alternative: none; tf.train.Checkpoint asks each object for them when it
+    saves (the Trackable._serialize_to_tensors its class defines).
+    """
+    return saveable_object_util.trackable_has_serialize_to_tensor(trackable)
+
+
+def saved_variable_names(reader):
+    """{checkpoint key: the name of the variable saved under it} of a checkpoint that
+    `reader` (tf.train.load_checkpoint) reads; a Keras variable's name is its path
+    ("sequential/dense_1/kernel").
+
+    Public alternative: none; the reader gives keys, shapes and dtypes, and the
+    names are in the object graph a save writes beside the values, a serialized
+    TrackableObjectGraph proto under the key "_CHECKPOINTABLE_OBJECT_GRAPH".
+    """
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    return {attribute.checkpoint_key: attribute.full_name for node in graph.nodes
+            for attribute in node.attributes if attribute.full_name}
