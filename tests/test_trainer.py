@@ -113,6 +113,10 @@ class BadInputTest(tf.test.TestCase, parameterized.TestCase):
          "reduction='sum'"),
         ("bad_on_nonfinite", dict(on_nonfinite="ignore"), "on_nonfinite must be one of"),
         ("bad_metric", dict(metrics=["no_such_metric"]), "not a keras.metrics.Metric"),
+        ("options_not_tower_options", dict(options={"accum_steps": 2}),
+         "options must be a towers.TowerOptions"),
+        ("options_set_twice", dict(options=towers.TowerOptions(accum_steps=2), accum_steps=3),
+         "accum_steps given both as keyword options and in options="),
     )
     def test_bad_constructor_argument(self, kwargs, message):
         kwargs = {k: (v() if callable(v) and k in ("model", "loss") else v)
@@ -174,6 +178,24 @@ class CompilationTest(tf.test.TestCase):
             with_object.train_step(batch)
         for a, b in zip(with_callable.model.weights, with_object.model.weights):
             self.assertAllClose(a, b, atol=1e-6)
+
+
+class OptionsTest(tf.test.TestCase):
+
+    def test_tower_options_train_as_the_same_keywords(self):
+        """TowerTrainer(options=towers.TowerOptions(...)) is the keyword options in one
+        frozen value: the same steps, the same weights."""
+        options = dict(accum_steps=2, clip_global_norm=1.0, aggregation="tree")
+        x = np.random.default_rng(0).normal(size=(9, reference.NUM_FEATURES)).astype("float32")
+        y = np.arange(9) % reference.NUM_CLASSES
+        weights = []
+        for trainer in (_trainer(**options), _trainer(options=towers.TowerOptions(**options))):
+            self.assertEqual(trainer.options, towers.TowerOptions(**options))
+            for _ in range(2):
+                trainer.train_step((x, y))
+            weights.append(trainer.model.get_weights())
+        for keywords, given in zip(*weights):
+            self.assertAllEqual(keywords, given)
 
 
 class ImportTest(tf.test.TestCase):

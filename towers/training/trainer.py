@@ -36,7 +36,8 @@ class TowerTrainer:
       pipeline_cuts: None, or the names of the layers the model is cut after
         (towers.split_model); stage k's variables and optimizer slots then
         live on devices[0][k], and its update is applied there.
-      options: a TowerOptions (aggregation, pack_gradients, variable_placement,
+      options: a TowerOptions, the one given as options= or built from the keyword
+        options (aggregation, pack_gradients, variable_placement,
         accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
         micro_batches, pipeline_schedule, embedding_lookup, recompute: False,
         "stages" or layer names or paths, whose activations the backward
@@ -76,7 +77,7 @@ class TowerTrainer:
                  jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
                  pipeline_schedule="gpipe", steps_per_execution=1,
                  prefetch_to_devices="auto", embedding_lookup="table", recompute=False,
-                 batch_statistics="per_tower"):
+                 batch_statistics="per_tower", options=None):
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         if not isinstance(jit_compile, bool):
@@ -87,24 +88,23 @@ class TowerTrainer:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
-        self.options = TowerOptions(accum_steps=accum_steps, clip_global_norm=clip_global_norm,
-                                    sparse_policy=sparse_policy, state_policy=state_policy,
-                                    on_nonfinite=on_nonfinite, aggregation=aggregation,
-                                    pack_gradients=pack_gradients,
-                                    variable_placement=variable_placement,
-                                    micro_batches=micro_batches,
-                                    pipeline_schedule=pipeline_schedule,
-                                    embedding_lookup=embedding_lookup, recompute=recompute,
-                                    batch_statistics=batch_statistics)
+        self.options = _tower_options(options, dict(
+            accum_steps=accum_steps, clip_global_norm=clip_global_norm,
+            sparse_policy=sparse_policy, state_policy=state_policy, on_nonfinite=on_nonfinite,
+            aggregation=aggregation, pack_gradients=pack_gradients,
+            variable_placement=variable_placement, micro_batches=micro_batches,
+            pipeline_schedule=pipeline_schedule, embedding_lookup=embedding_lookup,
+            recompute=recompute, batch_statistics=batch_statistics))
+        placement_option = self.options.variable_placement
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
-                                                       variable_placement)
-        op_grid.check_split_model(model, optimizer, variable_placement, jit_compile)
-        if cluster is not None and variable_placement == "spread" and (
-                clip_global_norm is not None or model.compute_dtype == "float16"):
+                                                       placement_option)
+        op_grid.check_split_model(model, optimizer, placement_option, jit_compile)
+        if cluster is not None and placement_option == "spread" and (
+                self.options.clip_global_norm is not None or model.compute_dtype == "float16"):
             raise ValueError("variable_placement='spread' in a cluster cannot clip to a "
                              "global norm or scale the loss (a float16 model) yet: each "
                              "worker has only its own gradients; use 'main'.")
@@ -367,3 +367,23 @@ class TowerTrainer:
     def _no_compiled_functions(self):
         """A fresh set of compiled functions: traced under the step's hooks (placement)."""
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
+
+
+def _tower_options(options, keywords):
+    """The TowerOptions of TowerTrainer's keyword options, or `options` itself where one
+    was given (then no keyword option may differ from its default: each is set once).
+
+    Raises:
+      ValueError: `options` that is not a TowerOptions, or set twice; what
+        TowerOptions refuses.
+    """
+    if options is None:
+        return TowerOptions(**keywords)
+    if not isinstance(options, TowerOptions):
+        raise ValueError(f"options must be a towers.TowerOptions, got {type(options).__name__}.")
+    defaults = TowerOptions()
+    twice = sorted(name for name, value in keywords.items() if value != getattr(defaults, name))
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given both as keyword options and in options=; "
+                         "set each in one place (the TowerOptions, or the keywords alone).")
+    return options
