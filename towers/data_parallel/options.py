@@ -125,6 +125,30 @@ class TowerOptions:
             object.__setattr__(self, "micro_batches", self.accum_steps)
             object.__setattr__(self, "pipeline_schedule", "1f1b")
 
+    @classmethod
+    def given(cls, options, keywords):
+        """TowerTrainer's options: `options` itself where one was given, else a
+        TowerOptions of `keywords` ({field: value}, the trainer's keyword options). With
+        `options`, no keyword may differ from its default: each is set in one place.
+
+        Raises:
+          ValueError: `options` that is not a TowerOptions, or a field set both ways;
+            what TowerOptions refuses.
+        """
+        if options is None:
+            return cls(**keywords)
+        if not isinstance(options, cls):
+            raise ValueError(
+                f"options must be a towers.TowerOptions, got {type(options).__name__}.")
+        defaults = cls()
+        twice = sorted(name for name, value in keywords.items()
+                       if value != getattr(defaults, name))
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given both as keyword options and in "
+                             "options=; set each in one place (the TowerOptions, or the "
+                             "keywords alone).")
+        return options
+
     @property
     def recompute_stages(self):
         """Whether each pipeline stage's forward is rerun in its backward (Flight)."""

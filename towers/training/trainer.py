@@ -88,7 +88,7 @@ class TowerTrainer:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
-        self.options = _tower_options(options, dict(
+        self.options = TowerOptions.given(options, dict(
             accum_steps=accum_steps, clip_global_norm=clip_global_norm,
             sparse_policy=sparse_policy, state_policy=state_policy, on_nonfinite=on_nonfinite,
             aggregation=aggregation, pack_gradients=pack_gradients,
@@ -367,23 +367,3 @@ class TowerTrainer:
     def _no_compiled_functions(self):
         """A fresh set of compiled functions: traced under the step's hooks (placement)."""
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
-
-
-def _tower_options(options, keywords):
-    """The TowerOptions of TowerTrainer's keyword options, or `options` itself where one
-    was given (then no keyword option may differ from its default: each is set once).
-
-    Raises:
-      ValueError: `options` that is not a TowerOptions, or set twice; what
-        TowerOptions refuses.
-    """
-    if options is None:
-        return TowerOptions(**keywords)
-    if not isinstance(options, TowerOptions):
-        raise ValueError(f"options must be a towers.TowerOptions, got {type(options).__name__}.")
-    defaults = TowerOptions()
-    twice = sorted(name for name, value in keywords.items() if value != getattr(defaults, name))
-    if twice:
-        raise ValueError(f"{', '.join(twice)} given both as keyword options and in options=; "
-                         "set each in one place (the TowerOptions, or the keywords alone).")
-    return options
