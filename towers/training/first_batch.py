@@ -46,9 +46,11 @@ def set_up(trainer, batch):
 
 
 def _inputs(shards, first_shard):
-    """x of the batch's rows in order (its shards' joined), or of `first_shard` where the
-    batch has none."""
-    parts = [split.unpack_batch(shard)[0] for shard in shards if split.batch_size(shard)]
+    """x of the batch's first rows in order (model_loss_forms.ROWS of them, or fewer: its
+    shards' first rows joined), or of `first_shard` where the batch has none."""
+    parts = [tf.nest.map_structure(lambda t: t[:model_loss_forms.ROWS],
+                                   split.unpack_batch(shard)[0])
+             for shard in shards if split.batch_size(shard)]
     if not parts:
         return split.unpack_batch(first_shard)[0]
     return parts[0] if len(parts) == 1 else forward.concat_rows(parts)

@@ -18,7 +18,7 @@ from towers.data_parallel import forward, model_losses
 # float32 round-off of a loss over a few rows is ~1e-7 of it; a form that does not
 # hold misses by far more (a sum against a mean of 3 rows: a factor of 3).
 _RELATIVE_TOLERANCE = 1e-4
-_ROWS = 3  # A is row 0, B rows 1-2: uneven, so a per-row mean and a per-row sum differ
+ROWS = 3  # A is row 0, B rows 1-2: uneven, so a per-row mean and a per-row sum differ
 
 
 def measure(model, x, cluster=None):
@@ -42,7 +42,7 @@ def measure(model, x, cluster=None):
         first batch of one row where the model adds losses.
     """
     rows = int(tf.shape(tf.nest.flatten(x)[0])[0])
-    first_rows = _rows(x, 0, min(rows, _ROWS))
+    first_rows = _rows(x, 0, min(rows, ROWS))
     forms = {}
     for training in (False, True):
         whole = _added_terms(model, first_rows, training)
@@ -55,10 +55,10 @@ def measure(model, x, cluster=None):
                 "towers tells a mean over rows from a sum on the first batch's first rows, "
                 f"and it has {rows}: make the first batch 2 rows or more.")
         first, rest = (_added_terms(model, _rows(x, *span), training)
-                       for span in ((0, 1), (1, min(rows, _ROWS))))
+                       for span in ((0, 1), (1, min(rows, ROWS))))
         for key in unmeasured:
             forms[key] = _form(model, key, whole[key], first.get(key), rest.get(key),
-                               rest_rows=min(rows, _ROWS) - 1, training=training)
+                               rest_rows=min(rows, ROWS) - 1, training=training)
     summed = [key for key, form in forms.items() if form == model_losses.SUM]
     if summed and cluster is not None:
         raise ValueError(
