@@ -17,3 +17,9 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration()] * NUM_TEST_DEVICES)
 tf.config.list_logical_devices()  # starts the runtime with this layout
+
+# absltest's create_tempdir reads --test_tmpdir, parsed by absltest.main, which pytest
+# does not run: its defaults, whichever test module a process imports first.
+from absl import flags  # noqa: E402
+
+flags.FLAGS.mark_as_parsed()

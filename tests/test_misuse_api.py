@@ -224,6 +224,21 @@ class MisuseTest(tf.test.TestCase):
         for want, got in zip(_state(expected), _state(trainer)):
             self.assertAllClose(want, got, atol=1e-6)
 
+    def test_an_unknown_keyword_is_refused_naming_what_is_taken(self):
+        self.assertRefused(lambda: _trainer(micro_batch=2), "micro_batch",
+                           r"unexpected keyword argument 'micro_batch'.*micro_batches",
+                           error=TypeError)
+        model = self.trainer.model
+        self.assertRefused(
+            lambda: towers.tower_gradients(model, "mse", (self.x, self.y), ["/cpu:0"],
+                                           aggregation="tree"),
+            "aggregation", r"unexpected keyword argument 'aggregation'.*accum_steps",
+            error=TypeError)
+        grads, _ = towers.tower_gradients(  # the two it takes
+            model, "sparse_categorical_crossentropy", (self.x, self.y), ["/cpu:0", "/cpu:1"],
+            accum_steps=2, state_policy="first_tower")
+        self.assertLen(grads, len(model.trainable_variables))
+
     def test_other_counts_as_numpy_integers(self):
         options = towers.TowerOptions(accum_steps=np.int64(2), micro_batches=np.int32(1))
         self.assertEqual((type(options.accum_steps), options.accum_steps), (int, 2))

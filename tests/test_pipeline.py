@@ -11,7 +11,7 @@ from absl.testing import parameterized
 import towers
 from benchmarks.harness import transfers
 from tests import reference
-from towers.data_parallel import losses, tower
+from towers.engine import losses, tower
 from towers.model_parallel import schedule, stages as stages_lib
 from towers.training.checkpoint import Checkpointer
 
@@ -266,11 +266,11 @@ class PipelineDropoutTest(tf.test.TestCase):
         shard = (np.ones((2, 8), np.float32), np.zeros((2, 8), np.float32))
 
         def outputs(tower_index):  # two micro-batches of one identical row each
-            result = tower.run_tower(
-                stages, losses.Objective(keras.losses.MeanSquaredError()), shard, 2,
-                tf.constant(2.0), [v.value for v in model.trainable_variables],
-                [v.value for v in model.non_trainable_variables], CPU[:2], tower_index,
-                micro_batches=2)
+            step = tower.StepWork(stages, losses.Objective(keras.losses.MeanSquaredError()),
+                                  tf.constant(2.0), micro_batches=2)
+            result = tower.run_tower(step, tower.TowerWork(
+                shard, 2, [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables], CPU[:2], tower_index))
             return result.y_pred[0].numpy()  # (outputs, masks)
 
         tower_0, tower_1 = outputs(0), outputs(1)

@@ -14,7 +14,7 @@ from absl.testing import parameterized
 import towers
 from benchmarks.harness import transfers
 from tests import reference
-from towers.data_parallel import forward
+from towers.engine import forward
 
 CPU = [f"/device:CPU:{i}" for i in range(4)]
 EXACT = 1e-6  # recompute against no recompute: the same ops on the same values

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import towers
 from towers import compat
-from towers.data_parallel import slabs as trainer_slabs
+from towers.placement import slabs as trainer_slabs
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 TOLERANCE = 1e-5

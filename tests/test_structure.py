@@ -1,7 +1,8 @@
 """The code's shape, checked: private Keras and TensorFlow names live in towers/compat/ only
 (the benchmarks' own in benchmarks/harness/compat.py), the packages import downwards only
-(docs/architecture.md), no module of towers passes 400 lines, and the public surface is
-what docs/api.md lists."""
+as docs/architecture.md's table allows (the three techniques not one another), no module
+of towers passes 400 lines nor function 8 parameters, and the public surface is what
+docs/api.md lists."""
 
 import ast
 import os
@@ -12,10 +13,12 @@ import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRIVATE_MODULES = ("keras.src", "tensorflow.python")
-# Each package may import those after it (docs/architecture.md's order).
-LAYERS = ["cli", "training", "multi_worker", "op_parallel", "data_parallel", "model_parallel"]
-SHARED = ("devices", "errors", "compat")
+TECHNIQUES = ("data_parallel", "model_parallel", "op_parallel")
 MAX_LINES = 400  # past that, a module usually holds two ideas
+MAX_PARAMETERS = 8  # past that, some of them belong together in one value
+# Keras's own signatures, taken whole: fit's, and MultiHeadAttention.call's.
+KERAS_SIGNATURES = ("towers/training/loop.py:fit", "towers/training/trainer.py:fit",
+                    "towers/op_parallel/forms.py:call")
 
 
 def _python_files(*folders):
@@ -57,19 +60,54 @@ class StructureTest(unittest.TestCase):
                 long.append(f"{os.path.relpath(path, ROOT)}: {lines}")
         self.assertEqual(long, [])
 
-    def test_packages_import_downwards_only(self):
-        upward = []
+    def test_packages_import_only_what_the_architecture_allows(self):
+        allowed = _allowed_imports()
+        packages = {name[:-len(".py")] if name.endswith(".py") else name
+                    for name in os.listdir(os.path.join(ROOT, "towers"))
+                    if not name.startswith(("_", ".")) and name != "__pycache__"}
+        self.assertEqual(sorted(allowed), sorted(packages))  # each has its row
+        for technique in TECHNIQUES:  # none plugs into another: the engine joins them
+            self.assertFalse(allowed[technique] & set(TECHNIQUES), technique)
+        offenders = []
         for path in _python_files("towers"):
-            package = os.path.relpath(path, os.path.join(ROOT, "towers")).split(os.sep)[0]
-            if package not in LAYERS:
+            where = os.path.relpath(path, os.path.join(ROOT, "towers")).split(os.sep)
+            package = where[0] if len(where) > 1 else where[0][:-len(".py")]
+            if package == "__init__":  # the public names, from every package
                 continue
             for name in _imports(path):
                 parts = name.split(".")
-                if parts[0] != "towers" or len(parts) < 2 or parts[1] in SHARED:
+                if parts[0] == "towers" and len(parts) > 1 and parts[1] != package and \
+                        parts[1] not in allowed.get(package, ()):
+                    offenders.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+        self.assertEqual(offenders, [])
+
+    def test_every_function_takes_at_most_8_parameters(self):
+        long = []
+        for path in _python_files("towers"):
+            with open(path) as source:
+                tree = ast.parse(source.read())
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
-                if parts[1] in LAYERS and LAYERS.index(parts[1]) < LAYERS.index(package):
-                    upward.append(f"{os.path.relpath(path, ROOT)} imports {name}")
-        self.assertEqual(upward, [])
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                count = len([a for a in arguments if a.arg not in ("self", "cls")])
+                where = f"{os.path.relpath(path, ROOT)}:{node.name}"
+                if count > MAX_PARAMETERS and where not in KERAS_SIGNATURES:
+                    long.append(f"{where}: {count}")
+        self.assertEqual(long, [])
+
+
+def _allowed_imports():
+    """{package or shared module: the packages and modules of towers it may import}, read
+    from docs/architecture.md's table of packages (its last column)."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as doc:
+        rows = [line.split("|") for line in doc if re.match(r"\| `\w+`", line)]
+    allowed = {}
+    for row in rows:
+        may_import = set(re.findall(r"`(\w+)`", row[-2]))
+        for name in re.findall(r"`(\w+)`", row[1]):
+            allowed[name] = may_import
+    return allowed
 
 
 class PublicSurfaceTest(unittest.TestCase):

@@ -10,7 +10,7 @@ from absl.testing import parameterized
 import towers
 from benchmarks.harness import transfers
 from tests import reference
-from towers.data_parallel import step
+from towers.engine import step
 from towers.training import placement
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]

@@ -5,15 +5,18 @@ backward on every tower under `tf.device`, gathers the gradients on a main
 device, averages them weighted by shard size, and applies them once. A tower
 may itself be a pipeline: the model cut into stages on devices of their own.
 
-The packages, one per part (docs/architecture.md; imports point down the list):
+The packages (docs/architecture.md; each imports only what its table row allows):
   cli/             the command line: towers-train, model specs, built-in models, data
   training/        TowerTrainer, its compiled steps, executions, the fit loop, callbacks,
                    checkpoints, preemption, input staging
   multi_worker/    the cluster of workers, its watchdog and the local launcher
+  engine/          the step the three techniques plug into: run_towers, a tower's run,
+                   the forward and its loss, TowerOptions, tower_step
+  placement/       where variables and optimizer state live: columns, slabs, owners
+  data_parallel/   split, replicas, aggregate, exchange, collectives, batch statistics
+  model_parallel/  pipeline stages, their schedules, the flight through them
   op_parallel/     split layers: a layer's parts on their own devices
-  data_parallel/   the seven steps: split, replicas, tower, losses, aggregate, exchange, step
-  model_parallel/  pipeline stages and their schedules
-  devices, errors  shared by all of them
+  devices, errors, gradients, compat   shared by all of them
 """
 
 import importlib as _importlib
@@ -31,11 +34,11 @@ except ImportError:  # pragma: no cover - exercised only without TensorFlow
 
 from towers.data_parallel import exchange  # noqa: F401  (towers.exchange.AGGREGATIONS)
 from towers.data_parallel.aggregate import average_gradients
-from towers.data_parallel.custom_step import StepOutput, tower_step
+from towers.engine.custom_step import StepOutput, tower_step
 from towers.data_parallel.split import split_batch
-from towers.data_parallel.options import TowerOptions
-from towers.data_parallel.slabs import whole_variables
-from towers.data_parallel.step import tower_gradients
+from towers.engine.options import TowerOptions
+from towers.placement.slabs import whole_variables
+from towers.engine.step import tower_gradients
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError, Preempted, WorkerLostError
 from towers.model_parallel.stages import split_model
@@ -50,8 +53,8 @@ from towers.training.trainer import TowerTrainer
 # module objects, imported when first named, so `import towers` imports no command line.
 # towers.train is a file of its own, since `python -m towers.train` runs it.
 _MOVED = {
-    "aggregate": "data_parallel", "exchange": "data_parallel", "losses": "data_parallel",
-    "split": "data_parallel", "step": "data_parallel", "tower": "data_parallel",
+    "aggregate": "data_parallel", "exchange": "data_parallel", "split": "data_parallel",
+    "losses": "engine", "step": "engine", "tower": "engine",
     "schedule": "model_parallel", "stages": "model_parallel",
     "callbacks": "training", "checkpoint": "training", "compiled": "training",
     "executions": "training", "loop": "training", "preemption": "training",

@@ -136,7 +136,7 @@ def _held_bytes(trainer):
         held[device][kind] += size
 
     # What the optimizer updates: the trainable variables, a cut one's slabs in its place
-    # (spread placement holds it as them, data_parallel/slabs.py); then the others.
+    # (spread placement holds it as them, placement/slabs.py); then the others.
     updated = trainer.setup.columns.held_variables()
     state = trainer.model.non_trainable_variables
     for variable in updated + state:

@@ -154,7 +154,7 @@ def hub_formula_bytes(plan, num_parts, ids, *, vocab, layers, width, intermediat
     (intermediate - part 0's)) to the tower and back again, and their gradients. A
     vocab split of the tied table adds its look-up of `ids` (B, length), and for the
     LM head the hidden states to every other part and their gradient back, and for
-    its loss, kept in parts (data_parallel/vocab_loss.py), the targets out, three
+    its loss, kept in parts (op_parallel/vocab_loss.py), the targets out, three
     reductions back and one gradient out, per token: not the logits (B x length x
     V_j); and the tied table's gradient, (V_j, D) to the tower and back, where
     TensorFlow's tape adds its look-up's and its head's."""

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import towers
 from benchmarks.harness import compat
-from towers.data_parallel import step as step_lib
+from towers.engine import step as step_lib
 from towers.training import placement, recompute
 
 _SENDS = ("_Send", "_HostSend")

@@ -1,13 +1,11 @@
-"""Data parallelism: the seven steps of the tower algorithm.
+"""Data parallelism: one shard of the batch per tower, the gradients met on a main device.
 
-split (1: one shard per tower), replicas (2: the same weights on every tower),
-forward, tower and losses (3-4: forward pass, loss and GradientTape on a
-tower's own device), aggregate and exchange (5-6: the towers' gradients
-gathered and summed, by a route chosen once; across workers too), collectives
-(the keyed all-reduce and all-gather ops), options (`TowerOptions`), step
-(`run_towers`, steps 1-6 on one screen; `StepSetup`; `tower_gradients`;
-step 7's `apply_update`).
+split (step 1: one shard per tower), replicas (2: the same weights on every
+tower), aggregate and exchange (4-5: the towers' gradients gathered and summed by
+a route chosen once; across workers too; the mean, clipping, the state merged),
+collectives (the keyed all-reduce and all-gather ops), batch_statistics
+(BatchNormalization's moments over the global batch, where rows meet). The
+engine (towers.engine) runs them in the step.
 
-May import: towers.model_parallel (a tower may be a pipeline of stages),
-towers.devices, towers.errors. Never training, multi_worker or cli.
+May import: the shared modules only (devices, gradients, compat).
 """

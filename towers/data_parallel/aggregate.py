@@ -1,4 +1,4 @@
-"""Steps 5 and 6: gathering the towers' gradients on the main device and averaging them."""
+"""Steps 4 and 5: the towers' gradients brought to the main device and added up there."""
 
 import contextlib
 import numbers
@@ -6,11 +6,11 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from towers import devices as devices_lib
+from towers import devices as devices_lib, gradients
 
 
 def gather(tower_values, device):
-    """Step 5: copies every tower's values (gradients, or new state) to `device`.
+    """Step 4: copies every tower's values (gradients, or new state) to `device`.
 
     Args:
       tower_values: one list per tower of Tensor, tf.IndexedSlices or None.
@@ -24,10 +24,10 @@ def gather(tower_values, device):
 
 
 def average_gradients(tower_grads, weights=None, device=None):
-    """Step 6 for gradients of each tower's own mean loss: the weighted mean over towers.
+    """Step 5 for gradients of each tower's own mean loss: the weighted mean over towers.
 
     (The tower step itself weights each tower's loss by its shard's size
-    before the gradient, so there step 6 is a plain sum: sum_gradients.)
+    before the gradient, so there step 5 is a plain sum: sum_gradients.)
 
     `tower_grads` holds one list per tower, one entry per variable:
 
@@ -74,7 +74,7 @@ def average_gradients(tower_grads, weights=None, device=None):
 
 
 def sum_gradients(tower_grads, device=None):
-    """Step 6 of the tower step: per variable, the sum over towers of its gradient
+    """Step 5 of the tower step: per variable, the sum over towers of its gradient
     (each tower's is of its part of the batch's loss, so the sum is the mean).
 
     Args:
@@ -88,7 +88,7 @@ def sum_gradients(tower_grads, device=None):
     """
     _check_tower_grads(tower_grads)
     with _placed(device):
-        return [_sum(per_variable) for per_variable in zip(*tower_grads)]
+        return [gradients.add(per_variable) for per_variable in zip(*tower_grads)]
 
 
 # How the towers' new values of a non-trainable variable become one (`state_rules`):
@@ -170,7 +170,7 @@ def clip_gradients(grads, clip_global_norm, loss_scale=None):
     half_squares = []
     for grad in grads:
         if grad is not None:
-            with tf.device(dense_part(grad).device):
+            with tf.device(gradients.dense_part(grad).device):
                 half_squares.append(half_squared_norm(grad))
     if not half_squares:
         return grads
@@ -181,7 +181,7 @@ def clip_gradients(grads, clip_global_norm, loss_scale=None):
 
 
 def _scaled(grad, factor):
-    with tf.device(dense_part(grad).device):
+    with tf.device(gradients.dense_part(grad).device):
         return scale(grad, factor)
 
 
@@ -194,8 +194,8 @@ def all_finite(values):
     checks = []
     for value in values:
         if value is not None:
-            with tf.device(dense_part(value).device):
-                checks.append(tf.reduce_all(tf.math.is_finite(dense_part(value))))
+            with tf.device(gradients.dense_part(value).device):
+                checks.append(tf.reduce_all(tf.math.is_finite(gradients.dense_part(value))))
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
@@ -244,20 +244,8 @@ def _weight_fractions(weights, num_towers):
 
 def _weighted_mean(values, fractions):
     """sum_t fraction_t * value_t for one variable's state, skipping towers with None."""
-    return _sum([None if value is None else _scale(value, fraction)
+    return gradients.add([None if value is None else _scale(value, fraction)
                  for value, fraction in zip(values, fractions)])
-
-
-def _sum(grads):
-    """One variable's gradients summed over towers, skipping None; IndexedSlices stay so."""
-    present = [grad for grad in grads if grad is not None]
-    if not present:
-        return None
-    if all(isinstance(grad, tf.IndexedSlices) for grad in present):
-        return tf.IndexedSlices(values=tf.concat([grad.values for grad in present], 0),
-                                indices=tf.concat([grad.indices for grad in present], 0),
-                                dense_shape=present[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(grad) for grad in present])
 
 
 def scale(grad, fraction):
@@ -286,30 +274,17 @@ def _is_float(value):
     return value is not None and value.dtype.is_floating
 
 
-def dense_part(value):
-    """The values Tensor of a tf.IndexedSlices, or the Tensor itself."""
-    return value.values if isinstance(value, tf.IndexedSlices) else value
-
-
 def half_squared_norm(grad):
     """tf.nn.l2_loss of the dense gradient `grad` stands for, on the current device.
 
     A tf.IndexedSlices' repeated rows (an id looked up twice, or by two towers)
-    are added before squaring, as in to_dense, but only the rows present are
+    are added before squaring, as in gradients.to_dense, but only the rows present are
     summed: no (vocabulary, width) Tensor is built.
     """
     if not isinstance(grad, tf.IndexedSlices):
         return tf.nn.l2_loss(grad)
     rows, row_of_slice = tf.unique(grad.indices)
     return tf.nn.l2_loss(tf.math.unsorted_segment_sum(grad.values, row_of_slice, tf.size(rows)))
-
-
-def to_dense(grad):
-    """A tf.IndexedSlices as the dense Tensor it stands for; a Tensor as it is."""
-    if not isinstance(grad, tf.IndexedSlices):
-        return grad
-    # unsorted_segment_sum adds repeated rows, as the sparse update would.
-    return tf.math.unsorted_segment_sum(grad.values, grad.indices, grad.dense_shape[0])
 
 
 def _placed(device):

@@ -1,7 +1,7 @@
-"""Steps 5 and 6: the routes by which the towers' gradients meet.
+"""Steps 4 and 5: the routes by which the towers' gradients meet.
 
 Each tower's gradients are of its part of the batch's loss (flight.Flight),
-so steps 5-6 add them up. All routes give the same sum on the main device;
+so steps 4-5 add them up. All routes give the same sum on the main device;
 they differ in which device adds what, and so in how many bytes cross
 between devices:
 
@@ -20,8 +20,8 @@ one per variable (Horovod's tensor fusion, tf_cnn_benchmarks' repacking).
 Sparse gradients (tf.IndexedSlices) travel the "main" route in every mode:
 an all-reduce needs equal shapes on every tower, and rows looked up differ.
 
-`route` picks one once; `sum_gradients` runs one. Across workers
-(mean_across_workers, step 6 of a cluster) the dense values are all-reduced
+`route` picks one, once. Across workers
+(mean_across_workers, step 5 of a cluster) the dense values are all-reduced
 packed, and sparse gradients are all-gathered (collectives.py keys the ops).
 """
 
@@ -36,7 +36,7 @@ AGGREGATIONS = ("main", "tree", "collective", "nccl")
 
 
 def route(aggregation="main", pack=False):
-    """Steps 5-6 by `aggregation`, chosen once (StepSetup holds it):
+    """Steps 4-5 by `aggregation`, chosen once (StepSetup holds it):
     fn(tower_grads, devices, main_device) -> one sum per variable on main_device.
 
     tower_grads holds one list of gradients per tower, on that tower's device of
@@ -52,20 +52,15 @@ def route(aggregation="main", pack=False):
     return functools.partial(_sum_dense_by, sum_dense, pack)
 
 
-def sum_gradients(tower_grads, devices, main_device, aggregation="main", pack=False):
-    """Steps 5-6 once, by `aggregation`: route(aggregation, pack)'s sum."""
-    return route(aggregation, pack)(tower_grads, devices, main_device)
-
-
 def _gather_and_sum(tower_grads, devices, main_device):
     """The "main" route: every tower's gradients copied to the main device and added."""
     del devices  # each gradient already names its own
     if not tower_grads[0]:
         return []  # a stage without trainable variables
     with tf.name_scope("gather"):
-        tower_grads = aggregate.gather(tower_grads, main_device)                       # 5
+        tower_grads = aggregate.gather(tower_grads, main_device)                       # 4
     with tf.name_scope("reduce"):
-        return aggregate.sum_gradients(tower_grads, main_device)                       # 6
+        return aggregate.sum_gradients(tower_grads, main_device)                       # 5
 
 
 def _sum_dense_by(sum_dense, pack, tower_grads, devices, main_device):
@@ -80,7 +75,7 @@ def _sum_dense_by(sum_dense, pack, tower_grads, devices, main_device):
         sparse_grads = [[g if s else None for g, s in zip(grads, sparse)] for grads in tower_grads]
         if pack:
             dense_grads, unpack = _pack(dense_grads, devices)
-        summed = sum_dense(dense_grads, devices, main_device)                          # 5, 6
+        summed = sum_dense(dense_grads, devices, main_device)                          # 4, 5
         with tf.device(main_device):
             dense_sum = [None if g is None else tf.identity(g) for g in summed]
             if pack:
@@ -155,7 +150,7 @@ def _all_reduce_sum(tower_grads, devices, main_device, hint):
 
 
 def mean_across_workers(values, weight, cluster, device):
-    """Step 6 across workers: per value, sum_w weight_w * value_w / sum_w weight_w.
+    """Step 5 across workers: per value, sum_w weight_w * value_w / sum_w weight_w.
 
     Every worker calls it with its own values (gradients averaged over its
     towers, its loss, its state) and weight (its example count, so the result
@@ -196,7 +191,7 @@ def mean_across_workers(values, weight, cluster, device):
 
 
 def across_workers(result, cluster, main_device, state_rules, old_state):
-    """Step 6 across workers: this worker's step.TowerResult -> the global batch's.
+    """Step 5 across workers: this worker's step.TowerResult -> the global batch's.
 
     Gradients, loss and loss terms are averaged weighted by each worker's example
     count; each state value merges by its rule (aggregate.state_rules): "mean"

@@ -1,9 +1,10 @@
 """Model parallelism: the model cut into pipeline stages, each on its own device.
 
-stages (`split_model`, cutting a Keras model after named layers; placing each
-stage's variables and optimizer slots), schedule (GPipe and 1F1B: the order of
-each stage's forwards and backwards per micro-batch, as a timetable). A tower
-runs its stages in data_parallel.tower; a grid of towers x stages is the step's.
+stages (`split_model`, cutting a Keras model after named layers; `Stages`, each
+stage's variables), schedule (GPipe and 1F1B: the order of each stage's forwards and
+backwards per micro-batch, as a timetable), flight (`Flight`: a tower's
+micro-batches through its stages in the schedule's order; what each stage computes,
+its forward and the loss, is given to it by the engine, engine/tower.py).
 
-May import: towers.devices, towers.errors. Nothing else of towers.
+May import: the shared modules only (gradients, compat).
 """

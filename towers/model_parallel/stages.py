@@ -4,16 +4,15 @@
 stage models that share the original layers and weights. `Stages` adds what
 the tower step needs to run them: which of the model's variables each stage
 owns, and which tensors cross each cut (skip connections are carried along to
-the stage that uses them). `place_variables` moves each stage's variables to
-its stage device, as torchgpipe moves each partition to its device.
+the stage that uses them). placement/variables.py moves each stage's variables
+to its stage device, as torchgpipe moves each partition to its device.
 """
 
 import collections
 
 import keras
-import tensorflow as tf
 
-from towers import compat, devices as devices_lib
+from towers import compat
 
 
 def split_model(model, cuts):
@@ -180,62 +179,6 @@ def check_pipeline(pipeline_cuts, main_device, variable_placement):
         if given:
             raise ValueError(f"{name} cannot be combined with pipeline_cuts: {why}.")
     return list(pipeline_cuts)
-
-
-def place_variables(columns, optimizer):
-    """Moves each column's variables (a stage's, or a stage's split layers' part j's) to
-    its device, columns.devices[c]; `columns` a data_parallel.columns.Columns.
-
-    Keras 3's optimizer creates each slot on its variable's device when it is
-    built, so it must not be built yet when a variable has to move.
-
-    Raises:
-      ValueError: a variable must move but the optimizer is already built.
-    """
-    moves = [(variable, device) for column, device in enumerate(columns.devices)
-             for variable in columns.variables(column) if not is_whole_on(variable, device)]
-    if moves and optimizer.built:
-        raise ValueError(
-            "the optimizer was built before the variables were placed on their devices "
-            "(pipeline stages, spread placement), so its slots would stay behind; create "
-            "the TowerTrainer with a fresh optimizer (it is built at the first step, next "
-            "to each variable).")
-    for variable, device in moves:
-        compat.move_variable(variable, device)
-
-
-def is_whole_on(variable, device):
-    """Whether `variable` lives on `device` whole (not held as slabs by an earlier
-    trainer's spread placement, data_parallel/slabs.py)."""
-    return compat.held_slabs(variable) is None and \
-        devices_lib.canonical_name(variable.value.device) == device
-
-
-def updates_on_variable_devices(optimizer):
-    """(the object, {attribute: replacement}) that make `optimizer` compute each
-    variable's update on that variable's device while they are set; the trainer
-    sets them only while it traces its step (training/placement.step_hooks), so
-    the user's optimizer is its own again outside.
-
-    Keras 3 runs every variable's update under the caller's device scope, and
-    has no public option to place it with its variable; so the one
-    per-variable hook, update_step, is wrapped (in the inner optimizer of a
-    LossScaleOptimizer). Without it, every stage's weights and slots would be
-    read onto one device to be updated. And Keras's TensorFlow optimizer first
-    sums the gradients over the replicas of a tf.distribute strategy: with none,
-    that is one IdentityN of all of them, on the caller's device, which would
-    copy every stage's gradients there and back; the towers have summed them
-    already, so that step (compat.REPLICA_SUM) is skipped.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    update_step = inner.update_step
-
-    def update_on_device(gradient, variable, learning_rate):
-        with tf.device(variable.device):
-            return update_step(gradient, variable, learning_rate)
-
-    return inner, {"update_step": update_on_device,
-                   compat.REPLICA_SUM: lambda grads_and_vars: list(grads_and_vars)}
 
 
 def graph_of(model):

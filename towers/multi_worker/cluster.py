@@ -223,7 +223,7 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers,
       options: the trainer's TowerOptions; main_device: its main device;
       num_towers: this worker's towers; own_slots: each worker's optimizer holds
         the slots of its own share of the variables (spread placement,
-        data_parallel/worker_shares.py): only its step count is the chief's.
+        placement/worker_owners.py): only its step count is the chief's.
 
     Returns:
       (first_tower, total_towers): the global index of this worker's first

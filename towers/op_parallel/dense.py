@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from towers.data_parallel import vocab_loss
+from towers.op_parallel import vocab_loss
 from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 DENSE_EQUATION = "...i,io->...o"

@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras import ops
 
 from towers import compat
-from towers.data_parallel import vocab_loss
+from towers.op_parallel import vocab_loss
 from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 

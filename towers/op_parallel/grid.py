@@ -6,7 +6,7 @@ stage k) on that device, and the layers not split on its part 0's device. Part
 j's variables and optimizer slots live on the first tower's device for it,
 where split_layers created them (stage 0) or the trainer moves them (a later
 stage's, `settle_parts`); the towers' gradients of a part meet there and its
-update is applied there (steps 5-6 per column: data_parallel/columns.py).
+update is applied there (steps 4-5 per column: placement/columns.py).
 """
 
 from towers import devices as devices_lib

@@ -20,9 +20,8 @@ import keras
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel import flight, split
-
-# .rows: where the tower being traced runs its forms' parts; .recompute: parts_recomputed's.
+# .rows: where the tower being traced runs its forms' parts; .recompute: parts_recomputed's;
+# .once: backwards_once's.
 _tower = threading.local()
 
 
@@ -31,7 +30,8 @@ def part_sizes(total, num_parts):
     larger first. Raises ValueError for more parts than units."""
     if num_parts > total:
         raise ValueError(f"{num_parts} parts of {total}: each part needs at least one")
-    return split.shard_sizes(total, num_parts)
+    base, extra = divmod(total, num_parts)
+    return [base + (1 if j < extra else 0) for j in range(num_parts)]
 
 
 def tower_rows(rows):
@@ -47,6 +47,15 @@ def parts_recomputed(recompute):
     that keeps only its inputs and whose gradient runs the work again. A look-up of a
     table where it lives (op_parallel.tables) keeps only its ids and is not rerun."""
     return _set_within("recompute", recompute)
+
+
+def backwards_once(once):
+    """Within it, where `once`, the forward being traced is differentiated only once, so a
+    part's tape need not be persistent. Outside, a part's tape is: a step may differentiate
+    the forward more than once (a masked loss term's backward of its own,
+    model_parallel/flight.py), and a recurrent layer's gradient is slower through a
+    persistent tape only, not wrong."""
+    return _set_within("once", once)
 
 
 @contextlib.contextmanager
@@ -150,10 +159,9 @@ def run_part(devices, j, part, call, *inputs, whole_tables=False):
 
     @tf.custom_gradient
     def run(*args):
-        # Persistent where a step differentiates the part more than once (a masked loss
-        # term's backward of its own, data_parallel/flight.py).
+        # Persistent unless the step differentiates the part once only (backwards_once).
         with tf.device(device), tf.GradientTape(
-                persistent=flight.several_backwards()) as tape:
+                persistent=not getattr(_tower, "once", None)) as tape:
             tape.watch([a for a in args if a.dtype.is_floating])
             outputs = work(*tf.nest.pack_sequence_as(
                 inputs, [args[position[id(t)]] for t in flat_inputs]))

@@ -2,7 +2,7 @@
 placements.
 
 A split model's weights are its parts' (op_parallel), and with spread placement a large
-variable's optimizer slots are its slabs' (data_parallel/slabs.py). Checkpointer saves
+variable's optimizer slots are its slabs' (placement/slabs.py). Checkpointer saves
 such a model through its twin, which holds them whole, on the host: for a split model
 join_layers' model, and an optimizer like the trainer's built on it; for a model with
 slabs only, the model itself (its variables save whole) and an optimizer like the
@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel import slabs
+from towers.placement import slabs
 from towers.op_parallel import plan
 
 

@@ -1,4 +1,4 @@
-"""The bodies TowerTrainer compiles: the train step (steps 1-7) and the eval step.
+"""The bodies TowerTrainer compiles: the train step (steps 1-6) and the eval step.
 
 Each takes the trainer and reads only its public attributes (model, objective,
 optimizer, metrics, setup, cluster, signals); call them
@@ -9,13 +9,15 @@ builds on: its logs say what a caller needs to decide whether to go on.
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, collectives, forward, losses, split, worker_shares
-from towers.data_parallel.step import apply_update, assign_state, copy_weights, run_towers
+from towers.data_parallel import aggregate, collectives, split
+from towers.engine import forward
+from towers.placement import worker_owners
+from towers.engine.step import apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.training import recompute
 
 def train_step(trainer, batch, may_be_empty):
-    """One training step on `batch`: steps 1-6 (run_towers), then step 7 if finite.
+    """One training step on `batch`: steps 1-5 (run_towers), then step 6 if finite.
 
     `may_be_empty`: whether a micro-batch of a tower may have no rows (False only
     where the batch is known to fill every one: fills_every_micro_batch).
@@ -98,18 +100,18 @@ def _train_step(trainer, batch, may_be_empty):
         grads = aggregate.clip_gradients(result.grads, setup.options.clip_global_norm, scale)
         grads_finite = aggregate.all_finite(grads)
         if setup.columns.cluster is not None:  # each worker has its own gradients
-            grads_finite = worker_shares.all_finite(grads_finite, trainer.cluster,
+            grads_finite = worker_owners.finite_on_every_worker(grads_finite, trainer.cluster,
                                                     setup.main_device)
         # With loss scaling an overflowing gradient is routine: the
         # LossScaleOptimizer skips it and halves the scale. Only the loss decides.
         finite = aggregate.all_finite([result.loss]) & (grads_finite | (scale is not None))
 
-    def apply():  # step 7, only for a finite step
+    def apply():  # step 6, only for a finite step
         if setup.columns.cluster is None:
             apply_update(trainer.optimizer, grads, setup.columns.held_variables(),
                          setup.main_device)
         else:  # the state spread over the workers: each applies its own, then gathers
-            worker_shares.apply_update(trainer.optimizer, grads, setup.columns,
+            worker_owners.apply_owned(trainer.optimizer, grads, setup.columns,
                                        setup.main_device)
         assign_state(trainer.model, result.state, when=grads_finite)
         return grads_finite

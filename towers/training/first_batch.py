@@ -10,10 +10,12 @@ import tensorflow as tf
 from absl import logging
 
 from towers import compat, devices as devices_lib, errors
-from towers.data_parallel import forward, losses, split, tower
+from towers.engine import forward, losses, tower
+from towers.data_parallel import split
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import plan as op_plan
+from towers.placement import variables as variables_lib
 from towers.training import model_loss_forms, trainable
 
 
@@ -245,7 +247,7 @@ def check_model(trainer):
         if setup.parts is not None:
             setup.parts.settle(setup.stages)
         setup.columns.cut_slabs(trainer.optimizer)
-        stages_lib.place_variables(setup.columns, trainer.optimizer)
+        variables_lib.place_variables(setup.columns, trainer.optimizer)
         return  # stages, split layers and spread placement place their variables on purpose
     for variable in model.variables:  # held as slabs by an earlier trainer: whole again
         if compat.held_slabs(variable) is not None:

@@ -5,7 +5,8 @@ import keras
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel import exchange, losses, split
+from towers.data_parallel import exchange, split
+from towers.engine import losses
 
 _ALIASES = ("accuracy", "acc")  # compile picks binary, categorical or sparse by shape
 

@@ -1,5 +1,5 @@
 """Each loss a model adds in its call, told apart by measuring on the first batch: a mean
-over rows, a sum over rows, or one that couples rows (data_parallel/model_losses.py
+over rows, a sum over rows, or one that couples rows (engine/model_losses.py
 says what each form's part of a tower's loss is).
 
 On rows A (the first example), B (the next one or two) and A+B (both), a term L is
@@ -13,7 +13,7 @@ The measurement runs the model eagerly on the current weights, writing nothing.
 
 import tensorflow as tf
 
-from towers.data_parallel import forward, model_losses
+from towers.engine import forward, model_losses
 
 # float32 round-off of a loss over a few rows is ~1e-7 of it; a form that does not
 # hold misses by far more (a sum against a mean of 3 rows: a factor of 3).

@@ -6,8 +6,8 @@ import contextlib
 
 from towers import devices as devices_lib
 from towers.data_parallel import exchange
-from towers.data_parallel.step import StepSetup
-from towers.model_parallel import stages as stages_lib
+from towers.engine.step import StepSetup
+from towers.placement import variables as variables_lib
 from towers.op_parallel import grid as op_grid, tables as op_tables
 
 _ABSENT = object()
@@ -56,7 +56,7 @@ def step_hooks(trainer):
     """
     setup, hooks = trainer.setup, []
     if len(setup.columns.devices) > 1:
-        hooks.append(stages_lib.updates_on_variable_devices(trainer.optimizer))
+        hooks.append(variables_lib.updates_on_variable_devices(trainer.optimizer))
     if setup.tables is not None:
         hooks += op_tables.reads_where_they_live(setup.columns.held_variables(),
                                                  setup.tables)

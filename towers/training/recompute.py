@@ -5,7 +5,7 @@ TowerTrainer(recompute=...) takes:
 - "stages": GPipe's rematerialisation. Each pipeline stage's forward, on every
   micro-batch, records nothing; only the stage's inputs (the boundary) and the
   state it read are kept, and its backward runs the forward again under a tape
-  (data_parallel/flight.py, given TowerOptions.recompute_stages). Without pipeline_cuts the model
+  (model_parallel/flight.py, given TowerOptions.recompute_stages). Without pipeline_cuts the model
   is one stage: only its inputs are kept.
 - a list of layer names or paths (op_parallel/paths.py: "/"-separated levels,
   shell wildcards): each layer named runs as one custom-gradient op
@@ -53,7 +53,7 @@ import keras
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel.options import RECOMPUTE_STAGES as STAGES
+from towers.engine.options import RECOMPUTE_STAGES as STAGES
 from towers.op_parallel import layers as op_layers, paths, plan as op_plan
 
 

@@ -19,7 +19,7 @@ variables' slots and the metrics go on.
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel import tower
+from towers.engine import tower
 from towers.data_parallel.replicas import Replicas
 from towers.op_parallel import tables as op_tables
 

@@ -7,8 +7,9 @@ import keras
 import tensorflow as tf
 
 from towers import errors
-from towers.data_parallel import losses, split
-from towers.data_parallel.options import TowerOptions
+from towers.engine import losses
+from towers.data_parallel import split
+from towers.engine.options import TowerOptions
 from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
@@ -70,14 +71,14 @@ class TowerTrainer:
     """
 
     def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
-                 metrics=(), weighted_metrics=None, loss_weights=None,
-                 aggregation="main", pack_gradients=False,
-                 variable_placement="main", accum_steps=1, clip_global_norm=None,
-                 sparse_policy="keep", state_policy="mean", on_nonfinite="raise",
-                 jit_compile=False, cluster=None, pipeline_cuts=None, micro_batches=1,
-                 pipeline_schedule="gpipe", steps_per_execution=1,
-                 prefetch_to_devices="auto", embedding_lookup="table", recompute=False,
-                 batch_statistics="per_tower", options=None):
+                 options=None, **keywords):
+        """keywords: compile's (metrics, weighted_metrics, loss_weights), the trainer's
+        own (jit_compile, cluster, pipeline_cuts, steps_per_execution,
+        prefetch_to_devices) and TowerOptions' fields, each as the attributes say;
+        TowerOptions' fields either as keywords or as one `options`."""
+        keywords, option_keywords = _trainer_keywords(keywords)
+        metrics, weighted_metrics, loss_weights, jit_compile, cluster, pipeline_cuts, \
+            steps_per_execution, prefetch_to_devices = keywords.values()
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         if not isinstance(jit_compile, bool):
@@ -88,13 +89,7 @@ class TowerTrainer:
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(
                 f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
-        self.options = TowerOptions.given(options, dict(
-            accum_steps=accum_steps, clip_global_norm=clip_global_norm,
-            sparse_policy=sparse_policy, state_policy=state_policy, on_nonfinite=on_nonfinite,
-            aggregation=aggregation, pack_gradients=pack_gradients,
-            variable_placement=variable_placement, micro_batches=micro_batches,
-            pipeline_schedule=pipeline_schedule, embedding_lookup=embedding_lookup,
-            recompute=recompute, batch_statistics=batch_statistics))
+        self.options = TowerOptions.given(options, option_keywords)
         placement_option = self.options.variable_placement
         if model.compute_dtype == "float16" and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
@@ -367,3 +362,25 @@ class TowerTrainer:
     def _no_compiled_functions(self):
         """A fresh set of compiled functions: traced under the step's hooks (placement)."""
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
+
+
+# The trainer's own keyword options and their defaults, in the order __init__ takes them.
+_OWN_KEYWORDS = {"metrics": (), "weighted_metrics": None, "loss_weights": None,
+                 "jit_compile": False, "cluster": None, "pipeline_cuts": None,
+                 "steps_per_execution": 1, "prefetch_to_devices": "auto"}
+
+
+def _trainer_keywords(keywords):
+    """(every one of _OWN_KEYWORDS, given or its default; TowerOptions' fields given).
+
+    Raises:
+      TypeError: a keyword that is neither, as Python says of an unknown keyword.
+    """
+    fields = TowerOptions.field_names()
+    unknown = sorted(set(keywords) - set(_OWN_KEYWORDS) - set(fields))
+    if unknown:
+        raise TypeError(f"TowerTrainer got an unexpected keyword argument {unknown[0]!r}; it "
+                        f"takes {', '.join(_OWN_KEYWORDS)}, options= and TowerOptions' "
+                        f"fields ({', '.join(fields)}).")
+    own = {name: keywords.get(name, default) for name, default in _OWN_KEYWORDS.items()}
+    return own, {name: value for name, value in keywords.items() if name in fields}

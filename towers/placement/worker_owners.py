@@ -8,11 +8,11 @@ of their own. Every worker keeps the whole weights (its towers read them as with
 spread); each worker's optimizer is built on the held entries it owns only
 (Columns.owned_variables), so it holds 1/W of the slots. A step, across workers:
 
-  steps 5-6 (across_workers): the dense gradients, packed in owner order, each worker's
-    region padded to one size, are summed so that each worker gets only its own region:
+  steps 4-5 (means_on_owners): the dense gradients, packed in owner order, each worker's
+    block padded to one size, are summed so that each worker gets only its own block:
     the global batch's weighted mean of its own entries (weights: examples, as
     exchange.mean_across_workers). A sparse gradient is gathered as before.
-  step 7 (apply_update): each worker applies its own entries, then the updated values,
+  step 6 (apply_owned): each worker applies its own entries, then the updated values,
     packed and padded alike, are all-gathered and each worker writes the entries it does
     not own: every worker's weights stay identical.
 
@@ -26,8 +26,8 @@ import tensorflow as tf
 from towers.data_parallel import aggregate, collectives, exchange
 
 
-def across_workers(result, setup, state_rules, old_state):
-    """Step 6 across workers with the state spread over them: as exchange.across_workers
+def means_on_owners(result, setup, state_rules, old_state):
+    """Steps 4-5 across workers with the state spread over them: as exchange.across_workers
     for the loss, loss terms and state; each gradient (a step.TowerResult's, per
     setup.columns.held_variables() entry, this worker's mean) becomes the global
     batch's mean on its owner only, None on the other workers."""
@@ -51,7 +51,7 @@ def across_workers(result, setup, state_rules, old_state):
     return merged._replace(grads=grads)
 
 
-def all_finite(finite, cluster, device):
+def finite_on_every_worker(finite, cluster, device):
     """Whether every worker's own gradients are finite (`finite`: this worker's, a bool
     scalar on `device`): the workers decide alike whether to apply the step, whose
     all-gather needs them all."""
@@ -60,9 +60,9 @@ def all_finite(finite, cluster, device):
     return tf.equal(finite_workers, cluster.num_workers)
 
 
-def apply_update(optimizer, grads, columns, device):
-    """Step 7 with the state spread over the workers: this worker's optimizer applies
-    its own entries' gradients (None elsewhere: across_workers'), then every entry is
+def apply_owned(optimizer, grads, columns, device):
+    """Step 6 with the state spread over the workers: this worker's optimizer applies
+    its own entries' gradients (None elsewhere: means_on_owners'), then every entry is
     written on every worker from its owner's updated value."""
     held, owners = columns.held_variables(), columns.held_owners()
     mine = columns.cluster.task_index
@@ -81,62 +81,62 @@ def apply_update(optimizer, grads, columns, device):
                 variable.assign(value)
 
 
-def _regions(variables, owners, num_workers, present):
+def _blocks(variables, owners, num_workers, present):
     """Per dtype, per worker, the positions of its entries in `variables` where
-    present[i], and the elements of the longest worker's region."""
+    present[i], and the elements of the longest worker's block."""
     layout = {}
     for i, (variable, owner) in enumerate(zip(variables, owners)):
         if present[i]:
-            regions = layout.setdefault(tf.as_dtype(variable.dtype), [[] for _ in range(
+            blocks = layout.setdefault(tf.as_dtype(variable.dtype), [[] for _ in range(
                 num_workers)])
-            regions[owner].append(i)
-    sizes = {dtype: max(1, max(sum(_elements(variables[i]) for i in region)
-                               for region in regions)) for dtype, regions in layout.items()}
+            blocks[owner].append(i)
+    sizes = {dtype: max(1, max(sum(_elements(variables[i]) for i in block)
+                               for block in blocks)) for dtype, blocks in layout.items()}
     return layout, sizes
 
 
-def _packed(values, variables, region, size, dtype):
-    """`values` at the positions `region` (None: zeros of the variable's shape), flat,
+def _packed(values, variables, block, size, dtype):
+    """`values` at the positions `block` (None: zeros of the variable's shape), flat,
     concatenated and padded with zeros of `dtype` to `size` elements."""
     flat = [tf.reshape(tf.zeros(variables[i].shape, dtype)
-                       if values[i] is None else values[i], [-1]) for i in region]
+                       if values[i] is None else values[i], [-1]) for i in block]
     buffer = tf.concat(flat, 0) if flat else tf.zeros([0], dtype)
-    return tf.pad(buffer, [[0, size - sum(_elements(variables[i]) for i in region)]])
+    return tf.pad(buffer, [[0, size - sum(_elements(variables[i]) for i in block)]])
 
 
-def _unpacked(buffer, variables, region):
-    """The entries `region` of a worker's region `buffer`, each of its variable's shape."""
-    sizes = [_elements(variables[i]) for i in region]
-    pieces = tf.split(buffer[:sum(sizes)], sizes) if region else []
-    return {i: tf.reshape(piece, variables[i].shape) for i, piece in zip(region, pieces)}
+def _unpacked(buffer, variables, block):
+    """The entries `block` of a worker's block `buffer`, each of its variable's shape."""
+    sizes = [_elements(variables[i]) for i in block]
+    pieces = tf.split(buffer[:sum(sizes)], sizes) if block else []
+    return {i: tf.reshape(piece, variables[i].shape) for i, piece in zip(block, pieces)}
 
 
 def _reduce_scatter(values, variables, owners, cluster, device):
     """Per dense value (None elsewhere), its sum over the workers where this worker owns
-    it, else None: one reduce-scatter per dtype of the regions laid end to end."""
+    it, else None: one reduce-scatter per dtype of the blocks laid end to end."""
     mine, result = cluster.task_index, [None] * len(values)
-    layout, sizes = _regions(variables, owners, cluster.num_workers,
+    layout, sizes = _blocks(variables, owners, cluster.num_workers,
                              [v is not None for v in values])
-    for dtype, regions in layout.items():
-        buffer = tf.concat([_packed(values, variables, region, sizes[dtype], dtype)
-                            for region in regions], 0)
+    for dtype, blocks in layout.items():
+        buffer = tf.concat([_packed(values, variables, block, sizes[dtype], dtype)
+                            for block in blocks], 0)
         own = collectives.reduce_scatter_across_workers(buffer, cluster, device)
-        for i, value in _unpacked(own, variables, regions[mine]).items():
+        for i, value in _unpacked(own, variables, blocks[mine]).items():
             result[i] = value
     return result
 
 
 def _all_gather(values, variables, owners, cluster, device):
     """Every entry's value from its owner (`values`: this worker's own, None elsewhere):
-    one all-gather per dtype of the workers' regions, each padded to one size."""
+    one all-gather per dtype of the workers' blocks, each padded to one size."""
     mine, result = cluster.task_index, [None] * len(values)
-    layout, sizes = _regions(variables, owners, cluster.num_workers, [True] * len(values))
-    for dtype, regions in layout.items():
+    layout, sizes = _blocks(variables, owners, cluster.num_workers, [True] * len(values))
+    for dtype, blocks in layout.items():
         [gathered] = collectives.all_gather_across_workers(
-            [_packed(values, variables, regions[mine], sizes[dtype], dtype)], 0, cluster, device)
-        for worker, region in enumerate(regions):
+            [_packed(values, variables, blocks[mine], sizes[dtype], dtype)], 0, cluster, device)
+        for worker, block in enumerate(blocks):
             buffer = gathered[worker * sizes[dtype]:(worker + 1) * sizes[dtype]]
-            for i, value in _unpacked(buffer, variables, region).items():
+            for i, value in _unpacked(buffer, variables, block).items():
                 result[i] = value
     return result
 

@@ -1,12 +1,12 @@
 """The model's variables in columns: each a group of variables living together on one
-device, where the towers read them (step 2) and their gradients meet (steps 5-6).
+device, where the towers read them (step 2) and their gradients meet (steps 4-5).
 
 A column is a pipeline stage's variables that are in no split layer's part (one
 stage without pipeline cuts), or a stage's part j of its split layers: stages,
 parts, or both (the grid of towers x stages x parts) are one kind of column. With
 variable_placement="spread" each such group is one column per tower, what that tower
-holds of it (spread_owners), a variable larger than a tower's share as one slab of its
-rows per tower (slabs.py): steps 2, 5 and 6 go over those shares the same way.
+holds of it (spread_owners), a variable larger than what a tower holds as one slab of
+its rows per tower (slabs.py): steps 2, 4 and 5 go over those columns the same way.
 """
 
 import collections
@@ -15,7 +15,7 @@ import math
 import tensorflow as tf
 
 from towers import compat
-from towers.data_parallel import slabs
+from towers.placement import slabs
 from towers.model_parallel import stages as stages_lib
 
 
@@ -32,7 +32,7 @@ class Columns(stages_lib.VariableGroups):
       rows: per tower, its device per column: where it reads the column's weights
         and runs their work.
       cluster: None, or the towers.Cluster whose workers the state is spread over
-        (spread placement in a cluster of 2 workers or more; worker_shares.py).
+        (spread placement in a cluster of 2 workers or more; worker_owners.py).
     """
 
     def __init__(self, stages, grid, stage_devices, parts=None, spread=False, cluster=None):
@@ -92,7 +92,7 @@ class Columns(stages_lib.VariableGroups):
 
     def signature(self):
         """Per column, its device and the (path, shape) of the trainable variables held
-        there (a slab's own): equal for two layouts only where steps 5-6 make the same
+        there (a slab's own): equal for two layouts only where steps 4-5 make the same
         ops."""
         held = self.held_variables()
         return tuple((device, tuple((held[i].path, tuple(held[i].shape)) for i in positions))
@@ -156,7 +156,7 @@ class Columns(stages_lib.VariableGroups):
         return joined
 
     def cut_gradients(self, grads, row):
-        """Before steps 5-6 on a tower: `grads`, one per model.trainable_variables entry, as
+        """Before steps 4-5 on a tower: `grads`, one per model.trainable_variables entry, as
         one per held_variables entry: each cut variable's gradient cut into its slabs'
         rows on the tower's device for it (each then meets where its slab lives: a
         reduce-scatter)."""

@@ -126,6 +126,11 @@ class TowerOptions:
             object.__setattr__(self, "pipeline_schedule", "1f1b")
 
     @classmethod
+    def field_names(cls):
+        """The options' names, in the order of the class's fields."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
     def given(cls, options, keywords):
         """TowerTrainer's options: `options` itself where one was given, else a
         TowerOptions of `keywords` ({field: value}, the trainer's keyword options). With

@@ -8,11 +8,11 @@ terms on the main device and gives each term its scale, 1 / the batch's count
 lets the counts come first, each tower's backward starts from its counted terms
 weighed by their scales (flight.Flight.finish); where it does not, each counted
 term was differentiated on its own and `fold` scales those gradients and adds
-them to the tower's others, on the device each gradient lives on. Steps 5-6
+them to the tower's others, on the device each gradient lives on. Steps 4-5
 then add up the towers' gradients as ever.
 
 Across workers the count is the global batch's (one all-reduce of the counts
-and the rows), and each worker's share is scaled so that step 6's mean over
+and the rows), and each worker's share is scaled so that step 5's mean over
 workers, weighted by their rows, comes out as one device's.
 """
 
@@ -20,6 +20,7 @@ import collections
 
 import tensorflow as tf
 
+from towers import gradients
 from towers.data_parallel import aggregate, exchange
 
 Counts = collections.namedtuple("Counts", ["scales", "term_losses"])
@@ -30,7 +31,7 @@ scales: per loss term, what its sum is multiplied by: 1 / the batch's count
   worker's rows)), or 1 / its known denominator; float32 scalars. None where
   no term is counted and there is one term (nothing to count).
 term_losses: per loss term its mean over the batch (unweighted, for the logs;
-  with a cluster this worker's share, which step 6's mean over the workers
+  with a cluster this worker's share, which step 5's mean over the workers
   turns into the global batch's), or [] for an objective of one term.
 """
 
@@ -56,7 +57,7 @@ def count(tower_terms, objective, batch_rows, cluster, device):
         scales = [tf.math.divide_no_nan(1.0, u) for u in units]
         if counted and cluster is not None:
             # The global batch's counts; this worker's share of each term, which the
-            # mean over workers weighted by rows (step 6) adds up to sum / count.
+            # mean over workers weighted by rows (step 5) adds up to sum / count.
             *counts, all_rows = exchange.sum_across_workers(
                 [units[i] for i in counted] + [batch_rows], cluster, device)
             for i, total in zip(counted, counts):
@@ -95,7 +96,7 @@ def _add_scaled(grads, term_grads, scales):
         if not pieces:
             added.append(None)
             continue
-        with tf.device(aggregate.dense_part(pieces[0][0]).device):
+        with tf.device(gradients.dense_part(pieces[0][0]).device):
             added.append(aggregate.sum_gradients(
                 [[g if s is None else aggregate.scale(g, s)] for g, s in pieces])[0])
     return added

@@ -12,7 +12,8 @@ import inspect
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import losses, model_losses, split
+from towers.engine import losses, model_losses
+from towers.data_parallel import split
 
 
 def predict(stages, weights, state, x, rows, row, may_be_empty=True):

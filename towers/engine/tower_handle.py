@@ -16,7 +16,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from towers.data_parallel import forward, model_losses, replicas, tower
+from towers.engine import forward, model_losses, tower
+from towers.data_parallel import replicas
 
 
 class Tower:

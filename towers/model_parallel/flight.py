@@ -19,17 +19,33 @@ With recompute_stages (TowerTrainer's recompute="stages", GPipe's
 rematerialisation) a forward records nothing: only each stage's inputs and the
 state it read are kept, and its backward runs the forward again under a tape,
 after the next stage's cotangents have arrived (training/recompute.py).
+
+The flight runs the schedule; what a stage computes is given to it, as
+torch.distributed.pipelining is given the stage module and the loss. `work`
+(engine/tower.py's StageWork) has, for the tower's micro-batches:
+  micro_batches: how many; counted: the loss terms whose count every tower gives
+    (None: not known yet, any may be);
+  inputs(m): micro-batch m's model inputs;
+  forward(k, m, weights, state, inputs, several_backwards): stage k's forward
+    on micro-batch m -> (outputs, new_state, regularization), outputs (y_pred,
+    masks) as engine/forward.py's; several_backwards: whether the tape that
+    records it may be differentiated more than once;
+  targets(k, m, outputs, regularization) -> (part, terms, targets): stage k's part
+    of the batch's loss (unscaled; None: nothing), its loss terms on the last
+    stage (else None), and what its backward starts from ([part] + the counted
+    terms, times the loss scale);
+  total(per_micro_terms): the shard's terms; counted_losses(scales, terms): the
+    counted terms weighed by their scales; cross_cut(values, masks=None): what
+    crosses a cut, copied to the current device; join(y_preds): the outputs'
+    rows joined.
 """
 
 import collections
 import contextlib
-import threading
 
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, losses, split
-from towers.data_parallel.forward import concat_rows, cross_cut, regularization_part
-from towers.data_parallel.forward import shard_loss, unless_empty
+from towers import gradients
 from towers.model_parallel import schedule
 
 TowerOutput = collections.namedtuple(
@@ -51,24 +67,15 @@ term_grads: [] where the counted terms are in grads and loss; else, per term
     adds to grads (and the term to loss).
 """
 
-_tracing = threading.local()  # .several_backwards: of the forward being traced
+Plan = collections.namedtuple("Plan", ["schedule", "count_first", "recompute"])
+Plan.__doc__ = """How a tower's flight runs, the same for every tower of a step.
 
-
-def several_backwards():
-    """Whether the forward being traced is differentiated more than once (a counted
-    loss term's backward of its own): a tape recorded inside it (a split layer's part)
-    must then be persistent. True outside a flight's forward."""
-    return getattr(_tracing, "several_backwards", True)
-
-
-@contextlib.contextmanager
-def _backwards(several):
-    outer = several_backwards()
-    _tracing.several_backwards = several
-    try:
-        yield
-    finally:
-        _tracing.several_backwards = outer
+schedule: one of schedule.SCHEDULES.
+count_first: whether the batch's counts may come before the backwards (they
+  cannot inside one XLA computation, which holds one tower only).
+recompute: whether each stage's forward is rerun in its backward, keeping only
+  its inputs (TowerTrainer's recompute="stages").
+"""
 
 
 class Flight:
@@ -83,25 +90,24 @@ class Flight:
     there is one group.
     """
 
-    def __init__(self, stages, shard, rows, batch_rows, weights, state, row, micro_batches,
-                 schedule_name, objective, loss_scale, forwards, may_be_empty, count_first,
-                 recompute_stages=False):
-        self.stages, self.objective, self.row = stages, objective, row
-        self.loss_scale, self.forwards, self.may_be_empty = loss_scale, forwards, may_be_empty
-        self.micro, self.sizes = [shard], [rows]
-        if micro_batches > 1:
-            sizes = split.shard_sizes(rows, micro_batches)
-            self.micro, self.sizes = split.split_rows(shard, sizes), split.row_counts(sizes)
-        self.batch_rows = batch_rows
+    def __init__(self, stages, work, weights, state, row, plan):
+        """stages: the tower's model as a stages.Stages (one stage: the whole model).
+        work: what its stages compute (the module's docstring), with the tower's
+          micro-batches.
+        weights, state: model.trainable_variables / non_trainable_variables values in
+          model order, each already on its stage's device of `row`.
+        row: one device per stage. plan: a Plan."""
+        self.stages, self.work, self.row = stages, work, row
+        num_micro = work.micro_batches
         self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
         self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
         self.changed = [[None] * len(s) for s in self.state]
         self.actions = schedule.build_order(
-            schedule.make(schedule_name, stages.num_stages, micro_batches))
+            schedule.make(plan.schedule, stages.num_stages, num_micro))
         first_backward = next(i for i, a in enumerate(self.actions)
                               if a.kind == schedule.BACKWARD)
         # The counts can come first where no forward follows a backward.
-        self.count_first = count_first and all(
+        self.count_first = plan.count_first and all(
             a.kind == schedule.BACKWARD for a in self.actions[first_backward:])
         self.done = first_backward if self.count_first else len(self.actions)
         self.scales = None  # per counted term, 1 / its count (count_first), from finish
@@ -109,8 +115,8 @@ class Flight:
         # A persistent tape makes a recurrent layer's gradient slower (a third in a
         # masked LSTM's step): only where a counted term may need a second backward.
         self.persistent = not self.count_first and (
-            objective.counted is None or bool(objective.counted))
-        shape = (stages.num_stages, len(self.micro))
+            work.counted is None or bool(work.counted))
+        shape = (stages.num_stages, num_micro)
         # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
         # where not differentiable), what it returned and their Keras masks, what
         # its backward starts from ([part] + the counted terms; None: nothing),
@@ -120,10 +126,10 @@ class Flight:
         self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
         self.targets, self.parts, self.cotangents = (_table(shape) for _ in range(3))
         self.grad_sums = [[] for _ in range(stages.num_stages)]  # per stage, per group
-        self.y_pred, self.micro_terms = [None] * len(self.micro), [None] * len(self.micro)
+        self.y_pred, self.micro_terms = [None] * num_micro, [None] * num_micro
         self._terms = None  # their sums over the micro-batches, once every forward ran
         self._previous = [[] for _ in row]  # per stage: what its last action produced
-        self.recompute = recompute_stages
+        self.recompute = plan.recompute
         self.kept = _table(shape)  # with recompute: per (stage, micro-batch) (inputs, state)
 
     def start(self):
@@ -137,10 +143,7 @@ class Flight:
         """Per loss term, its losses.Term over the shard (the micro-batches' sums); known
         once every forward ran (after `start`)."""
         if self._terms is None:
-            self._terms = self.micro_terms[0] if len(self.micro) == 1 else [
-                losses.Term(tf.add_n([t.sum for t in per_micro]),
-                            tf.add_n([t.units for t in per_micro]), per_micro[0].per_row)
-                for per_micro in zip(*self.micro_terms)]
+            self._terms = self.work.total(self.micro_terms)
         return self._terms
 
     def finish(self, scales, densify=None):
@@ -153,7 +156,7 @@ class Flight:
           tf.IndexedSlices gradient into a dense Tensor here, before the gather.
         """
         if self.count_first:
-            self.scales = [scales[i] for i in self.objective.counted]
+            self.scales = [scales[i] for i in self.work.counted]
         self._run(self.actions[self.done:])
         per_stage = []
         for k, device in enumerate(self.row):
@@ -161,7 +164,7 @@ class Flight:
                 per_stage.append(self._stage_gradients(k))
         grads = [self.stages.merge(group) for group in zip(*per_stage)]  # per group
         if densify is not None:
-            grads = [[aggregate.to_dense(g) if dense else g for g, dense in zip(group, densify)]
+            grads = [[gradients.to_dense(g) if dense else g for g, dense in zip(group, densify)]
                      for group in grads]
         with tf.device(self.row[-1]):
             loss, y_pred = self._loss_and_outputs()
@@ -180,8 +183,8 @@ class Flight:
         """Stage k's forward on micro-batch m (step 3), recorded for its backward; with
         recompute, not recorded: its inputs and the state it read are kept instead."""
         last = k == self.stages.num_stages - 1
-        inputs = self.micro[m][0] if k == 0 else cross_cut(  # the copy to this stage's device
-            (self.outputs[k - 1][m], self.masks[k - 1][m]))
+        inputs = self.work.inputs(m) if k == 0 else self.work.cross_cut(  # to this device
+            self.outputs[k - 1][m], self.masks[k - 1][m])
         if self.recompute:
             self.kept[k][m] = (inputs, list(self.state[k]))
         run = self._record(k, m, inputs, self.state[k], taped=not self.recompute)
@@ -207,24 +210,15 @@ class Flight:
         last = k == self.stages.num_stages - 1
         watched = [] if k == 0 else [t if t.dtype.is_floating else None for t in inputs]
         tape = tf.GradientTape(persistent=self.persistent) if taped else None
-        with tape or contextlib.nullcontext(), _backwards(self.persistent):
+        with tape or contextlib.nullcontext():
             if tape is not None:
                 tape.watch(self.weights[k] + [t for t in watched if t is not None])
-            outputs, new_state, regularization = unless_empty(
-                self.sizes[m], self.forwards[k], self.weights[k], state, inputs,
-                self.may_be_empty)
-            counted, masks, terms = [], None, None
-            if last:
-                part, terms = shard_loss(self.objective, self.micro[m], outputs,
-                                         regularization, self.sizes[m], self.batch_rows)
-                counted = [weight * term.sum for term, weight
-                           in zip(terms, self.objective.weights) if term.per_row is None]
-            else:
+            outputs, new_state, regularization = self.work.forward(
+                k, m, self.weights[k], state, inputs, several_backwards=self.persistent)
+            masks = None
+            if not last:
                 outputs, masks = tf.nest.flatten(outputs[0]), outputs[1]
-                part = regularization_part(self.objective, regularization, self.sizes[m],
-                                           self.batch_rows)
-            targets = [t if t is None or self.loss_scale is None else t * self.loss_scale
-                       for t in [part] + counted]
+            part, terms, targets = self.work.targets(k, m, outputs, regularization)
         return _Run(tape, watched, outputs, masks, new_state, part, terms, targets)
 
     def _rerun(self, k, m):
@@ -240,7 +234,7 @@ class Flight:
             c for group in self.cotangents[k][m] for c in group if c is not None]
         with tf.control_dependencies(arrived):
             flat = tf.nest.flatten(inputs)
-            inputs = tf.nest.pack_sequence_as(inputs, cross_cut((flat, losses.output_masks(flat))))
+            inputs = tf.nest.pack_sequence_as(inputs, self.work.cross_cut(flat))
         run = self._record(k, m, inputs, state, taped=True)
         self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = run.tape, run.watched, run.targets
         if k < self.stages.num_stages - 1:
@@ -300,8 +294,8 @@ class Flight:
         if group == len(sums):
             sums.append(grads)
         else:
-            sums[group] = aggregate.sum_gradients([sums[group], grads])
-        return [aggregate.dense_part(g) for g in sums[group] if g is not None]
+            sums[group] = [gradients.add(pair) for pair in zip(sums[group], grads)]
+        return [gradients.dense_part(g) for g in sums[group] if g is not None]
 
     def _stage_gradients(self, k):
         """Stage k's gradients per group: its micro-batches' sums."""
@@ -312,12 +306,10 @@ class Flight:
         the counts first, the counted terms too), and its outputs."""
         parts = [part for stage_parts in self.parts for part in stage_parts if part is not None]
         if self.scales is not None:
-            counted = [self.terms[i] for i in self.objective.counted]
-            parts += [self.objective.weights[i] * scale * term.sum for i, scale, term
-                      in zip(self.objective.counted, self.scales, counted)]
+            parts += self.work.counted_losses(self.scales, self.terms)
         loss = (tf.constant(0.0) if not parts else parts[0] if len(parts) == 1
                 else tf.add_n([tf.identity(part) for part in parts]))  # here, on the last stage
-        return loss, self.y_pred[0] if len(self.micro) == 1 else concat_rows(self.y_pred)
+        return loss, self.work.join(self.y_pred)
 
 
 _Run = collections.namedtuple(

@@ -1,4 +1,4 @@
-"""The tower step: steps 1-6 in one function (`run_towers`), and step 7.
+"""The tower step: steps 1-5 in one function (`run_towers`), and step 6.
 
 `run_towers` is the whole algorithm on one screen, each line marked with its
 step number; TowerTrainer compiles it, with `apply_update`, into one tf.function.
@@ -13,16 +13,20 @@ import keras
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, batch_statistics, columns as columns_lib
-from towers.data_parallel import denominators, exchange
-from towers.data_parallel import forward, losses
-from towers.data_parallel import replicas as replicas_lib, split, tower, worker_shares
-from towers.data_parallel.options import TowerOptions
+from towers.data_parallel import aggregate, batch_statistics
+from towers.placement import columns as columns_lib
+from towers.engine import denominators
+from towers.data_parallel import exchange
+from towers.engine import forward, losses
+from towers.data_parallel import replicas as replicas_lib, split
+from towers.engine import tower
+from towers.placement import worker_owners
+from towers.engine.options import TowerOptions
 from towers.model_parallel import stages as stages_lib
 
 TowerResult = collections.namedtuple(
     "TowerResult", ["grads", "loss", "state", "y_pred", "examples", "term_losses"])
-TowerResult.__doc__ = """Steps 1-6 of one global batch, everything on the main device.
+TowerResult.__doc__ = """Steps 1-5 of one global batch, everything on the main device.
 
 grads: mean gradient per setup.columns.held_variables() entry (None where unused),
   times the loss scale if one was given: per model.trainable_variables entry, but
@@ -43,9 +47,9 @@ With a cluster, all but y_pred are the global batch's, the same on every worker.
 # Plain graph code with no Python control flow on tensors: nothing for autograph to
 # convert, and converting StepSetup's generated __init__ reads the wrong source lines.
 @tf.autograph.experimental.do_not_convert
-def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_steps=1,
-                    state_policy="mean", loss_scale=None, cluster=None):
-    """Steps 1-6: the shard-weighted mean gradient of `loss` on the whole batch.
+def tower_gradients(model, loss, batch, devices, main_device=None, *, loss_scale=None,
+                    cluster=None, **options):
+    """Steps 1-5: the shard-weighted mean gradient of `loss` on the whole batch.
 
     Call it inside your own tf.function and apply the gradients yourself. The
     model's non-trainable state (BatchNorm statistics) is updated, as calling
@@ -61,7 +65,8 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
         that needs no labels (it then gets y_true=None).
       devices: tower device names, one shard each.
       main_device: where gradients are gathered and averaged; None = devices[0].
-      accum_steps, state_policy: as in TowerOptions.
+      options: accum_steps (micro-batches per shard, run one after another) and
+        state_policy, as in TowerOptions; no other of its fields.
       loss_scale: None or a float32 scalar each tower multiplies its loss by
         (dynamic loss scaling); the gradients returned stay scaled.
       cluster: None, or a joined towers.Cluster: `batch` is then this worker's
@@ -78,7 +83,11 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, accum_step
         or BatchNormalization(synchronized=True) layers that cannot meet (accum_steps,
         a cluster, towers sharing a device); nothing is computed.
     """
-    options = TowerOptions(accum_steps=accum_steps, state_policy=state_policy)
+    unknown = sorted(set(options) - {"accum_steps", "state_policy"})
+    if unknown:
+        raise TypeError(f"tower_gradients got an unexpected keyword argument {unknown[0]!r}; "
+                        "of TowerOptions' fields it takes accum_steps and state_policy.")
+    options = TowerOptions(**options)
     if not isinstance(model, keras.Model):
         raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
     devices = devices_lib.device_list(devices)
@@ -146,12 +155,12 @@ class StepSetup:
       replicas: a replicas.Replicas with variable_placement="replicated", else None.
       compiled_tower: None, or tower.compiled_tower's function (jit_compile),
         which then runs steps 3-4 of each tower with XLA.
-      route: steps 5-6, exchange.route(options.aggregation, options.pack_gradients):
+      route: steps 4-5, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
       parts: None, or an op_parallel.grid.PartRows for a model with split layers:
         where each stage's parts live and where each tower runs them.
       columns: the variables' columns.Columns, built with the stages (use_stages):
-        steps 2, 5 and 6 go column by column (stages, parts, or both).
+        steps 2, 4 and 5 go column by column (stages, parts, or both).
       tables: None, or per columns.held_variables() entry whether it is an embedding
         table the towers look up where it lives (op_parallel.tables): step 2 passes the
         variable on instead of copying it.
@@ -205,7 +214,7 @@ class StepSetup:
 
 
 def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
-    """Steps 1-6 of the tower algorithm on one global batch; returns a TowerResult.
+    """Steps 1-5 of the tower algorithm on one global batch; returns a TowerResult.
 
     `setup`: a StepSetup (the devices, the model's stages, the options).
     `objective`: a losses.Objective, the loss as keras.Model.compile takes it.
@@ -224,13 +233,15 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     state_values = [v.value for v in stages.model.non_trainable_variables]
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
                                         options.state_policy)
+    step = tower.StepWork(stages, objective, batch_rows, loss_scale, options.micro_batches,
+                          options.pipeline_schedule, may_be_empty,
+                          recompute_stages=options.recompute_stages)
     flights = []
     for i, shard in enumerate(shards):
         with tf.name_scope(f"tower_{i}") as scope:
             tower_weights, tower_state = read_weights(setup, weights, state_values, i)  # 2
-            flights.append((scope, start_tower(setup, objective, shard, shard_sizes[i],  # 3
-                                               batch_rows, tower_weights, tower_state, i,
-                                               loss_scale, may_be_empty)))
+            flights.append((scope, start_tower(setup, step, tower.TowerWork(           # 3
+                shard, shard_sizes[i], tower_weights, tower_state, grid[i], i))))
     # A masked output's loss is over the whole batch's unmasked entries: counted here.
     counts = denominators.count([f.terms for _, f in flights], objective, batch_rows,
                                 setup.cluster, setup.main_device)
@@ -243,7 +254,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     tower_grads = [columns.cut_gradients(o.grads, row) for o, row in zip(outputs, columns.rows)]
     for k, column_device in enumerate(columns.devices):
         column = [row[k] for row in columns.rows]
-        grads.append(setup.route([columns.select(g, k) for g in tower_grads],       # 5, 6
+        grads.append(setup.route([columns.select(g, k) for g in tower_grads],       # 4, 5
                                  column, column_device))
         state.append(aggregate.merge_state(
             [columns.select(o.state, k, trainable=False) for o in outputs],
@@ -259,26 +270,21 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     if setup.cluster is None:
         return result
     if columns.cluster is not None:  # the state spread over the workers
-        return worker_shares.across_workers(result, setup, state_rules, state_values)  # 6
-    return exchange.across_workers(result, setup.cluster, setup.main_device,       # 6
+        return worker_owners.means_on_owners(result, setup, state_rules, state_values)  # 5
+    return exchange.across_workers(result, setup.cluster, setup.main_device,       # 5
                                    state_rules, state_values)
 
 
-def start_tower(setup, objective, shard, rows, batch_rows, weights, state, i, loss_scale,
-                may_be_empty):
-    """Steps 3-4 on tower i up to where the batch's counts are needed: tower.start_tower's
-    flight, or its XLA-compiled form run whole (jit_compile)."""
-    row, tower_index = setup.grid[i], setup.first_tower + i
+def start_tower(setup, step, this_tower):
+    """Steps 3-4 on one tower (a tower.TowerWork; its index is this worker's) up to where
+    the batch's counts are needed: tower.start_flight's flight, or its XLA-compiled form
+    run whole (jit_compile)."""
+    i = this_tower.index
+    this_tower = dataclasses.replace(this_tower, index=setup.first_tower + i)
     if setup.compiled_tower is not None:
-        return tower.Finished(setup.compiled_tower(
-            shard, rows, batch_rows, weights, state, row, tf.constant(tower_index), loss_scale,
-            may_be_empty))
+        return tower.Finished(setup.compiled_tower(step, this_tower))
     with setup.tower_scope(i):
-        return tower.start_tower(setup.stages, objective, shard, rows, batch_rows, weights,
-                                 state, row, tower_index, setup.options.micro_batches,
-                                 setup.options.pipeline_schedule, loss_scale,
-                                 may_be_empty=may_be_empty,
-                                 recompute_stages=setup.options.recompute_stages)
+        return tower.start_flight(step, this_tower)
 
 
 def read_weights(setup, weights, state, tower_index):
@@ -316,7 +322,7 @@ def broadcast_columns(columns, values, row, trainable=True, kept=None):
 
 
 def apply_update(optimizer, grads, variables, main_device):
-    """Step 7: the optimizer applies the averaged gradients, once, on the main device."""
+    """Step 6: the optimizer applies the averaged gradients, once, on the main device."""
     with tf.device(main_device), tf.name_scope("apply"):
         optimizer.apply_gradients(zip(grads, variables))
 

@@ -6,10 +6,10 @@ loss_weight, the terms added. A shard can compute its share of every sum but
 not always the denominator:
 - without a mask (Keras's "sum_over_batch_size"), it is the batch's rows times
   the values per row: known before the forward, so each tower pre-weights its
-  share (its gradients then only need adding up, steps 5-6);
+  share (its gradients then only need adding up, steps 4-5);
 - with a Keras mask on the output it is the batch's unmasked entries (and with
   reduction="mean_with_sample_weight" the sum of the weights): *counted*, known
-  only once every tower has run its forward (towers.data_parallel.denominators).
+  only once every tower has run its forward (towers.engine.denominators).
 `Objective` resolves the forms exactly as compile does, with Keras's own
 CompileLoss (towers.compat), and gives each shard a `Term` per loss term.
 """
@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from towers import compat, errors
-from towers.data_parallel import vocab_loss
+from towers.op_parallel import vocab_loss
 
 # Reductions whose meaning is "mean over the batch's entries": Keras's default,
 # and None/"none", which towers averages the same way (a per-example loss).

@@ -1,6 +1,6 @@
 """Your own loop over the towers: one function per tower, any models, any losses.
 
-`tower_step(fn, batch, devices, wrt)` is steps 1-6 for a research loop (a GAN's
+`tower_step(fn, batch, devices, wrt)` is steps 1-5 for a research loop (a GAN's
 two optimizers, gradient surgery, a contrastive loss over the whole batch):
 
 1. `batch` is split into one shard per tower (split.shards_of);
@@ -16,11 +16,11 @@ two optimizers, gradient surgery, a contrastive loss over the whole batch):
    variables (`wrt`); a loss over the whole batch (`batch_losses`) is computed
    on the main device from every tower's auxiliary outputs, and its gradient
    with respect to them goes back to the towers, whose backward starts from it:
-   one forward per tower either way;
-5-6. each loss's gradients meet on the main device and are added
-   (exchange.route), the global batch's mean.
+   one forward per tower either way; the gradients meet on the main device
+   (exchange.route);
+5. and are added there: the global batch's mean.
 
-Step 7 is yours: apply the gradients with your optimizers.
+Step 6 is yours: apply the gradients with your optimizers.
 """
 
 import collections
@@ -28,8 +28,9 @@ import collections
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, batch_statistics, exchange, forward, split
-from towers.data_parallel import tower_handle
+from towers.data_parallel import aggregate, batch_statistics, exchange, split
+from towers.engine import forward
+from towers.engine import tower_handle
 
 StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux", "rows"])
 StepOutput.__doc__ = """What tower_step computed, on the main device.
@@ -46,7 +47,7 @@ rows: the global batch's rows, an int32 scalar: what each mean is over, so a loo
 
 
 def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
-    """Steps 1-6 of your own loop: `fn` once per tower, each loss's mean gradient.
+    """Steps 1-5 of your own loop: `fn` once per tower, each loss's mean gradient.
 
     Call it inside your own tf.function, then apply out.grads with your optimizers.
 
@@ -110,7 +111,7 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
     route = exchange.route()
     grads = {}
     for name, variables in wrt.items():
-        summed = route([handle.grads[name] for handle in towers], devices, main_device)  # 5, 6
+        summed = route([handle.grads[name] for handle in towers], devices, main_device)  # 4, 5
         direct = whole[name][2] if name in whole else [None] * len(variables)
         with tf.device(main_device):
             grads[name] = [tower_handle.add_gradients(g, d) for g, d in zip(summed, direct)]
@@ -169,7 +170,7 @@ def _losses(towers, whole, main_device):
 
 
 def _assign_state(towers, sizes, main_device):
-    """Step 6 for state: every variable a call changed, merged over the towers by its
+    """Step 5 for state: every variable a call changed, merged over the towers by its
     rule (aggregate.state_rules) and written once."""
     states = [handle.changed_state() for handle in towers]
     changed = {key: variable for state in states for key, (variable, _) in state.items()}

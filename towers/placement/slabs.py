@@ -9,9 +9,9 @@ model's variable keeps its place in its layer; it reads as its slabs' rows joine
 `numpy()`, a checkpoint, a save) and writes into them (`assign`), so nothing of it is held
 twice (compat.hold_in_slabs).
 
-In a step (data_parallel/step.py), step 2 copies each slab to every tower and joins them
+In a step (engine/step.py), step 2 copies each slab to every tower and joins them
 there (an all-gather); after a tower's backward its gradient of the variable is cut into
-the slabs' rows (`cut_rows`), and steps 5-6 sum each slab's rows where the slab lives (a
+the slabs' rows (`cut_rows`), and steps 4-5 sum each slab's rows where the slab lives (a
 reduce-scatter). An optimizer that updates every element on its own (Adam, SGD, ...) then
 updates the slabs exactly as the whole variable; others are refused (check_optimizer).
 """
