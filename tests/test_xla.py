@@ -175,7 +175,7 @@ class XlaErrorTest(tf.test.TestCase, parameterized.TestCase):
                                       devices=DEVICES[:2], jit_compile=True)
         trainer.train_steps(iterator, 1)
         before = [v.numpy() for v in model.weights]
-        with self.assertRaisesRegex(ValueError, r"^the step failed: the parts of the batch "
+        with self.assertRaisesRegex(ValueError, r"^the step failed: the fields of the batch "
                                                 r"disagree on batch size \(dim 0\); rows of x, y, "
                                                 r"sample_weight: 5 4 4\.$") as caught:
             trainer.train_steps(iterator, 1)

@@ -75,7 +75,7 @@ def average_gradients(tower_grads, weights=None, device=None):
 
 def sum_gradients(tower_grads, device=None):
     """Step 5 of the tower step: per variable, the sum over towers of its gradient
-    (each tower's is of its part of the batch's loss, so the sum is the mean).
+    (each tower's is of its share of the batch's loss, so the sum is the mean).
 
     Args:
       tower_grads: as average_gradients'.

@@ -1,6 +1,6 @@
 """Steps 4 and 5: the routes by which the towers' gradients meet.
 
-Each tower's gradients are of its part of the batch's loss (flight.Flight),
+Each tower's gradients are of its share of the batch's loss (flight.Flight),
 so steps 4-5 add them up. All routes give the same sum on the main device;
 they differ in which device adds what, and so in how many bytes cross
 between devices:
@@ -41,7 +41,7 @@ def route(aggregation="main", pack=False):
 
     tower_grads holds one list of gradients per tower, on that tower's device of
     `devices`; the sum is None where no tower has a gradient. Each tower's
-    gradients are of its part of the batch's loss, so the sum is the batch's
+    gradients are of its share of the batch's loss, so the sum is the batch's
     mean gradient. pack: exchange dense gradients as one flat buffer per tower.
     """
     if aggregation == "main" and not pack:

@@ -16,7 +16,7 @@ def unpack_batch(batch):
 
 
 def as_tensor(value):
-    """One part of a batch as a Tensor; float64 (NumPy's default) becomes Keras's floatx."""
+    """One field of a batch as a Tensor; float64 (NumPy's default) becomes Keras's floatx."""
     tensor = tf.convert_to_tensor(value)
     # A float64 batch would make a float64 graph; Keras models compute in floatx.
     return tf.cast(tensor, keras.config.floatx()) if tensor.dtype == tf.float64 else tensor
@@ -33,7 +33,7 @@ def as_batch(batch):
         leaves = tf.nest.flatten(part)
         if any(leaf is None for leaf in leaves):
             raise ValueError(
-                f"{name} {'is' if part is None else 'holds'} None; every part of a batch "
+                f"{name} {'is' if part is None else 'holds'} None; every field of a batch "
                 "(x, y[, sample_weight]) is an array or Tensor with one row per example.")
         composite = [leaf for leaf in leaves
                      if isinstance(leaf, (tf.RaggedTensor, tf.SparseTensor))]
@@ -63,7 +63,7 @@ def no_rows(like):
 
 def empty_like(like):
     """A batch of no rows with the structure of `like` (its unknown dims 0): a cluster
-    worker's part of a step once its data has ended.
+    worker's batch of a step once its data has ended.
 
     `like`: a batch (or its Shards: then one empty shard each), or a nest of
     tf.TensorSpec such as a tf.data element_spec, dim 0 its batch dimension.
@@ -202,25 +202,25 @@ def batch_size(batch):
         raise ValueError("the batch holds no tensors.")
     if any(leaf.shape.rank == 0 for leaf in leaves):
         raise ValueError(
-            "every part of a batch needs a batch dimension (dim 0), but "
+            "every field of a batch needs a batch dimension (dim 0), but "
             f"{_describe(batch)} has a scalar.")
     static = {leaf.shape[0] for leaf in leaves} - {None}
     if len(static) > 1:
         raise ValueError(
-            f"the parts of the batch disagree on batch size (dim 0): {_describe(batch)}. "
+            f"the fields of the batch disagree on batch size (dim 0): {_describe(batch)}. "
             "Inputs, targets and sample weights need one row per example.")
     if len(static) == 1 and all(leaf.shape[0] is not None for leaf in leaves):
         return static.pop()
     sizes = [tf.shape(leaf, out_type=tf.int32)[0] for leaf in leaves]
-    # The message names every part and, when it fails, gives each one's rows.
+    # The message names every field and, when it fails, gives each one's rows.
     check = tf.debugging.Assert(tf.reduce_all(tf.equal(tf.stack(sizes), sizes[0])), [
-        f"the parts of the batch disagree on batch size (dim 0); rows of "
-        f"{_part_names(batch)}:", *sizes])
+        f"the fields of the batch disagree on batch size (dim 0); rows of "
+        f"{_field_names(batch)}:", *sizes])
     with tf.control_dependencies([check]):
         return tf.identity(sizes[0])
 
 
-def _part_names(batch):
+def _field_names(batch):
     """'x, y' (or "x/ids, x/mask, y, sample_weight"): the paths of a batch's leaves, for
     messages; of another structure its leaves' paths ("0", "1/a", ...)."""
     paths = [list(path) for path, _ in keras.tree.flatten_with_path(batch)]
@@ -231,6 +231,6 @@ def _part_names(batch):
 
 
 def _describe(batch):
-    """Shapes of the parts of `batch`, for error messages."""
+    """Shapes of the fields of `batch`, for error messages."""
     return str(tf.nest.map_structure(
         lambda leaf: tuple(tf.convert_to_tensor(leaf).shape), batch))

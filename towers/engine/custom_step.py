@@ -132,8 +132,8 @@ def _whole_batch(batch_losses, towers, sizes, main_device, wrt):
                              "but fn returned aux None; return the outputs they need as aux.")
         return None, {}
     with tf.device(main_device), tf.name_scope("whole_batch"):
-        parts = [tf.nest.map_structure(tf.identity, handle.aux) for handle in towers]
-        aux = forward.concat_rows(parts)
+        copies = [tf.nest.map_structure(tf.identity, handle.aux) for handle in towers]
+        aux = forward.concat_rows(copies)
         if not batch_losses:
             return aux, {}
         leaves = tf.nest.flatten(aux)
@@ -162,8 +162,8 @@ def _losses(towers, whole, main_device):
     """{name: the batch's mean of each per-example loss, plus its batch loss}."""
     with tf.device(main_device):
         losses = {}
-        for name in towers[0].parts:
-            losses[name] = tf.add_n([tf.identity(h.parts[name]) for h in towers])
+        for name in towers[0].shares:
+            losses[name] = tf.add_n([tf.identity(h.shares[name]) for h in towers])
         for name, (value, _, _) in whole.items():
             losses[name] = value if name not in losses else losses[name] + value
         return losses

@@ -1,4 +1,4 @@
-"""Step 3: one tower's forward pass and its part of the batch's loss, on its device.
+"""Step 3: one tower's forward pass and its share of the batch's loss, on its device.
 
 Every function here runs under `tf.device(tower)` and writes no variable: the
 model runs through Keras 3 `stateless_call` on the tower's copies of the
@@ -147,54 +147,54 @@ def stateless_run(model, variables, values, call):
 
 
 def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
-    """A shard's part of the batch's loss, and its loss terms (losses.Term).
+    """A shard's share of the batch's loss, and its loss terms (losses.Term).
 
-    part: a float32 scalar, or None where there is nothing to it: the sum of the
+    share: a float32 scalar, or None where there is nothing to it: the sum of the
     terms whose denominator is known, each over the batch's (Keras's
     "sum_over_batch_size": rows x values per row) and times its loss weight,
-    plus the regularisation's part (regularization_part). Adding up the parts of
+    plus the regularisation's share (regularization_share). Adding up the shares of
     a batch's shards gives its mean loss plus the regularisation counted once,
-    which is what one device computes. An empty shard's part is 0. The terms
+    which is what one device computes. An empty shard's share is 0. The terms
     whose denominator is counted (a Keras mask) are not in it: denominators.py
     scales them once every shard is counted.
     """
     _, y, sample_weight = split.unpack_batch(shard)
     terms = objective.terms(y, outputs, sample_weight)
-    parts = [weight * tf.math.divide_no_nan(term.sum, batch_rows * term.per_row)
+    shares = [weight * tf.math.divide_no_nan(term.sum, batch_rows * term.per_row)
              for term, weight in zip(terms, objective.weights) if term.per_row is not None]
-    regularization = regularization_part(objective, regularization, rows, batch_rows)
+    regularization = regularization_share(objective, regularization, rows, batch_rows)
     if regularization is not None:
-        parts.append(regularization)
-    return (tf.add_n(parts) if parts else None), terms
+        shares.append(regularization)
+    return (tf.add_n(shares) if shares else None), terms
 
 
-def regularization_part(objective, regularization, rows, batch_rows):
-    """A shard's part of the batch's regularisation (keyed terms, as `forward` returns
+def regularization_share(objective, regularization, rows, batch_rows):
+    """A shard's share of the batch's regularisation (keyed terms, as `forward` returns
     them) by the forms measured on the first batch (objective.model_loss_forms): a
     mean term times rows / batch_rows, a sum term whole. A float32 scalar, or None."""
-    return model_losses.part(regularization, objective.model_loss_forms,
-                             batch_share(rows, batch_rows))
+    return model_losses.share(regularization, objective.model_loss_forms,
+                             row_fraction(rows, batch_rows))
 
 
-def batch_share(rows, batch_rows):
+def row_fraction(rows, batch_rows):
     """rows / batch_rows as a float32 scalar (0 for a batch of no rows)."""
     return tf.math.divide_no_nan(tf.cast(rows, tf.float32), batch_rows)
 
 
-def concat_rows(parts):
+def concat_rows(pieces):
     """Concatenates a list of (nested) outputs along dim 0 (outputs' masks too).
 
-    The first part holds the most rows (split_batch's order). An empty part
+    The first piece holds the most rows (split_batch's order). An empty piece
     (unless_empty's) has 0 for the dims it could not know, so where those are
-    unknown, every part takes the first part's.
+    unknown, every piece takes the first one's.
     """
-    def concat(*pieces):
-        if not pieces[0].shape[1:].is_fully_defined():
-            features = tf.shape(pieces[0])[1:]
-            pieces = [tf.reshape(p, tf.concat([tf.shape(p)[:1], features], 0)) for p in pieces]
-        return tf.concat(pieces, 0)
+    def concat(*tensors):
+        if not tensors[0].shape[1:].is_fully_defined():
+            features = tf.shape(tensors[0])[1:]
+            tensors = [tf.reshape(p, tf.concat([tf.shape(p)[:1], features], 0)) for p in tensors]
+        return tf.concat(tensors, 0)
 
-    return tf.nest.map_structure(concat, *parts)
+    return tf.nest.map_structure(concat, *pieces)
 
 
 def _accepts_training(model):

@@ -1,8 +1,8 @@
-"""A model's own losses (`model.losses`) in a tower's step: each term, its form, its part.
+"""A model's own losses (`model.losses`) in a tower's step: each term, its form, its share.
 
 Keras adds every entry of model.losses to a batch's loss once: the losses a layer
 adds during the call (`add_loss`: an activity regularizer, a VAE's KL) and the
-weights' regularizers. A tower computes them on its shard alone, so what its part
+weights' regularizers. A tower computes them on its shard alone, so what its share
 of the batch's loss is depends on each term's form:
 - a mean over rows (Keras 3 divides an activity regularizer by the batch's rows),
   or a function of the weights only: the shard's value times its rows / the
@@ -10,9 +10,9 @@ of the batch's loss is depends on each term's form:
 - a sum over rows (`add_loss(ops.sum(...))`, a VAE's KL summed over the batch):
   the shard's value, times 1;
 - a term that couples rows (a product of batch means, a variance over the batch):
-  no shard computes its part; training/model_loss_forms.py refuses it.
+  no shard computes its share; training/model_loss_forms.py refuses it.
 Forms are measured on the first batch (model_loss_forms.measure), not read from the
-user's code, and kept on the losses.Objective; `part` applies them.
+user's code, and kept on the losses.Objective; `share` applies them.
 
 Each added loss is keyed by the layer that added it and its index among that layer's
 losses of the call ("encoder/dense#0"), so a term is found again in every forward: a
@@ -58,9 +58,9 @@ def merged(per_stage):
     return {key: tf.add_n(pieces) for key, pieces in values.items()}
 
 
-def part(terms, forms, share):
-    """A shard's part of the batch's loss from its keyed terms: the mean terms' sum
-    times `share` (its rows / the batch's rows, a float32 scalar) plus the sum terms'.
+def share(terms, forms, fraction):
+    """A shard's share of the batch's loss from its keyed terms: the mean terms' sum
+    times `fraction` (its rows / the batch's rows, a float32 scalar) plus the sum terms'.
     Returns a float32 scalar, or None where there are no terms.
 
     forms: {key: MEAN or SUM} as measured on the first batch, or None where nothing
@@ -85,7 +85,7 @@ def part(terms, forms, share):
                 "same losses on every call, or compute it over the global batch with "
                 "towers.tower_step(..., batch_losses=).")
         (sums if form == SUM else means).append(value)
-    pieces = ([tf.add_n(means) * share] if means else []) + sums
+    pieces = ([tf.add_n(means) * fraction] if means else []) + sums
     return tf.add_n(pieces)
 
 

@@ -70,7 +70,7 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, loss_scale
       loss_scale: None or a float32 scalar each tower multiplies its loss by
         (dynamic loss scaling); the gradients returned stay scaled.
       cluster: None, or a joined towers.Cluster: `batch` is then this worker's
-        part of the global batch and the result is the global batch's mean,
+        batch and the result is the global batch's mean,
         the same on every worker (towers.join_cluster first).
 
     Returns:
@@ -142,7 +142,7 @@ class StepSetup:
         its gradients meet; stage_devices[0] also gets the loss and outputs.
       options: a TowerOptions.
       cluster: None, or the towers.Cluster this worker belongs to; the batch is
-        then this worker's part of the global batch, and the step's result the
+        then this worker's batch, and the step's result the
         whole global batch's, the same on every worker.
       first_tower: global index of this worker's first tower (dropout seeds).
       trainable_ids: None before the first batch, then the ids of the
@@ -263,7 +263,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     with tf.device(setup.main_device):
         result = TowerResult(
             grads=columns.merge(grads),
-            loss=tf.add_n([o.loss for o in outputs]),  # the towers' parts of the batch's loss
+            loss=tf.add_n([o.loss for o in outputs]),  # the towers' shares of the batch's loss
             state=columns.merge(state, trainable=False),
             y_pred=forward.concat_rows([o.y_pred for o in outputs]),
             examples=batch_rows, term_losses=counts.term_losses)

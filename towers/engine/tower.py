@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from towers.data_parallel import aggregate, split
 from towers.engine import losses
-from towers.engine.forward import concat_rows, cross_cut, forward, regularization_part
+from towers.engine.forward import concat_rows, cross_cut, forward, regularization_share
 from towers.engine.forward import shard_loss, unless_empty
 from towers.model_parallel import flight
 from towers.op_parallel import layers as op_layers
@@ -81,7 +81,7 @@ def start_flight(step, tower):
     its own device of tower.row, in the order the schedule gives it (a control
     dependency orders each stage's actions); activations flow forward from
     stage to stage, and their gradients flow back. Each micro-batch's backward
-    starts from its part of the batch's loss (its loss times its rows over the
+    starts from its share of the batch's loss (its loss times its rows over the
     batch's: Keras's mean, as MirroredStrategy's loss over the global batch),
     so the micro-batches' and the towers' gradients only need adding up.
     Non-trainable state flows from one micro-batch to the next (an empty
@@ -109,7 +109,7 @@ def run_tower(step, tower, densify=None):
 
 class StageWork:
     """What a tower's stages compute, as a flight.Flight runs them (flight.py's `work`):
-    the forward (forward.py), the shard's part of the batch's loss and its terms."""
+    the forward (forward.py), the shard's share of the batch's loss and its terms."""
 
     def __init__(self, step, tower):
         self.step, self.micro, self.sizes = step, [tower.shard], [tower.rows]
@@ -136,16 +136,16 @@ class StageWork:
     def targets(self, k, m, outputs, regularization):
         step, terms, counted = self.step, None, []
         if k == step.stages.num_stages - 1:
-            part, terms = shard_loss(step.objective, self.micro[m], outputs, regularization,
+            share, terms = shard_loss(step.objective, self.micro[m], outputs, regularization,
                                      self.sizes[m], step.batch_rows)
             counted = [weight * term.sum for term, weight
                        in zip(terms, step.objective.weights) if term.per_row is None]
         else:
-            part = regularization_part(step.objective, regularization, self.sizes[m],
+            share = regularization_share(step.objective, regularization, self.sizes[m],
                                        step.batch_rows)
         targets = [t if t is None or step.loss_scale is None else t * step.loss_scale
-                   for t in [part] + counted]
-        return part, terms, targets
+                   for t in [share] + counted]
+        return share, terms, targets
 
     def total(self, per_micro_terms):
         if len(per_micro_terms) == 1:
@@ -242,10 +242,10 @@ def choose_dense_gradients(model, objective, shard, sparse_policy):
         tape.watch(differentiable)
         outputs, _, regularization = forward(model, weights, state, shard[0], True)
         rows = split.batch_size(shard)
-        part, terms = shard_loss(objective, shard, outputs, regularization, rows,
+        share, terms = shard_loss(objective, shard, outputs, regularization, rows,
                                  tf.cast(rows, tf.float32))
         # Every term, counted or not: only which rows the gradients touch matters here.
-        value = tf.add_n([term.sum for term in terms] + ([] if part is None else [part]))
+        value = tf.add_n([term.sum for term in terms] + ([] if share is None else [share]))
     grads = iter(tape.gradient(value, differentiable))
     choices = {}
     for variable, value in zip(variables, weights + state):

@@ -44,7 +44,7 @@ class Tower:
         self._graph = None  # fn's graph: copies are made there, not in a branch of it
         self._copying = False  # while a copy reads the main value through the scope
         self._outside_calls = False  # whether fn read or wrote a variable itself
-        self.grads, self.parts, self.aux = {}, {}, None
+        self.grads, self.shares, self.aux = {}, {}, None
 
     @property
     def losses(self):
@@ -81,7 +81,7 @@ class Tower:
 
     def run(self, fn, shard, rows, batch_rows, required):
         """Steps 2-3: fn(self, shard) under this tower's device, a GradientTape and
-        _TowerReads; keeps its aux and per named loss the tower's part of the batch's
+        _TowerReads; keeps its aux and per named loss the tower's share of the batch's
         mean (their sum / batch_rows), checked (`required`: the loss names fn must give)."""
         self._rows = rows
         with tf.device(self.device), tf.GradientTape(persistent=self._persistent) as tape:
@@ -102,11 +102,11 @@ class Tower:
             finally:
                 self._running = False
             losses, self.aux = _checked_result(result, rows, required)
-            self.parts = {name: tf.reduce_sum(values) / batch_rows
+            self.shares = {name: tf.reduce_sum(values) / batch_rows
                           for name, values in losses.items()}
 
     def backward(self, wrt, cotangents):
-        """Step 4 on this tower: per name in wrt, the gradient of its part of the batch's
+        """Step 4 on this tower: per name in wrt, the gradient of its share of the batch's
         mean and of the aux times the cotangents a batch loss sent back
         (cotangents[name]: per aux leaf, or None): through the tower's copies, plus
         through any read of the main variables that bypassed them."""
@@ -114,8 +114,8 @@ class Tower:
         with tf.device(self.device):
             for name, variables in wrt.items():
                 targets, starts = [], []
-                if name in self.parts:
-                    targets.append(self.parts[name])
+                if name in self.shares:
+                    targets.append(self.shares[name])
                     starts.append(tf.ones([]))
                 for leaf, cotangent in zip(aux_leaves, cotangents.get(name) or ()):
                     if cotangent is not None:

@@ -30,9 +30,9 @@ torch.distributed.pipelining is given the stage module and the loss. `work`
     on micro-batch m -> (outputs, new_state, regularization), outputs (y_pred,
     masks) as engine/forward.py's; several_backwards: whether the tape that
     records it may be differentiated more than once;
-  targets(k, m, outputs, regularization) -> (part, terms, targets): stage k's part
+  targets(k, m, outputs, regularization) -> (share, terms, targets): stage k's share
     of the batch's loss (unscaled; None: nothing), its loss terms on the last
-    stage (else None), and what its backward starts from ([part] + the counted
+    stage (else None), and what its backward starts from ([share] + the counted
     terms, times the loss scale);
   total(per_micro_terms): the shard's terms; counted_losses(scales, terms): the
     counted terms weighed by their scales; cross_cut(values, masks=None): what
@@ -52,10 +52,10 @@ TowerOutput = collections.namedtuple(
     "TowerOutput", ["grads", "loss", "state", "y_pred", "terms", "term_grads"])
 TowerOutput.__doc__ = """What one tower computed, on that tower.
 
-grads: per trainable variable, d(part * loss_scale)/d(weight), None where unused.
-loss: float32 scalar, `part`: the shard's part of the batch's loss (unscaled):
+grads: per trainable variable, d(share * loss_scale)/d(weight), None where unused.
+loss: float32 scalar, `share`: the shard's share of the batch's loss (unscaled):
     each term's sum over the batch's denominator, times its loss weight, plus
-    the regularisation's part (forward.regularization_part: a mean term times rows
+    the regularisation's share (forward.regularization_share: a mean term times rows
     / the batch's rows, a sum term whole). Summed over the towers,
     the grads are the batch's mean gradient and the losses its loss.
 state: per non-trainable variable, its new value, None where unchanged.
@@ -83,7 +83,7 @@ class Flight:
     needed, `terms` are then known, `finish(scales)` runs the rest.
 
     Backwards come in groups where counted terms are differentiated on their own:
-    group 0 starts from the parts of the loss whose denominator is known (and the
+    group 0 starts from the shares of the loss whose denominator is known (and the
     regularisation), group 1 + c from the c-th counted term, each with its own
     gradients, and its own gradients of a stage's outputs sent back to the stage
     before. Otherwise (no counted term, or counts known before the backwards)
@@ -119,12 +119,12 @@ class Flight:
         shape = (stages.num_stages, num_micro)
         # Per (stage, micro-batch): the tape, the stage's inputs it watched (None
         # where not differentiable), what it returned and their Keras masks, what
-        # its backward starts from ([part] + the counted terms; None: nothing),
-        # its part of the batch's loss (unscaled), and the gradients of what it
+        # its backward starts from ([share] + the counted terms; None: nothing),
+        # its share of the batch's loss (unscaled), and the gradients of what it
         # returned (sent back by the next stage); per stage, per group, the running
         # sum of its micro-batches' weight gradients (_add_gradients).
         self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
-        self.targets, self.parts, self.cotangents = (_table(shape) for _ in range(3))
+        self.targets, self.shares, self.cotangents = (_table(shape) for _ in range(3))
         self.grad_sums = [[] for _ in range(stages.num_stages)]  # per stage, per group
         self.y_pred, self.micro_terms = [None] * num_micro, [None] * num_micro
         self._terms = None  # their sums over the micro-batches, once every forward ran
@@ -194,7 +194,7 @@ class Flight:
         else:
             self.masks[k][m] = run.masks
         self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = run.tape, run.watched, run.targets
-        self.outputs[k][m], self.parts[k][m] = run.outputs, run.part
+        self.outputs[k][m], self.shares[k][m] = run.outputs, run.share
         for i, new in enumerate(run.new_state):
             if new is not None:
                 self.state[k][i] = self.changed[k][i] = new
@@ -218,8 +218,8 @@ class Flight:
             masks = None
             if not last:
                 outputs, masks = tf.nest.flatten(outputs[0]), outputs[1]
-            part, terms, targets = self.work.targets(k, m, outputs, regularization)
-        return _Run(tape, watched, outputs, masks, new_state, part, terms, targets)
+            share, terms, targets = self.work.targets(k, m, outputs, regularization)
+        return _Run(tape, watched, outputs, masks, new_state, share, terms, targets)
 
     def _rerun(self, k, m):
         """Stage k's forward on micro-batch m again, recorded, on the inputs and state its
@@ -272,7 +272,7 @@ class Flight:
 
     def _starts(self, k, m, group):
         """(targets, their output gradients) group `group`'s backward at (k, m) starts
-        from, before what the next stage sends back: its part of the loss, or one
+        from, before what the next stage sends back: its share of the loss, or one
         counted term; with the counts first, every one, each counted term weighed by
         its scale."""
         own = self.targets[k][m]
@@ -302,18 +302,19 @@ class Flight:
         return self.grad_sums[k]
 
     def _loss_and_outputs(self):
-        """The shard's part of the batch's loss (every stage's, every micro-batch's; with
+        """The shard's share of the batch's loss (every stage's, every micro-batch's; with
         the counts first, the counted terms too), and its outputs."""
-        parts = [part for stage_parts in self.parts for part in stage_parts if part is not None]
+        shares = [share for stage_shares in self.shares for share in stage_shares
+                  if share is not None]
         if self.scales is not None:
-            parts += self.work.counted_losses(self.scales, self.terms)
-        loss = (tf.constant(0.0) if not parts else parts[0] if len(parts) == 1
-                else tf.add_n([tf.identity(part) for part in parts]))  # here, on the last stage
+            shares += self.work.counted_losses(self.scales, self.terms)
+        loss = (tf.constant(0.0) if not shares else shares[0] if len(shares) == 1
+                else tf.add_n([tf.identity(share) for share in shares]))  # here, on the last stage
         return loss, self.work.join(self.y_pred)
 
 
 _Run = collections.namedtuple(
-    "_Run", ["tape", "watched", "outputs", "masks", "new_state", "part", "terms", "targets"])
+    "_Run", ["tape", "watched", "outputs", "masks", "new_state", "share", "terms", "targets"])
 _Run.__doc__ = """One run of a stage's forward on a micro-batch (Flight._record)."""
 
 

@@ -170,7 +170,7 @@ def eval_step(trainer, batch, may_be_empty):
             with tf.device(row[-1]):
                 _, y, sample_weight = split.unpack_batch(shard)
                 terms.append(objective.terms(y, tower_outputs, sample_weight))
-                regularizations.append(forward.regularization_part(
+                regularizations.append(forward.regularization_share(
                     objective, regularization, shard_sizes[i], batch_rows))
             outputs.append(tower_outputs)
     with tf.device(setup.main_device):
@@ -179,7 +179,7 @@ def eval_step(trainer, batch, may_be_empty):
                        for per_tower in zip(*terms)]
         metric_logs = trainer.metrics.update(batch, forward.concat_rows(outputs),
                                              setup.main_device)
-        # Each tower's part of the regularisation, as in training (an empty tower's is 0).
+        # Each tower's share of the regularisation, as in training (an empty tower's is 0).
         loss = tf.add_n([weight * value for weight, value in zip(objective.weights, term_losses)]
                         + [tf.identity(r) for r in regularizations if r is not None])
         return {"loss": loss, **dict(zip(objective.names, term_losses)), "examples": batch_rows,

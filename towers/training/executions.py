@@ -156,7 +156,7 @@ class EpochSteps:
             return None
         self._say_if_data_ended(steps, logs.pop("worker_batches", steps))
         self._position += steps
-        # With a cluster the batch is this worker's part; its "examples" count them all.
+        # With a cluster the batch is this worker's; its "examples" count them all.
         return logs, steps, int(logs.pop("logged_steps", logs["examples"] > 0))
 
     def _say_if_data_ended(self, steps, worker_batches):

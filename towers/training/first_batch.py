@@ -25,7 +25,7 @@ def set_up(trainer, batch):
     setup = trainer.setup
     shards, _, _ = split.shards_of(batch, len(setup.grid))
     first_shard = shards[0]  # holds the batch's first example
-    if split.batch_size(first_shard) == 0:  # a worker whose part of the batch is empty
+    if split.batch_size(first_shard) == 0:  # a worker whose batch is empty
         # One example of zeros builds the model and checks the loss; nothing trains on it.
         first_shard = tf.nest.map_structure(
             lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), first_shard)
@@ -111,7 +111,7 @@ def check_batch(trainer, batch):
     not been traced for, before it is: the model and the loss run eagerly on its first
     examples (check_examples), and a sparse loss's labels, all of them, are class ids
     (float labels for a trainer set up on integer ones are a new structure), on the main
-    device. A batch of no rows (a cluster worker's part) passes: its structure is that
+    device. A batch of no rows (a cluster worker's batch) passes: its structure is that
     of a batch the worker had."""
     parts = batch if isinstance(batch, split.Shards) else [batch]
     if split.batch_size(parts[0]) != 0:
@@ -146,7 +146,7 @@ def check_examples(trainer, batch, shown=None):
     Two rows, not one: a weight of the wrong shape would broadcast over one.
 
     Raises:
-      ValueError: in one line, naming the part of the batch that does not fit: x
+      ValueError: in one line, naming the field of the batch that does not fit: x
         (the model's inputs), y (its outputs and the loss) or sample_weight.
     """
     shown = batch if shown is None else shown
@@ -224,7 +224,7 @@ def _fits(objective, y, outputs):
 
 
 def _shapes(part, any_rows=False):
-    """The shapes of a part of a batch (a Tensor or a nest of them), for messages; with
+    """The shapes of a field of a batch (a Tensor or a nest of them), for messages; with
     any_rows, dim 0 as None (a model's outputs, computed here on two examples)."""
     shapes = tf.nest.map_structure(
         lambda t: (None, *t.shape[1:]) if any_rows else tuple(t.shape), part)

@@ -76,7 +76,7 @@ class Metrics:
         keep_if: None, or a bool scalar: where False, the metrics stay as they
           were (a step whose loss or gradients are not finite enters no log).
 
-        With a cluster (`batch` is this worker's part) the workers' updates are
+        With a cluster (`batch` is this worker's batch) the workers' updates are
         added up, so every worker holds the global batch's metrics. That is
         right for metrics whose state variables are sums (counts, totals,
         confusion matrices), as Keras's built-in metrics are.

@@ -1,13 +1,13 @@
 """Each loss a model adds in its call, told apart by measuring on the first batch: a mean
 over rows, a sum over rows, or one that couples rows (engine/model_losses.py
-says what each form's part of a tower's loss is).
+says what each form's share of a tower's loss is).
 
 On rows A (the first example), B (the next one or two) and A+B (both), a term L is
 - a mean where L(A+B) = (|A| L(A) + |B| L(B)) / |A+B| (a constant, a function of the
   weights only, or 0, passes this too);
 - a sum where L(A+B) = L(A) + L(B);
 - otherwise it couples rows (a product of batch means, a variance over the batch),
-  which no tower can compute its part of: refused in one line, before any step.
+  which no tower can compute its share of: refused in one line, before any step.
 The measurement runs the model eagerly on the current weights, writing nothing.
 """
 
@@ -93,7 +93,7 @@ def _form(model, key, whole, first, rest, rest_rows, training):
     raise ValueError(
         f"layer {layer!r} of model {model.name!r} adds a loss that is neither a mean nor a "
         f"sum over rows{moved_by}: it couples the batch's rows (a product of batch means, a "
-        "variance), which no tower can compute its part of; compute it over the global "
+        "variance), which no tower can compute its share of; compute it over the global "
         "batch with towers.tower_step(..., batch_losses=).")
 
 

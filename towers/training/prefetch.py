@@ -63,7 +63,7 @@ def get_next_as_optional(iterator, devices, or_empty=False):
     split.Shards with shard i on devices[i].
     `or_empty`: once the data has ended, get_value() gives a batch of no rows of
     its structure (one empty shard on each device) instead of failing: a cluster
-    worker's part of the steps the other workers still have data for.
+    worker's batches of the steps the other workers still have data for.
     """
     def or_no_rows(has_value, get_value):
         if not or_empty:

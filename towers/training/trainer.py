@@ -60,7 +60,7 @@ class TowerTrainer:
         while the previous step runs (shard_iterator). The default "auto" is
         True where a tower's input device is not a CPU (a GPU).
       cluster: None, or the joined towers.Cluster this process is a worker of:
-        each batch is then this worker's part of the global batch, and every
+        each batch is then this worker's batch, and every
         worker applies the same update of the whole global batch.
       num_towers: towers in a step: this process's, or with a cluster every
         worker's (counted at the first step; before it, this worker's).
@@ -165,7 +165,7 @@ class TowerTrainer:
            "skipped_steps": steps skipped so far (non-finite, or a float16
            overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
-        With a cluster, `batch` is this worker's part of the global batch (it
+        With a cluster, `batch` is this worker's batch (it
         may be empty), "loss", "examples" are the global batch's,
         "stop_requested" is 1.0 once any worker called request_stop, and
         "data_ended" is 1.0 when every worker's data has ended: the step then
