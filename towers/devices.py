@@ -1,4 +1,4 @@
-"""Devices: choosing the towers' (set-up), naming them, laying them out in a grid.
+"""Devices: choosing the towers' (set-up), naming them, laying them out as a `Mesh`.
 
 `configure_devices` must run before TensorFlow initialises its runtime, because
 logical devices (several towers carved out of one physical GPU or out of the
@@ -119,6 +119,80 @@ def device_grid(devices, num_stages=None):
             f"every row of devices needs {num_stages} devices, one per pipeline stage "
             f"(len(pipeline_cuts) + 1), but the rows have {lengths} devices.")
     return [[canonical_name(d) for d in row] for row in devices]
+
+
+class Mesh:
+    """Which devices are towers, stages and parts: a step's one picture of its devices,
+    its dimensions named as torch.distributed.init_device_mesh(..., mesh_dim_names=
+    ("tower", "stage", "part")) names them. Built once from TowerTrainer's devices= (the
+    nested lists: a list of towers, towers x stages, towers x parts, towers x stages x
+    parts), then passed down.
+
+    Attributes:
+      grid: grid[i][k], tower i's device for stage k: where it runs the stage's layers
+        that are not split. One stage without pipeline cuts.
+      parts: None for a model without split layers, else parts[i][k][j], tower i's
+        device for stage k's part j.
+      main_device: where stage 0's variables live and the loss and outputs meet.
+      stage_devices: per stage, its main device: where its variables live and its
+        gradients meet (stage 0's main_device, stage k's tower 0's device for it).
+    """
+    DIM_NAMES = ("tower", "stage", "part")
+
+    def __init__(self, grid, parts=None, main_device=None):
+        """grid, parts: as the attributes, of canonical names; main_device: None for
+        tower 0's stage 0 device."""
+        self.grid, self.parts = grid, parts
+        self.main_device = canonical_name(main_device or grid[0][0])
+        self.stage_devices = [self.main_device] + list(grid[0][1:])
+
+    @property
+    def shape(self):
+        """{dimension name: its size}."""
+        return dict(zip(self.DIM_NAMES, (len(self.grid), len(self.grid[0]),
+                                         1 if self.parts is None else len(self.parts[0][0]))))
+
+    @property
+    def num_towers(self):
+        return len(self.grid)
+
+    @property
+    def num_stages(self):
+        return len(self.grid[0])
+
+    def tower(self, i):
+        """Tower i's device per stage."""
+        return self.grid[i]
+
+    def stage(self, k):
+        """Every tower's device for stage k, tower by tower."""
+        return [devices[k] for devices in self.grid]
+
+    def tower_devices(self, i):
+        """Tower i's devices in one order alike for every tower: its stages', or with
+        split layers its stages' parts'."""
+        if self.parts is None:
+            return list(self.grid[i])
+        return [device for stage in self.parts[i] for device in stage]
+
+    def all_devices(self):
+        """Every device of the mesh, once."""
+        return list(dict.fromkeys(sum(self.grid, []) + [
+            device for i in range(self.num_towers) for device in self.tower_devices(i)]))
+
+
+def mesh_of(devices, num_stages=None, parts=None, main_device=None):
+    """The Mesh of `devices` (a flat list, one device per tower; with num_stages, rows of
+    num_stages devices, one row per tower) and a split model's `parts` (None, or
+    parts[i][k][j]: op_parallel.grid.split_devices' reading of devices=).
+
+    Raises:
+      ValueError: devices of the wrong shape (device_grid), or one that does not exist.
+    """
+    mesh = Mesh(device_grid(devices, num_stages), parts, main_device)
+    check_devices_exist(mesh.all_devices())
+    check_devices_exist([mesh.main_device], "main_device")
+    return mesh
 
 
 def check_devices_exist(devices, argument="devices"):

@@ -85,10 +85,8 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
         its wrt list's variables, fn differentiating with respect to a variable
         itself (not its value).
     """
-    devices = devices_lib.device_grid(devices_lib.device_list(devices))
-    devices = [row[0] for row in devices]
-    main_device = devices_lib.canonical_name(main_device or devices[0])
-    devices_lib.check_devices_exist(devices + [main_device])
+    mesh = devices_lib.mesh_of(devices_lib.device_list(devices), main_device=main_device)
+    devices, main_device = mesh.stage(0), mesh.main_device
     wrt, batch_losses = _checked_wrt(wrt), _checked_batch_losses(batch_losses)
     split.check_not_empty(batch)
     shards, sizes, rows = split.shards_of(batch, len(devices))                      # 1

@@ -16,24 +16,25 @@ from towers.engine import losses, model_losses
 from towers.data_parallel import split
 
 
-def predict(stages, weights, state, x, rows, row, may_be_empty=True):
-    """Step 3 without gradients, stage by stage along `row`: (outputs, regularization).
+def predict(stages, tower, may_be_empty=True):
+    """Step 3 without gradients, stage by stage along the tower's devices: (outputs,
+    regularization).
 
-    weights, state: in model order, each on its stage's device. x: `rows`
-    examples (an int or int32 scalar); may_be_empty as run_tower's. outputs
-    ((y_pred, masks), as `forward`'s) and the regularisation (every stage's keyed
-    terms, model_losses.merged; each 0 for no rows) are on row[-1].
+    tower: an engine.tower.TowerWork (its shard, rows, weights and state, each stage's
+    on its device); may_be_empty as run_tower's. outputs ((y_pred, masks), as
+    `forward`'s) and the regularisation (every stage's keyed terms,
+    model_losses.merged; each 0 for no rows) are on the tower's last device.
     """
-    values, regularization = x, []
-    for k, device in enumerate(row):
+    values, regularization = tower.shard[0], []
+    for k, device in enumerate(tower.devices):
         with tf.device(device):
             values = values if k == 0 else cross_cut(values)
             values, _, stage_regularization = unless_empty(
-                rows, functools.partial(forward, stages.models[k], training=False),
-                stages.select(weights, k), stages.select(state, k, trainable=False), values,
-                may_be_empty)
+                tower.rows, functools.partial(forward, stages.models[k], training=False),
+                stages.select(tower.weights, k), stages.select(tower.state, k, trainable=False),
+                values, may_be_empty)
             regularization.append(stage_regularization)
-    with tf.device(row[-1]):
+    with tf.device(tower.devices[-1]):
         return values, model_losses.merged(regularization)
 
 

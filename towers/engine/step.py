@@ -94,15 +94,12 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, loss_scale
     if any(isinstance(device, (list, tuple)) for device in devices):
         raise ValueError(f"devices {devices} is a grid (rows of devices); tower_gradients "
                          "runs no pipeline stages: give a flat list, one device per tower.")
-    grid = devices_lib.device_grid(devices)
-    main_device = devices_lib.canonical_name(main_device or grid[0][0])
-    devices_lib.check_devices_exist(sum(grid, []))
-    devices_lib.check_devices_exist([main_device], "main_device")
+    mesh = devices_lib.mesh_of(devices, main_device=main_device)
     if not isinstance(batch, split.Shards):
         loss, batch = _without_labels(loss, batch)
     if cluster is None:
         split.check_not_empty(batch)
-    setup = StepSetup(stages_lib.Stages(model), grid, [main_device], options, cluster=cluster)
+    setup = StepSetup(stages_lib.Stages(model), mesh, options, cluster=cluster)
     setup.statistics.check(options.micro_batches, jit_compile=False, cluster=cluster)
     if not isinstance(loss, losses.Objective):
         loss = losses.Objective(loss, output_names=getattr(model, "output_names", None))
@@ -137,9 +134,9 @@ class StepSetup:
 
     Attributes:
       stages: the model as a stages.Stages (one stage: the whole model).
-      grid: one row of device names per tower, one device per stage.
-      stage_devices: per stage, its main device, where its variables live and
-        its gradients meet; stage_devices[0] also gets the loss and outputs.
+      mesh: the devices.Mesh of towers x stages (x parts): where each tower runs,
+        and each stage's main device (mesh.stage_devices), where its variables live
+        and its gradients meet; stage 0's also gets the loss and outputs.
       options: a TowerOptions.
       cluster: None, or the towers.Cluster this worker belongs to; the batch is
         then this worker's batch, and the step's result the
@@ -157,7 +154,7 @@ class StepSetup:
         which then runs steps 3-4 of each tower with XLA.
       route: steps 4-5, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
-      parts: None, or an op_parallel.grid.PartRows for a model with split layers:
+      parts: None, or an op_parallel.grid.Parts for a model with split layers:
         where each stage's parts live and where each tower runs them.
       columns: the variables' columns.Columns, built with the stages (use_stages):
         steps 2, 4 and 5 go column by column (stages, parts, or both).
@@ -169,8 +166,7 @@ class StepSetup:
         synchronized=True), built with the stages.
     """
     stages: stages_lib.Stages
-    grid: list
-    stage_devices: list
+    mesh: devices_lib.Mesh
     options: TowerOptions
     cluster: Optional[object] = None
     first_tower: int = 0
@@ -194,19 +190,19 @@ class StepSetup:
         """Sets the model's stages (a stages.Stages), and its columns with them."""
         self.stages = stages
         self.columns = columns_lib.Columns(
-            stages, self.grid, self.stage_devices, self.parts,
+            stages, self.mesh, self.parts,
             spread=self.options.variable_placement == "spread", cluster=self.cluster)
         self.statistics = batch_statistics.Meeting.of_model(
             stages.model, self.options.batch_statistics,
-            [sum(tower, []) for tower in self.parts.rows] if self.parts else self.grid)
+            [self.mesh.tower_devices(i) for i in range(self.mesh.num_towers)])
 
     @property
     def main_device(self):
-        return self.stage_devices[0]
+        return self.mesh.main_device
 
     @contextlib.contextmanager
     def tower_scope(self, tower_index):
-        """Where tower `tower_index` traces its model: its split layers on its row, its
+        """Where tower `tower_index` traces its model: its split layers on its devices, its
         global BatchNormalization layers meeting the other towers'."""
         with (contextlib.nullcontext() if self.parts is None else self.parts.scope(tower_index)
               ), self.statistics.on_tower(tower_index):
@@ -224,24 +220,18 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     `may_be_empty`: False where the batch is known to give every micro-batch of
     every tower a row: no tf.cond skips empty ones.
     """
-    stages, grid, options = setup.stages, setup.grid, setup.options
-    with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
-        shards, shard_sizes, rows = split.shards_of(batch, len(grid))             # 1
-        batch_rows = tf.cast(rows, tf.float32)
+    stages, options = setup.stages, setup.options
+    split_batch = SplitBatch(setup, batch)                                          # 1
+    shard_sizes, batch_rows, state_values = (split_batch.sizes, split_batch.batch_rows,
+                                             split_batch.state)
     setup.statistics.start_step(shard_sizes)  # where step 3's global BatchNorms meet
-    weights = [v.value for v in setup.columns.held_variables()]
-    state_values = [v.value for v in stages.model.non_trainable_variables]
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
                                         options.state_policy)
     step = tower.StepWork(stages, objective, batch_rows, loss_scale, options.micro_batches,
                           options.pipeline_schedule, may_be_empty,
                           recompute_stages=options.recompute_stages)
-    flights = []
-    for i, shard in enumerate(shards):
-        with tf.name_scope(f"tower_{i}") as scope:
-            tower_weights, tower_state = read_weights(setup, weights, state_values, i)  # 2
-            flights.append((scope, start_tower(setup, step, tower.TowerWork(           # 3
-                shard, shard_sizes[i], tower_weights, tower_state, grid[i], i))))
+    flights = [(scope, start_tower(setup, step, this_tower))                        # 3
+               for scope, this_tower in split_batch.towers(read_weights)]           # 2
     # A masked output's loss is over the whole batch's unmasked entries: counted here.
     counts = denominators.count([f.terms for _, f in flights], objective, batch_rows,
                                 setup.cluster, setup.main_device)
@@ -251,9 +241,10 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             outputs.append(flight.finish(counts.scales, setup.densify))             # 4
     outputs = denominators.fold(outputs, objective, counts, setup.main_device)
     grads, state, columns = [], [], setup.columns
-    tower_grads = [columns.cut_gradients(o.grads, row) for o, row in zip(outputs, columns.rows)]
+    tower_grads = [columns.cut_gradients(o.grads, devices)
+                   for o, devices in zip(outputs, columns.tower_devices)]
     for k, column_device in enumerate(columns.devices):
-        column = [row[k] for row in columns.rows]
+        column = [devices[k] for devices in columns.tower_devices]
         grads.append(setup.route([columns.select(g, k) for g in tower_grads],       # 4, 5
                                  column, column_device))
         state.append(aggregate.merge_state(
@@ -275,6 +266,36 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
                                    state_rules, state_values)
 
 
+class SplitBatch:
+    """Steps 1 and 2 of every tower: the batch split into one shard per tower, then, tower
+    by tower, each tower's copies of the weights (`towers`).
+
+    Attributes:
+      shards, sizes: one shard per tower (split.shards_of) and its rows.
+      batch_rows: the batch's rows, a float32 scalar.
+      weights, state: the values where they live, one per setup.columns.held_variables()
+        entry and one per model.non_trainable_variables entry.
+    """
+
+    def __init__(self, setup, batch):
+        with tf.name_scope("split"):  # name scopes label the phases in a profiler trace
+            self.shards, self.sizes, rows = split.shards_of(batch, setup.mesh.num_towers)
+            self.batch_rows = tf.cast(rows, tf.float32)
+        self.setup = setup
+        self.weights = [v.value for v in setup.columns.held_variables()]
+        self.state = [v.value for v in setup.stages.model.non_trainable_variables]
+
+    def towers(self, read):
+        """Per tower, inside its name scope, (the scope, a tower.TowerWork of its shard and
+        of the weights and state read(setup, weights, state, i) gives it: step 2 by
+        read_weights, or copy_weights where nothing may be written)."""
+        for i, shard in enumerate(self.shards):
+            with tf.name_scope(f"tower_{i}") as scope:
+                weights, state = read(self.setup, self.weights, self.state, i)
+                yield scope, tower.TowerWork(shard, self.sizes[i], weights, state,
+                                             self.setup.mesh.tower(i), i)
+
+
 def start_tower(setup, step, this_tower):
     """Steps 3-4 on one tower (a tower.TowerWork; its index is this worker's) up to where
     the batch's counts are needed: tower.start_flight's flight, or its XLA-compiled form
@@ -289,7 +310,7 @@ def start_tower(setup, step, this_tower):
 
 def read_weights(setup, weights, state, tower_index):
     """Step 2 for one tower: (weights, state), one per model.trainable_variables and
-    non_trainable_variables entry, each stage's on its device of the tower's row: copies
+    non_trainable_variables entry, each stage's on the tower's device for it: copies
     of the values where they live (`weights`: held_variables'), or the tower's replicas."""
     if setup.replicas is not None:
         return setup.replicas.read(tower_index)
@@ -299,26 +320,27 @@ def read_weights(setup, weights, state, tower_index):
 def copy_weights(setup, weights, state, tower_index):
     """Step 2 by copying: (weights, state) of the values where they live (weights: one
     per setup.columns.held_variables() entry), each column's copied to its device of the
-    tower's row (a stage's, or a split layer part's), a variable held as slabs joined
+    tower's devices (a stage's, or a split layer part's), a variable held as slabs joined
     there. Evaluation reads this way too: it writes no replica."""
     columns = setup.columns
-    row = columns.rows[tower_index]
+    devices = columns.tower_devices[tower_index]
     # A slab is not copied on its own: joining the slabs on the tower reads them there.
     kept = [table or slab for table, slab in zip(setup.tables or [False] * len(weights),
                                                   columns.slab_flags())]
-    return (columns.join_slabs(broadcast_columns(columns, weights, row, kept=kept), row),
-            broadcast_columns(columns, state, row, trainable=False))
+    return (columns.join_slabs(broadcast_columns(columns, weights, devices, kept=kept),
+                               devices),
+            broadcast_columns(columns, state, devices, trainable=False))
 
 
-def broadcast_columns(columns, values, row, trainable=True, kept=None):
+def broadcast_columns(columns, values, devices, trainable=True, kept=None):
     """Step 2 for a tower: each column's values (model order) copied to its device in
-    `row`; `columns` a columns.Columns.
+    `devices` (a tower's, per column); `columns` a columns.Columns.
     kept: None, or per value whether it is passed on uncopied (a table)."""
     kept = kept or [False] * len(values)
     return columns.merge(
         [replicas_lib.broadcast_weights(columns.select(values, k, trainable), device,
                                         columns.select(kept, k, trainable))
-         for k, device in enumerate(row)], trainable)
+         for k, device in enumerate(devices)], trainable)
 
 
 def apply_update(optimizer, grads, variables, main_device):

@@ -60,8 +60,8 @@ class TowerWork:
 
     shard: its (x, y[, sample_weight]), `rows` rows (an int or int32 scalar; may be 0).
     weights, state: model.trainable_variables / non_trainable_variables values in
-      model order, each already on its stage's device of `row`.
-    row: one device per stage.
+      model order, each already on its stage's device of `devices`.
+    devices: the tower's device per stage (devices.Mesh.tower).
     index: the tower's index (int, or int scalar Tensor inside XLA): offsets the RNG
       seeds so towers draw different dropout masks.
     """
@@ -69,7 +69,7 @@ class TowerWork:
     rows: object
     weights: list
     state: list
-    row: list
+    devices: list
     index: object
 
 
@@ -78,7 +78,7 @@ def start_flight(step, tower):
     flight.Flight (its `terms`, then `finish(scales, densify)` -> a TowerOutput).
 
     The shard is split into step.micro_batches micro-batches. Each stage runs on
-    its own device of tower.row, in the order the schedule gives it (a control
+    its own device of tower.devices, in the order the schedule gives it (a control
     dependency orders each stage's actions); activations flow forward from
     stage to stage, and their gradients flow back. Each micro-batch's backward
     starts from its share of the batch's loss (its loss times its rows over the
@@ -97,7 +97,7 @@ def start_flight(step, tower):
     state = _offset_seeds(step.stages.model, tower.state, tower.index)
     plan = flight.Plan(step.schedule, step.count_first, step.recompute_stages)
     return flight.Flight(step.stages, StageWork(step, tower), tower.weights, state,
-                         tower.row, plan).start()
+                         tower.devices, plan).start()
 
 
 def run_tower(step, tower, densify=None):
@@ -182,9 +182,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify):
     stages, objective, micro_batches and schedule.
 
     One stage: the tower's forward and backward, all its micro-batches, are one
-    XLA computation on tower.row[0]. With pipeline stages a tower spans several
+    XLA computation on tower.devices[0]. With pipeline stages a tower spans several
     devices and XLA compiles for one, so each stage's forward on a micro-batch
-    is one XLA computation on its device of the row, and so is its backward
+    is one XLA computation on the tower's device for it, and so is its backward
     (the gradient of a compiled function is compiled too); the copies between
     stages stay outside.
 
@@ -215,7 +215,7 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify):
         return run_tower(step, tower, densify)
 
     def run_on_its_device(step, tower):
-        with tf.device(tower.row[0]):
+        with tf.device(tower.devices[0]):
             return run_compiled_tower(tower.shard, step.batch_rows, tower.weights, tower.state,
                                       tf.constant(tower.index), step.loss_scale,
                                       step.may_be_empty)

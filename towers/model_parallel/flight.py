@@ -90,14 +90,14 @@ class Flight:
     there is one group.
     """
 
-    def __init__(self, stages, work, weights, state, row, plan):
+    def __init__(self, stages, work, weights, state, devices, plan):
         """stages: the tower's model as a stages.Stages (one stage: the whole model).
         work: what its stages compute (the module's docstring), with the tower's
           micro-batches.
         weights, state: model.trainable_variables / non_trainable_variables values in
-          model order, each already on its stage's device of `row`.
-        row: one device per stage. plan: a Plan."""
-        self.stages, self.work, self.row = stages, work, row
+          model order, each already on its stage's device of `devices`.
+        devices: the tower's device per stage. plan: a Plan."""
+        self.stages, self.work, self.devices = stages, work, devices
         num_micro = work.micro_batches
         self.weights = [stages.select(weights, k) for k in range(stages.num_stages)]
         self.state = [stages.select(state, k, trainable=False) for k in range(stages.num_stages)]
@@ -128,7 +128,7 @@ class Flight:
         self.grad_sums = [[] for _ in range(stages.num_stages)]  # per stage, per group
         self.y_pred, self.micro_terms = [None] * num_micro, [None] * num_micro
         self._terms = None  # their sums over the micro-batches, once every forward ran
-        self._previous = [[] for _ in row]  # per stage: what its last action produced
+        self._previous = [[] for _ in devices]  # per stage: what its last action produced
         self.recompute = plan.recompute
         self.kept = _table(shape)  # with recompute: per (stage, micro-batch) (inputs, state)
 
@@ -159,14 +159,14 @@ class Flight:
             self.scales = [scales[i] for i in self.work.counted]
         self._run(self.actions[self.done:])
         per_stage = []
-        for k, device in enumerate(self.row):
+        for k, device in enumerate(self.devices):
             with tf.device(device):
                 per_stage.append(self._stage_gradients(k))
         grads = [self.stages.merge(group) for group in zip(*per_stage)]  # per group
         if densify is not None:
             grads = [[gradients.to_dense(g) if dense else g for g, dense in zip(group, densify)]
                      for group in grads]
-        with tf.device(self.row[-1]):
+        with tf.device(self.devices[-1]):
             loss, y_pred = self._loss_and_outputs()
         return TowerOutput(grads[0], loss, self.stages.merge(self.changed, trainable=False),
                            y_pred, self.terms, grads[1:])
@@ -174,7 +174,7 @@ class Flight:
     def _run(self, actions):
         for kind, k, m in actions:
             name = "forward" if kind == schedule.FORWARD else "backward"
-            with tf.device(self.row[k]), tf.name_scope(f"stage_{k}_{name}_{m}"), \
+            with tf.device(self.devices[k]), tf.name_scope(f"stage_{k}_{name}_{m}"), \
                     tf.control_dependencies(self._previous[k]):
                 self._previous[k] = (self._forward(k, m) if kind == schedule.FORWARD
                                      else self._backward(k, m))

@@ -15,8 +15,9 @@ from towers.op_parallel.plan import is_split, parallel_forms
 
 
 def split_devices(model, devices, num_stages=None):
-    """(TowerTrainer's devices as a grid of towers x stages for devices.device_grid, and
-    a PartRows, or None for a model without split layers).
+    """(TowerTrainer's devices as a grid of towers x stages for devices.mesh_of, and
+    parts[i][k][j], tower i's device for stage k's part j, or None for a model without
+    split layers).
 
     devices: for a split model without pipeline stages, a flat list (one device per
     tower; every tower runs part j where split_layers put it) or rows of T devices,
@@ -44,7 +45,7 @@ def split_devices(model, devices, num_stages=None):
     elif not any(isinstance(d, (list, tuple)) for d in devices):
         if len(homes) > 1:
             raise _different_devices(model, homes)
-        return devices, PartRows(model, [[list(next(iter(homes)))]] * len(devices))
+        return devices, [[list(next(iter(homes)))] for _ in devices]
     else:
         if any(not isinstance(row, (list, tuple)) or len(row) != parts for row in devices):
             raise ValueError(
@@ -59,7 +60,7 @@ def split_devices(model, devices, num_stages=None):
             f"the parts on, {sorted(homes)[0]}: part j's variables and optimizer slots "
             "live on devices[0][j] (with stages, devices[0][k][j]).")
     firsts = [[row[0] for row in tower] for tower in rows]  # each stage's part 0's device
-    return (firsts if num_stages else [tower[0] for tower in firsts]), PartRows(model, rows)
+    return (firsts if num_stages else [tower[0] for tower in firsts]), rows
 
 
 def _different_devices(model, homes):
@@ -68,17 +69,18 @@ def _different_devices(model, homes):
         "split every layer with one split_layers call, over one list of devices.")
 
 
-class PartRows:
+class Parts:
     """Where a split model's parts live and run.
 
     Attributes:
-      rows: rows[i][k][j], tower i's device for part j of stage k (one stage without
-        pipeline cuts); rows[0][k][j] is where stage k's part j lives.
+      mesh: the step's devices.Mesh: mesh.parts[i][k][j], tower i's device for part j
+        of stage k (one stage without pipeline cuts); mesh.parts[0][k][j] is where
+        stage k's part j lives.
       part_of: {id(variable): j} for each variable of a split layer's part j.
     """
 
-    def __init__(self, model, rows):
-        self.rows = rows
+    def __init__(self, model, mesh):
+        self.mesh = mesh
         self.part_of = {}
         for form in parallel_forms(model):  # nested ones too
             parts = form.parts.items() if isinstance(form.parts, dict) else enumerate(form.parts)
@@ -87,17 +89,18 @@ class PartRows:
 
     def scope(self, tower_index):
         """Within it, the split layers run tower `tower_index`'s parts on its devices."""
-        return layers_lib.tower_rows({tuple(home): row for home, row in zip(
-            self.rows[0], self.rows[tower_index])})
+        parts = self.mesh.parts
+        return layers_lib.parts_on({tuple(home): devices for home, devices in zip(
+            parts[0], parts[tower_index])})
 
     def settle(self, stages):
         """Each split layer's parts made to live with its pipeline stage k: on
-        rows[0][k] (a form's variables move with the stage's columns; its `devices`,
+        mesh.parts[0][k] (a form's variables move with the stage's columns; its `devices`,
         where it runs outside a tower, are set here). `stages`: a stages.Stages."""
         stage_of = {id(v): k for k in range(stages.num_stages) for v in stages.variables(k)}
         for form in parallel_forms(stages.model):
             k = stage_of[id(form.weights[0])]
-            form.devices = list(self.rows[0][k])
+            form.devices = list(self.mesh.parts[0][k])
 
 
 def check_split_model(model, optimizer, variable_placement, jit_compile):

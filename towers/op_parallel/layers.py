@@ -6,9 +6,9 @@ shard). Sizes need not divide: parts differ by at most one, larger first, as
 shards do (`part_sizes`).
 
 Part j's variables live on devices[j]; it runs there too, except inside
-`tower_rows(rows)`, where a form whose parts live on `devices` runs part j on
-rows[devices][j]: tower i of a grid runs its parts on its own devices, reading
-copies of the weights (grid.PartRows). Inside `parts_recomputed`, each part's work
+`parts_on(places)`, where a form whose parts live on `devices` runs part j on
+places[devices][j]: tower i of a mesh runs its parts on its own devices, reading
+copies of the weights (grid.Parts). Inside `parts_recomputed`, each part's work
 keeps no activation and runs again in its backward, on its device
 (TowerTrainer(recompute=[...]) naming a split layer).
 """
@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from towers import compat
-# .rows: where the tower being traced runs its forms' parts; .recompute: parts_recomputed's;
+# .places: where the tower being traced runs its forms' parts; .recompute: parts_recomputed's;
 # .once: backwards_once's.
 _tower = threading.local()
 
@@ -34,11 +34,11 @@ def part_sizes(total, num_parts):
     return [base + (1 if j < extra else 0) for j in range(num_parts)]
 
 
-def tower_rows(rows):
+def parts_on(places):
     """Within it, a form whose parts live on `devices` runs its part j on
-    rows[tuple(devices)][j] (None, or devices not in `rows`: on devices[j]). `rows`:
-    {a pipeline stage's part devices: the tower's devices for them}."""
-    return _set_within("rows", rows)
+    places[tuple(devices)][j] (None, or devices not in `places`: on devices[j]).
+    `places`: {a pipeline stage's part devices: the tower's devices for them}."""
+    return _set_within("places", places)
 
 
 def parts_recomputed(recompute):
@@ -70,9 +70,9 @@ def _set_within(name, value):
 
 
 def part_device(devices, j):
-    """Where part j of a form whose parts live on `devices` runs now (tower_rows')."""
-    row = (getattr(_tower, "rows", None) or {}).get(tuple(devices))
-    return devices[j] if row is None else row[j]
+    """Where part j of a form whose parts live on `devices` runs now (parts_on')."""
+    tower_devices = (getattr(_tower, "places", None) or {}).get(tuple(devices))
+    return devices[j] if tower_devices is None else tower_devices[j]
 
 
 def build_part(part, device, *shapes):

@@ -29,16 +29,17 @@ class Columns(stages_lib.VariableGroups):
       stages: the stages.Stages the columns refine.
       devices: per column, where its variables and optimizer slots live and its
         gradients meet.
-      rows: per tower, its device per column: where it reads the column's weights
-        and runs their work.
+      tower_devices: per tower, its device per column: where it reads the column's
+        weights and runs their work.
       cluster: None, or the towers.Cluster whose workers the state is spread over
         (spread placement in a cluster of 2 workers or more; worker_owners.py).
     """
 
-    def __init__(self, stages, grid, stage_devices, parts=None, spread=False, cluster=None):
-        """grid[i][k]: tower i's device for stage k; stage_devices[k]: where stage k's
-        not-split variables live; parts: None, or an op_parallel.grid.PartRows (its
-        rows[i][k][j]: tower i's device for stage k's part j); spread: each group's
+    def __init__(self, stages, mesh, parts=None, spread=False, cluster=None):
+        """mesh: the step's devices.Mesh (mesh.grid[i][k]: tower i's device for stage
+        k; mesh.stage_devices[k]: where stage k's not-split variables live;
+        mesh.parts[i][k][j]: tower i's device for stage k's part j); parts: None, or an
+        op_parallel.grid.Parts for a model with split layers; spread: each group's
         variables spread over its towers' devices (spread_owners, per stage and group),
         variable_placement="spread"; with a `cluster` (a towers.Cluster of 2 workers or
         more) spread over its workers instead (worker_owners), each worker's towers
@@ -48,21 +49,21 @@ class Columns(stages_lib.VariableGroups):
             cluster.num_workers > 1 else None
         spread = spread and self.cluster is None
         self._part_of = {} if parts is None else parts.part_of
-        self._shares = len(grid) if spread else 1  # columns per group
-        self._groups = 1 + (0 if parts is None else len(parts.rows[0][0]))  # per stage
-        self.devices, self.rows = [], [[] for _ in grid]
+        self._shares = mesh.num_towers if spread else 1  # columns per group
+        self._groups = 1 + (0 if parts is None else mesh.shape["part"])  # per stage
+        self.devices, self.tower_devices = [], [[] for _ in range(mesh.num_towers)]
         group_devices = []  # per stage and group: each tower's device for it
-        for k, device in enumerate(stage_devices):
+        for k, device in enumerate(mesh.stage_devices):
             # Per group, each tower's device for it: the stage's, then each part's.
-            towers_devices = [[row[k] for row in grid]] + (
-                [] if parts is None else [[tower[k][j] for tower in parts.rows]
+            towers_devices = [mesh.stage(k)] + (
+                [] if parts is None else [[tower[k][j] for tower in mesh.parts]
                                           for j in range(self._groups - 1)])
             for g, devices in enumerate(towers_devices):
                 group_devices.append(devices)
                 home = device if g == 0 else devices[0]
                 self.devices += devices if spread else [home]
-                for i in range(len(grid)):
-                    self.rows[i] += [devices[i]] * self._shares
+                for i in range(mesh.num_towers):
+                    self.tower_devices[i] += [devices[i]] * self._shares
         # {id(variable): Cut}: the variables spread placement holds as slabs (slabs.py)
         # once cut_slabs ran.
         self.cuts = {}
@@ -138,9 +139,9 @@ class Columns(stages_lib.VariableGroups):
                 for flag in ([True] * len(self.cuts[id(variable)].sizes)
                              if id(variable) in self.cuts else [False])]
 
-    def join_slabs(self, values, row):
-        """Step 2 on a tower: `values`, one per held_variables entry on its device of `row`
-        (a tower's entry of self.rows), as one per model.trainable_variables entry: each
+    def join_slabs(self, values, devices):
+        """Step 2 on a tower: `values`, one per held_variables entry on its device of
+        `devices` (a tower's entry of self.tower_devices), as one per model.trainable_variables entry: each
         cut variable's slabs joined on the tower's device for it (an all-gather)."""
         if not self.cuts:
             return values
@@ -151,11 +152,11 @@ class Columns(stages_lib.VariableGroups):
                 continue
             cut = self.cuts[id(variable)]
             rows = [next(values) for _ in cut.sizes]
-            with tf.device(row[cut.columns[0]]):
+            with tf.device(devices[cut.columns[0]]):
                 joined.append(tf.concat(rows, 0))
         return joined
 
-    def cut_gradients(self, grads, row):
+    def cut_gradients(self, grads, devices):
         """Before steps 4-5 on a tower: `grads`, one per model.trainable_variables entry, as
         one per held_variables entry: each cut variable's gradient cut into its slabs'
         rows on the tower's device for it (each then meets where its slab lives: a
@@ -168,7 +169,7 @@ class Columns(stages_lib.VariableGroups):
                 held.append(grad)
                 continue
             cut = self.cuts[id(variable)]
-            with tf.device(row[cut.columns[0]]):
+            with tf.device(devices[cut.columns[0]]):
                 held += slabs.cut_rows(grad, cut.sizes)
         return held
 

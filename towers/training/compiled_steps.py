@@ -12,7 +12,8 @@ import tensorflow as tf
 from towers.data_parallel import aggregate, collectives, split
 from towers.engine import forward
 from towers.placement import worker_owners
-from towers.engine.step import apply_update, assign_state, copy_weights, run_towers
+from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights
+from towers.engine.step import run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.training import recompute
 
@@ -68,14 +69,14 @@ def variant(setup, kind, batch):
 def fills_every_micro_batch(setup, batch):
     """Whether `batch` gives every micro-batch of every tower a row: a bool, or a bool
     scalar Tensor where the rows are known only at run time."""
-    return split.smallest_shard_rows(batch, len(setup.grid)) >= setup.options.micro_batches
+    return split.smallest_shard_rows(batch, setup.mesh.num_towers) >= setup.options.micro_batches
 
 
 def micro_batch_rows(setup, batch):
     """The rows of each micro-batch of each tower for `batch` (Tensors or split.Shards):
     ints, or [] where the rows are known only at run time."""
     rows = ([split.batch_size(shard) for shard in batch] if isinstance(batch, split.Shards)
-            else split.shard_sizes(split.batch_size(batch), len(setup.grid)))
+            else split.shard_sizes(split.batch_size(batch), setup.mesh.num_towers))
     if not all(isinstance(r, int) for r in rows):
         return []
     return [m for r in rows for m in split.shard_sizes(r, setup.options.micro_batches)]
@@ -83,7 +84,7 @@ def micro_batch_rows(setup, batch):
 
 def num_micro_batches(setup):
     """Micro-batches per step: towers x micro-batches per tower."""
-    return len(setup.grid) * setup.options.micro_batches
+    return setup.mesh.num_towers * setup.options.micro_batches
 
 
 def loss_scale(optimizer):
@@ -155,24 +156,18 @@ def eval_step(trainer, batch, may_be_empty):
     as scalar Tensors, the metrics updated with the towers' outputs. No other
     variable changes."""
     setup, objective = trainer.setup, trainer.objective
-    shards, shard_sizes, rows = split.shards_of(batch, len(setup.grid))
-    weights = [v.value for v in setup.columns.held_variables()]
-    state = [v.value for v in trainer.model.non_trainable_variables]
-    batch_rows = tf.cast(rows, tf.float32)
+    split_batch = SplitBatch(setup, batch)                                          # 1
     terms, outputs, regularizations = [], [], []
-    for i, (row, shard) in enumerate(zip(setup.grid, shards)):
-        with tf.name_scope(f"tower_{i}"):
-            tower_weights, tower_state = copy_weights(setup, weights, state, i)
-            with setup.tower_scope(i):
-                tower_outputs, regularization = forward.predict(
-                    setup.stages, tower_weights, tower_state, shard[0], shard_sizes[i], row,
-                    may_be_empty)
-            with tf.device(row[-1]):
-                _, y, sample_weight = split.unpack_batch(shard)
-                terms.append(objective.terms(y, tower_outputs, sample_weight))
-                regularizations.append(forward.regularization_share(
-                    objective, regularization, shard_sizes[i], batch_rows))
-            outputs.append(tower_outputs)
+    for _, this_tower in split_batch.towers(copy_weights):                         # 2
+        with setup.tower_scope(this_tower.index):
+            tower_outputs, regularization = forward.predict(                        # 3
+                setup.stages, this_tower, may_be_empty)
+        with tf.device(this_tower.devices[-1]):
+            _, y, sample_weight = split.unpack_batch(this_tower.shard)
+            terms.append(objective.terms(y, tower_outputs, sample_weight))
+            regularizations.append(forward.regularization_share(
+                objective, regularization, this_tower.rows, split_batch.batch_rows))
+        outputs.append(tower_outputs)
     with tf.device(setup.main_device):
         term_losses = [tf.math.divide_no_nan(tf.add_n([t.sum for t in per_tower]),
                                              tf.add_n([t.units for t in per_tower]))
@@ -182,5 +177,6 @@ def eval_step(trainer, batch, may_be_empty):
         # Each tower's share of the regularisation, as in training (an empty tower's is 0).
         loss = tf.add_n([weight * value for weight, value in zip(objective.weights, term_losses)]
                         + [tf.identity(r) for r in regularizations if r is not None])
-        return {"loss": loss, **dict(zip(objective.names, term_losses)), "examples": batch_rows,
+        return {"loss": loss, **dict(zip(objective.names, term_losses)),
+                "examples": split_batch.batch_rows,
                 **metric_logs}

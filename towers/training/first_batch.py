@@ -23,7 +23,7 @@ def set_up(trainer, batch):
     """Builds model and optimizer on the main device and checks the loss, on `batch`'s
     first examples (check_examples); fills in trainer.setup's first-batch fields."""
     setup = trainer.setup
-    shards, _, _ = split.shards_of(batch, len(setup.grid))
+    shards, _, _ = split.shards_of(batch, setup.mesh.num_towers)
     first_shard = shards[0]  # holds the batch's first example
     if split.batch_size(first_shard) == 0:  # a worker whose batch is empty
         # One example of zeros builds the model and checks the loss; nothing trains on it.
@@ -44,7 +44,7 @@ def set_up(trainer, batch):
     if trainer.cluster is not None:
         setup.first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
-            setup.main_device, len(setup.grid), own_slots=setup.columns.cluster is not None)
+            setup.main_device, setup.mesh.num_towers, own_slots=setup.columns.cluster is not None)
 
 
 def _inputs(shards, first_shard):

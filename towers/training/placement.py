@@ -1,4 +1,4 @@
-"""Where a TowerTrainer's step runs: its devices as a grid of towers x stages (x a split
+"""Where a TowerTrainer's step runs: its devices as a Mesh of towers x stages (x a split
 model's parts), each column's main device, checked once; and the
 hooks that place the optimizer's updates and the tables' reads while it traces."""
 
@@ -15,32 +15,25 @@ _ABSENT = object()
 
 def step_setup(model, devices, main_device, pipeline_cuts, options, cluster):
     """(the step's StepSetup, the trainer's `devices`): `devices` (None: the default
-    ones) as a grid, one row per tower; stage k's variables and gradients on row 0's
-    device k (stage 0's on main_device); a split model's parts on their devices
-    (devices[0][j], with stages devices[0][k][j]).
+    ones) as a devices.Mesh of towers x stages (x a split model's parts); stage k's
+    variables and gradients on tower 0's device for it (stage 0's on main_device); a
+    split model's parts on their devices (devices[0][j], with stages devices[0][k][j]).
 
     Raises:
-      ValueError: a device that does not exist, a grid of the wrong shape, or an
+      ValueError: a device that does not exist, devices of the wrong shape, or an
         aggregation the devices cannot run.
     """
     devices = devices_lib.device_list(devices)
     num_stages = None if pipeline_cuts is None else len(pipeline_cuts) + 1
-    devices, parts = op_grid.split_devices(model, devices, num_stages)
-    grid = devices_lib.device_grid(devices, num_stages)
-    main_device = devices_lib.canonical_name(main_device or grid[0][0])
-    # Stage k's main device: where its variables live and its gradients meet.
-    setup = StepSetup(None, grid, [main_device] + list(grid[0][1:]), options, cluster=cluster,
-                      parts=parts)
-    tower_devices = [row[0] for row in grid]
-    part_devices = [] if parts is None else [d for tower in parts.rows for row in tower
-                                             for d in row]
-    devices_lib.check_devices_exist(sum(grid, []) + part_devices)
-    devices_lib.check_devices_exist([main_device], "main_device")
+    devices, part_devices = op_grid.split_devices(model, devices, num_stages)
+    mesh = devices_lib.mesh_of(devices, num_stages, part_devices, main_device)
+    parts = None if part_devices is None else op_grid.Parts(model, mesh)
+    setup = StepSetup(None, mesh, options, cluster=cluster, parts=parts)
     # A split layer's part columns are not checked: where towers share a part's
     # device, its gradients are summed there, with nothing to exchange.
-    for k in range(len(setup.stage_devices)):
-        exchange.check_aggregation(options.aggregation, [row[k] for row in grid])
-    return setup, (tower_devices if pipeline_cuts is None else grid)
+    for k in range(mesh.num_stages):
+        exchange.check_aggregation(options.aggregation, mesh.stage(k))
+    return setup, (mesh.stage(0) if pipeline_cuts is None else mesh.grid)
 
 
 @contextlib.contextmanager

@@ -127,7 +127,7 @@ def recompute_call(layer, call, args, kwargs):
     arrive, runs `call` on them under a tape, in the Keras state the first call ran
     in (an outer call's `training`, mixed precision's autocast), and differentiates
     that: the same values, the same dropout masks; a split layer's parts run again on
-    their devices (tower_rows, which the tower's backward is traced in too). The op's
+    their devices (parts_on, which the tower's backward is traced in too). The op's
     own IdentityN, on the current device, takes every input but only its outputs are
     read: Grappler drops the rest, so a part's weights stay on its device. A loss
     added inside the call (a sublayer's activity regularizer, a split layer's weight

@@ -114,7 +114,7 @@ class TowerTrainer:
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
         self.signals = None if cluster is None else worker_signals.WorkerSignals(cluster)
-        self.num_towers = len(self.setup.grid)
+        self.num_towers = self.setup.mesh.num_towers
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
         self._compiled = self._no_compiled_functions()
@@ -124,12 +124,12 @@ class TowerTrainer:
     @property
     def num_stages(self):
         """Pipeline stages each tower's model is cut into (1 without pipeline_cuts)."""
-        return len(self.setup.stage_devices)
+        return self.setup.mesh.num_stages
 
     @property
     def input_devices(self):
         """Where each tower's shard enters it: its device (with stages, its first stage's)."""
-        return [row[0] for row in self.setup.grid]
+        return self.setup.mesh.stage(0)
 
     @property
     def optimized_variables(self):
