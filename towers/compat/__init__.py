@@ -18,7 +18,7 @@ from towers.compat.keras_layers import (  # noqa: F401
     keras_call_state, loss_adders, nested_layers, batch_norm_moments,
     every_batch_norm_moments, sublayers, own_weights, replace_sublayer, functional_graph,
     nodes_by_depth, move_variable, can_hold_in_slabs, hold_in_slabs, held_slabs,
-    drop_weight,
+    drop_weight, is_seed_state,
 )
 from towers.compat.keras_optimizers import (  # noqa: F401
     REPLICA_SUM, optimizer_knows, track_as_optimized, excluded_from_weight_decay,
