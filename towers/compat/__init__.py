@@ -21,7 +21,7 @@ from towers.compat.keras_layers import (  # noqa: F401
     drop_weight, is_seed_state,
 )
 from towers.compat.keras_optimizers import (  # noqa: F401
-    REPLICA_SUM, optimizer_knows, track_as_optimized, excluded_from_weight_decay,
+    update_hooks, optimizer_knows, track_as_optimized, excluded_from_weight_decay,
     exclude_from_weight_decay_too, optimizer_variables, slots_for, add_optimizer_variables,
     keras_home_dir,
 )
