@@ -27,6 +27,19 @@ def eager_runtime():
     return eager_context.context()
 
 
+def gather_hooks(params, gather):
+    """(params, {attribute: replacement}) that, while set on `params` (a keras.Variable),
+    make tf.gather(params, indices) along axis 0 return gather(indices, name=name).
+
+    Private: tf.gather calls params.sparse_read(indices, name=name) where params has one
+    (its way of telling a resource variable), and Keras's ops.take (an Embedding's
+    look-up) passes it the keras.Variable itself; the hook is an attribute of one
+    instance. Public alternative: none; a layer's look-up reads a table where the
+    caller's device scope says, and a stateless call's value is a copy of the table.
+    """
+    return params, {"sparse_read": gather}
+
+
 def saves_own_tensors(trackable):
     """Whether a checkpoint holds tensors `trackable` gives it itself, as a lookup table
     (tf.lookup.experimental.MutableHashTable, a Keras StringLookup's token counts) gives
