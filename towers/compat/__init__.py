@@ -26,6 +26,6 @@ from towers.compat.keras_optimizers import (  # noqa: F401
     keras_home_dir,
 )
 from towers.compat.tensorflow_runtime import (  # noqa: F401
-    OwnedMultiDeviceIterator, eager_runtime, gather_hooks, saves_own_tensors,
+    OwnedMultiDeviceIterator, eager_runtime, gather_hooks, attach, attached, saves_own_tensors,
     saved_variable_names,
 )

@@ -40,6 +40,22 @@ def gather_hooks(params, gather):
     return params, {"sparse_read": gather}
 
 
+def attach(tensor, name, value):
+    """Records `value` on `tensor` (a tf.Tensor) under `name`; attached() reads it back.
+
+    Private: an eager or symbolic tf.Tensor takes new attributes, as Keras's own mask
+    (keras_layers.set_keras_mask) relies on. Public alternative: none; a tensor that
+    flows on (into a layer, or the loss) carries no metadata of its own.
+    """
+    setattr(tensor, name, value)
+    return tensor
+
+
+def attached(tensor, name):
+    """The value attach() recorded on `tensor` under `name`, or None."""
+    return getattr(tensor, name, None)
+
+
 def saves_own_tensors(trackable):
     """Whether a checkpoint holds tensors `trackable` gives it itself, as a lookup table
     (tf.lookup.experimental.MutableHashTable, a Keras StringLookup's token counts) gives
