@@ -11,6 +11,15 @@ Kept apart by what they lean on, so that an upgrade of one library is read in
 one place: `keras_layers` (models, layers, variables, losses), `keras_optimizers`
 (optimizers, Keras's configuration), `tensorflow_runtime` (tf.data, the eager
 runtime, checkpoints). Everything is used as `compat.<name>`.
+
+Private behaviours elsewhere (no private name; they lean on how Keras works inside):
+- training/placement.py step_hooks: sets update_hooks' and gather_hooks' attributes on
+  the user's optimizer and tables while the step is traced, and puts back what was
+  there (an instance's own, vars(owner)) on exit.
+- training/recompute.py _call_recomputed: a layer instance's `call` replaced straight
+  in its __dict__, past Keras's __setattr__, which would track the function.
+- engine/tower_handle.py _TowerReads: a keras.StatelessScope whose get_current_value
+  and add_update, which Keras's variables call when read or assigned, are the tower's.
 """
 
 from towers.compat.keras_layers import (  # noqa: F401
@@ -18,13 +27,14 @@ from towers.compat.keras_layers import (  # noqa: F401
     keras_call_state, loss_adders, nested_layers, batch_norm_moments,
     every_batch_norm_moments, sublayers, own_weights, replace_sublayer, functional_graph,
     nodes_by_depth, move_variable, can_hold_in_slabs, hold_in_slabs, held_slabs,
-    drop_weight,
+    drop_weight, is_seed_state,
 )
 from towers.compat.keras_optimizers import (  # noqa: F401
-    REPLICA_SUM, optimizer_knows, track_as_optimized, excluded_from_weight_decay,
+    update_hooks, optimizer_knows, track_as_optimized, excluded_from_weight_decay,
     exclude_from_weight_decay_too, optimizer_variables, slots_for, add_optimizer_variables,
     keras_home_dir,
 )
 from towers.compat.tensorflow_runtime import (  # noqa: F401
-    OwnedMultiDeviceIterator, eager_runtime, saves_own_tensors, saved_variable_names,
+    OwnedMultiDeviceIterator, eager_runtime, gather_hooks, attach, attached, saves_own_tensors,
+    saved_variable_names,
 )

@@ -185,6 +185,16 @@ def every_batch_norm_moments(moments):
         keras.layers.BatchNormalization._moments = keras_moments
 
 
+def is_seed_state(variable):
+    """Whether `variable` is a keras.random.SeedGenerator's state (a Dropout's, a noise
+    layer's): Keras names every one "seed_generator_state", its path ending so.
+
+    Public alternative: none; a model's non_trainable_variables list the states among
+    the rest, and which layer holds a SeedGenerator only Layer._seed_generators says.
+    """
+    return variable.path.endswith("seed_generator_state")
+
+
 def sublayers(layer):
     """The layers `layer` holds directly (its attributes' and its graph's), in the order
     `layer.weights` lists their weights after its own.

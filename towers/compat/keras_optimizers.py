@@ -13,6 +13,27 @@ from keras.src.utils import tracking
 REPLICA_SUM = "_all_reduce_sum_gradients"
 
 
+def update_hooks(optimizer, update_scope):
+    """(the object, {attribute: replacement}) that, while set on it, make the Keras
+    `optimizer` compute each variable's update inside update_scope(variable), a context
+    manager (a tf.device), and skip the sum over replicas (REPLICA_SUM): the one per
+    variable hook is update_step, of a LossScaleOptimizer's inner optimizer.
+
+    Private: replacing a method on one instance, which Keras does not offer, and
+    REPLICA_SUM. Public alternative: none; Keras 3 runs every variable's update under
+    the caller's device scope, with no option to place it with its variable.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    update_step = inner.update_step
+
+    def update_in_scope(gradient, variable, learning_rate):
+        with update_scope(variable):
+            return update_step(gradient, variable, learning_rate)
+
+    return inner, {"update_step": update_in_scope,
+                   REPLICA_SUM: lambda grads_and_vars: list(grads_and_vars)}
+
+
 def optimizer_knows(optimizer, variable):
     """Whether a built Keras optimizer updates `variable` (was built with it).
 

@@ -27,6 +27,35 @@ def eager_runtime():
     return eager_context.context()
 
 
+def gather_hooks(params, gather):
+    """(params, {attribute: replacement}) that, while set on `params` (a keras.Variable),
+    make tf.gather(params, indices) along axis 0 return gather(indices, name=name).
+
+    Private: tf.gather calls params.sparse_read(indices, name=name) where params has one
+    (its way of telling a resource variable), and Keras's ops.take (an Embedding's
+    look-up) passes it the keras.Variable itself; the hook is an attribute of one
+    instance. Public alternative: none; a layer's look-up reads a table where the
+    caller's device scope says, and a stateless call's value is a copy of the table.
+    """
+    return params, {"sparse_read": gather}
+
+
+def attach(tensor, name, value):
+    """Records `value` on `tensor` (a tf.Tensor) under `name`; attached() reads it back.
+
+    Private: an eager or symbolic tf.Tensor takes new attributes, as Keras's own mask
+    (keras_layers.set_keras_mask) relies on. Public alternative: none; a tensor that
+    flows on (into a layer, or the loss) carries no metadata of its own.
+    """
+    setattr(tensor, name, value)
+    return tensor
+
+
+def attached(tensor, name):
+    """The value attach() recorded on `tensor` under `name`, or None."""
+    return getattr(tensor, name, None)
+
+
 def saves_own_tensors(trackable):
     """Whether a checkpoint holds tensors `trackable` gives it itself, as a lookup table
     (tf.lookup.experimental.MutableHashTable, a Keras StringLookup's token counts) gives

@@ -6,7 +6,7 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from towers import devices as devices_lib, gradients
+from towers import compat, devices as devices_lib, gradients
 
 
 def gather(tower_values, device):
@@ -96,7 +96,6 @@ def sum_gradients(tower_grads, device=None):
 # changes (a counter, a metric's totals: Keras's aggregation="sum"), or "first" (tower 0's).
 STATE_RULES = ("mean", "sum", "first")
 _RULE_OF_AGGREGATION = {"sum": "sum", "only_first_replica": "first"}
-SEED_STATE_SUFFIX = "seed_generator_state"  # Keras names every SeedGenerator's state so
 
 
 def state_rules(variables, state_policy="mean"):
@@ -113,7 +112,7 @@ def state_rules(variables, state_policy="mean"):
         rule = _RULE_OF_AGGREGATION.get(getattr(variable, "aggregation", None))
         if rule is None:
             floating = tf.as_dtype(variable.dtype).is_floating
-            seed = variable.path.endswith(SEED_STATE_SUFFIX)
+            seed = compat.is_seed_state(variable)
             rule = "mean" if floating and not seed and state_policy == "mean" else "first"
         rules.append(rule)
     return rules

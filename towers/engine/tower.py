@@ -16,7 +16,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from towers.data_parallel import aggregate, split
+from towers import compat
+from towers.data_parallel import split
 from towers.engine import losses
 from towers.engine.forward import concat_rows, cross_cut, forward, regularization_share
 from towers.engine.forward import shard_loss, unless_empty
@@ -270,7 +271,7 @@ def offset_seed(variable, value, tower_index):
     `tower_index` is an int, or an int scalar Tensor (one XLA computation for
     every tower).
     """
-    if not variable.path.endswith(aggregate.SEED_STATE_SUFFIX) or (
+    if not compat.is_seed_state(variable) or (
             isinstance(tower_index, int) and tower_index == 0):
         return value
     offset = tf.stack([tf.cast(tower_index, tf.int64), tf.constant(0, tf.int64)])

@@ -229,7 +229,7 @@ class HeadsAttention(keras.layers.Layer):
         kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0, the
         output kernel (H, v, d) on axis 0, and the output bias (part 0's, whole)."""
         use_bias, weights = self.parts[0].use_bias, []
-        for name in ("_query_dense", "_key_dense", "_value_dense"):
+        for name in ("query_dense", "key_dense", "value_dense"):
             weights.append((1, [getattr(part, name).kernel for part in self.parts]))
             if use_bias:
                 weights.append((0, [getattr(part, name).bias for part in self.parts]))

@@ -32,11 +32,11 @@ def tables_of(model, variables):
 
 
 def reads_where_they_live(variables, tables):
-    """[(table, {"sparse_read": replacement})] for each of `variables` that `tables` (one
-    bool each, tables_of's) marks: tf.gather(params, ids) calls params.sparse_read(ids)
-    where params has one, and this one reads the rows where the table lives. The trainer
-    sets them only while it traces its step (training/placement.step_hooks)."""
-    return [(table, {"sparse_read": functools.partial(_sparse_read, table)})
+    """[(table, {attribute: replacement})] for each of `variables` that `tables` (one
+    bool each, tables_of's) marks: while they are set, tf.gather(table, ids) reads the
+    rows where the table lives (compat.gather_hooks). The trainer sets them only while
+    it traces its step (training/placement.step_hooks)."""
+    return [compat.gather_hooks(table, functools.partial(_sparse_read, table))
             for table, is_table in zip(variables, tables) if is_table]
 
 

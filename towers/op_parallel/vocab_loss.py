@@ -20,19 +20,20 @@ from_logits=True) (axis -1, no ignored class) on logits a split layer marked
 import keras
 import tensorflow as tf
 
-_PARTS = "_towers_parts"  # where a split layer's joined output keeps its parts
+from towers import compat
+
+_PARTS = "_towers_parts"  # where a split layer's joined output keeps its parts (compat.attach)
 
 
 def mark_parts(joined, parts):
     """Records on `joined`, a split layer's output, the parts it is the concatenation
     of: a layer next (a row split) or the loss may take them as they are."""
-    setattr(joined, _PARTS, list(parts))
-    return joined
+    return compat.attach(joined, _PARTS, list(parts))
 
 
 def parts_of(tensor):
     """The parts `tensor` was joined from (mark_parts), or None."""
-    return getattr(tensor, _PARTS, None)
+    return compat.attached(tensor, _PARTS)
 
 
 def per_example_losses(loss, y_true, y_pred):

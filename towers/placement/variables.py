@@ -48,21 +48,12 @@ def updates_on_variable_devices(optimizer):
     the user's optimizer is its own again outside.
 
     Keras 3 runs every variable's update under the caller's device scope, and
-    has no public option to place it with its variable; so the one
-    per-variable hook, update_step, is wrapped (in the inner optimizer of a
-    LossScaleOptimizer). Without it, every stage's weights and slots would be
-    read onto one device to be updated. And Keras's TensorFlow optimizer first
-    sums the gradients over the replicas of a tf.distribute strategy: with none,
-    that is one IdentityN of all of them, on the caller's device, which would
-    copy every stage's gradients there and back; the towers have summed them
-    already, so that step (compat.REPLICA_SUM) is skipped.
+    has no public option to place it with its variable; so the one per-variable
+    hook is wrapped (compat.update_hooks). Without it, every stage's weights and
+    slots would be read onto one device to be updated. And Keras's TensorFlow
+    optimizer first sums the gradients over the replicas of a tf.distribute
+    strategy: with none, that is one IdentityN of all of them, on the caller's
+    device, which would copy every stage's gradients there and back; the towers
+    have summed them already, so that step is skipped.
     """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    update_step = inner.update_step
-
-    def update_on_device(gradient, variable, learning_rate):
-        with tf.device(variable.device):
-            return update_step(gradient, variable, learning_rate)
-
-    return inner, {"update_step": update_on_device,
-                   compat.REPLICA_SUM: lambda grads_and_vars: list(grads_and_vars)}
+    return compat.update_hooks(optimizer, lambda variable: tf.device(variable.device))
