@@ -128,9 +128,13 @@ def _without_labels(loss, batch):
         () if sample_weight is None else (sample_weight,))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepSetup:
-    """Everything a step needs besides the batch and the loss, built once per trainer.
+    """Everything a step needs besides the batch and the loss: one frozen value, built
+    when the trainer is built (the mesh, the options), replaced once on the first batch
+    with what it decides (training/first_batch.py: the stages, dense_choices,
+    first_tower), and again with what depends on the trainable set whenever that changes
+    (training/trainable.py: densify, replicas, compiled_tower, tables, trainable_ids).
 
     Attributes:
       stages: the model as a stages.Stages (one stage: the whole model).
@@ -156,7 +160,7 @@ class StepSetup:
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
       parts: None, or an op_parallel.grid.Parts for a model with split layers:
         where each stage's parts live and where each tower runs them.
-      columns: the variables' columns.Columns, built with the stages (use_stages):
+      columns: the variables' columns.Columns, built with the stages (with_stages):
         steps 2, 4 and 5 go column by column (stages, parts, or both).
       tables: None, or per columns.held_variables() entry whether it is an embedding
         table the towers look up where it lives (op_parallel.tables): step 2 passes the
@@ -182,19 +186,21 @@ class StepSetup:
     statistics: Optional[batch_statistics.Meeting] = None
 
     def __post_init__(self):
-        self.route = exchange.route(self.options.aggregation, self.options.pack_gradients)
-        if self.stages is not None:
-            self.use_stages(self.stages)
+        # Set while the value is made: what follows from the options and the stages.
+        object.__setattr__(self, "route", exchange.route(self.options.aggregation,
+                                                         self.options.pack_gradients))
+        if self.stages is not None and self.columns is None:
+            object.__setattr__(self, "columns", columns_lib.Columns(
+                self.stages, self.mesh, self.parts,
+                spread=self.options.variable_placement == "spread", cluster=self.cluster))
+            object.__setattr__(self, "statistics", batch_statistics.Meeting.of_model(
+                self.stages.model, self.options.batch_statistics,
+                [self.mesh.tower_devices(i) for i in range(self.mesh.num_towers)]))
 
-    def use_stages(self, stages):
-        """Sets the model's stages (a stages.Stages), and its columns with them."""
-        self.stages = stages
-        self.columns = columns_lib.Columns(
-            stages, self.mesh, self.parts,
-            spread=self.options.variable_placement == "spread", cluster=self.cluster)
-        self.statistics = batch_statistics.Meeting.of_model(
-            stages.model, self.options.batch_statistics,
-            [self.mesh.tower_devices(i) for i in range(self.mesh.num_towers)])
+    def with_stages(self, stages):
+        """This set-up for the model cut into `stages` (a stages.Stages), with its
+        columns and its BatchNormalization layers' meeting built for them."""
+        return dataclasses.replace(self, stages=stages, columns=None, statistics=None)
 
     @property
     def main_device(self):

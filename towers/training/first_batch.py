@@ -3,6 +3,7 @@ its stages and their variables placed, the choices that need a batch (dense
 gradients) made, what depends on the trainable set (training.trainable: the optimizer
 built, replicas, XLA towers) set up, and a cluster's workers started."""
 
+import dataclasses
 import itertools
 
 import keras
@@ -38,13 +39,16 @@ def set_up(trainer, batch):
             losses.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
         trainer.metrics.build(y, outputs)
         check_model(trainer)
-        setup.dense_choices = tower.choose_dense_gradients(
-            trainer.model, trainer.objective, first_shard, setup.options.sparse_policy)
+        trainer.setup = dataclasses.replace(trainer.setup, dense_choices=(
+            tower.choose_dense_gradients(trainer.model, trainer.objective, first_shard,
+                                         setup.options.sparse_policy)))
     trainable.set_up(trainer)
     if trainer.cluster is not None:
-        setup.first_tower, trainer.num_towers = cluster_lib.start_together(
+        setup = trainer.setup
+        first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
             setup.main_device, setup.mesh.num_towers, own_slots=setup.columns.cluster is not None)
+        trainer.setup = dataclasses.replace(setup, first_tower=first_tower)
 
 
 def _inputs(shards, first_shard):
@@ -236,11 +240,12 @@ def check_model(trainer):
     """Checks the built model (and that the optimizer is not another model's), cuts it
     into stages and places each column's variables (a stage's, or its split layers'
     parts')."""
-    model, setup = trainer.model, trainer.setup
+    model = trainer.model
     trainable.check_trainable(model)
     trainable.check_optimizer(trainer.optimizer, model)
-    if setup.stages is None:
-        setup.use_stages(stages_lib.Stages(model, trainer.pipeline_cuts))
+    if trainer.setup.stages is None:
+        trainer.setup = trainer.setup.with_stages(stages_lib.Stages(model, trainer.pipeline_cuts))
+    setup = trainer.setup
     setup.statistics.check(setup.options.micro_batches, trainer.jit_compile, trainer.cluster)
     spread = setup.options.variable_placement == "spread"
     if trainer.pipeline_cuts is not None or spread:

@@ -16,6 +16,8 @@ steps anew. Variables stay on their devices; the optimizer's step count, the oth
 variables' slots and the metrics go on.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from towers import compat
@@ -40,20 +42,22 @@ def set_up(trainer):
     """
     model, setup = trainer.model, trainer.setup
     check_trainable(model)
+    replicas, tables, compiled_tower = setup.replicas, None, None
     with tf.device(setup.main_device):
         extend_optimizer(trainer.optimizer, setup.columns.owned_variables())
         setup.columns.reindex()
         if setup.options.variable_placement == "replicated":
-            setup.replicas = Replicas(model, trainer.devices)
+            replicas = Replicas(model, trainer.devices)
         elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:
             tables = op_tables.tables_of(model, setup.columns.held_variables())
-            setup.tables = tables if any(tables) else None
-        setup.densify = [setup.dense_choices[id(v)] for v in model.trainable_variables]
+        densify = [setup.dense_choices[id(v)] for v in model.trainable_variables]
         if trainer.jit_compile:
-            setup.compiled_tower = tower.compiled_tower(
+            compiled_tower = tower.compiled_tower(
                 setup.stages, trainer.objective, setup.options.micro_batches,
-                setup.options.pipeline_schedule, setup.densify)
-    setup.trainable_ids = _trainable_ids(model)
+                setup.options.pipeline_schedule, densify)
+    trainer.setup = dataclasses.replace(
+        setup, replicas=replicas, tables=tables if tables and any(tables) else None,
+        densify=densify, compiled_tower=compiled_tower, trainable_ids=_trainable_ids(model))
 
 
 def check_trainable(model):
