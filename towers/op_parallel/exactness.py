@@ -51,7 +51,7 @@ def keeps_call(cls, base):
     return True
 
 
-def check_layer(name, layer, how):
+def check_weights_split_exactly(name, layer, how):
     """Raises ValueError where splitting `layer` (plan entry `name`, kind `how`) would
     change what its weights' constraints or regularisers compute."""
     for weight in layer.trainable_weights:
@@ -82,7 +82,7 @@ def check_layer(name, layer, how):
             "or leave the layer whole.")
 
 
-def check_optimizer(optimizer):
+def check_elementwise_optimizer(optimizer):
     """Raises ValueError for an optimizer whose update of a variable is not elementwise:
     on a split layer's parts it would compute per part what one device computes on the
     whole variable."""

@@ -105,10 +105,10 @@ class Parts:
 
 def check_split_model(model, optimizer, variable_placement, jit_compile):
     """Refuses, in one line, what split layers cannot be combined with yet, and an
-    optimizer whose update a split would change (exactness.check_optimizer)."""
+    optimizer whose update a split would change (exactness.check_elementwise_optimizer)."""
     if not is_split(model):
         return
-    exactness.check_optimizer(optimizer)
+    exactness.check_elementwise_optimizer(optimizer)
     if jit_compile:
         raise ValueError("jit_compile=True cannot compile split layers yet: XLA compiles a "
                          "tower for one device, and a split layer's parts run on several; "

@@ -291,7 +291,7 @@ def check_layer(key, layer, how, devices):
     if how == "heads" and layer.get_config().get("use_gate"):
         raise ValueError(f"plan[{key!r}] = 'heads': a gated MultiHeadAttention "
                          "(use_gate=True) is not split yet; place it whole instead.")
-    exactness.check_layer(key, layer, how)
+    exactness.check_weights_split_exactly(key, layer, how)
     units, what = _split_size(layer, how)
     try:
         part_sizes(units, len(devices))

@@ -42,7 +42,7 @@ def set_up(trainer, batch):
         trainer.setup = dataclasses.replace(trainer.setup, dense_choices=(
             tower.choose_dense_gradients(trainer.model, trainer.objective, first_shard,
                                          setup.options.sparse_policy)))
-    trainable.set_up(trainer)
+    trainable.set_up_for_trainable(trainer)
     if trainer.cluster is not None:
         setup = trainer.setup
         first_tower, trainer.num_towers = cluster_lib.start_together(
@@ -242,7 +242,7 @@ def check_model(trainer):
     parts')."""
     model = trainer.model
     trainable.check_trainable(model)
-    trainable.check_optimizer(trainer.optimizer, model)
+    trainable.check_optimizer_is_the_models(trainer.optimizer, model)
     if trainer.setup.stages is None:
         trainer.setup = trainer.setup.with_stages(stages_lib.Stages(model, trainer.pipeline_cuts))
     setup = trainer.setup

@@ -106,7 +106,7 @@ def empty_batch(iterator, devices):
     return split.Shards(shards)
 
 
-def resolve(prefetch_to_devices, input_devices):
+def resolved(prefetch_to_devices, input_devices):
     """prefetch_to_devices as a bool: "auto" is True where an input device is not a CPU."""
     if not (isinstance(prefetch_to_devices, bool) or prefetch_to_devices == "auto"):
         raise ValueError(f"prefetch_to_devices must be True, False or 'auto', got "

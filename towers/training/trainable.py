@@ -8,7 +8,7 @@ those the step was set up for. That walks the model's layers once per call: meas
 20 us for a 3-layer MLP (under 1% of its 3 ms step on a CPU), 0.5 ms for ResNet50's
 214 variables (far less than its step).
 
-On a change, what depends on the trainable set is set up again (`set_up`): the
+On a change, what depends on the trainable set is set up again (`set_up_for_trainable`): the
 columns' positions in the variable lists, the optimizer (a newly trainable variable
 gets its slots, next to it), replicas, embedding tables looked up where they live,
 each variable's dense-gradient choice, the XLA tower; the trainer then traces its
@@ -32,7 +32,7 @@ def changed(trainer):
     return _trainable_ids(trainer.model) != trainer.setup.trainable_ids
 
 
-def set_up(trainer):
+def set_up_for_trainable(trainer):
     """Sets up what depends on which variables are trainable for the model's trainable
     variables now, on the main device; the caller traces the steps anew.
 
@@ -68,7 +68,7 @@ def check_trainable(model):
             "train; check that its layers are built and not frozen (trainable=False).")
 
 
-def check_optimizer(optimizer, model):
+def check_optimizer_is_the_models(optimizer, model):
     """Raises ValueError, in one line, when `optimizer` was built for variables other
     than `model`'s (another model's: one optimizer shared by two trainers)."""
     if not optimizer.built:

@@ -109,7 +109,7 @@ class TowerTrainer:
                                                         self.pipeline_cuts, self.options, cluster)
         self.main_device = self.setup.main_device
         self.steps_per_execution = executions.check_steps_per_execution(steps_per_execution)
-        self.prefetch_to_devices = prefetch.resolve(prefetch_to_devices, self.input_devices)
+        self.prefetch_to_devices = prefetch.resolved(prefetch_to_devices, self.input_devices)
         self.jit_compile = jit_compile
         self.cluster = cluster
         self._watchdog = None if cluster is None else cluster_lib.watchdog(cluster)
@@ -356,7 +356,7 @@ class TowerTrainer:
         if self.setup.columns is not None:
             self.setup.columns.check_held()
         if self.setup.trainable_ids is not None and trainable.changed(self):
-            trainable.set_up(self)
+            trainable.set_up_for_trainable(self)
             self._compiled = self._no_compiled_functions()
 
     def _no_compiled_functions(self):
