@@ -82,12 +82,12 @@ class Flight:
     """One tower's step: `start()` runs the schedule up to where the batch's counts are
     needed, `terms` are then known, `finish(scales)` runs the rest.
 
-    Backwards come in groups where counted terms are differentiated on their own:
-    group 0 starts from the shares of the loss whose denominator is known (and the
-    regularisation), group 1 + c from the c-th counted term, each with its own
+    Backwards come in passes where counted terms are differentiated on their own:
+    pass 0 starts from the shares of the loss whose denominator is known (and the
+    regularisation), pass 1 + c from the c-th counted term, each with its own
     gradients, and its own gradients of a stage's outputs sent back to the stage
     before. Otherwise (no counted term, or counts known before the backwards)
-    there is one group.
+    there is one pass.
     """
 
     def __init__(self, stages, work, weights, state, devices, plan):
@@ -111,7 +111,7 @@ class Flight:
             a.kind == schedule.BACKWARD for a in self.actions[first_backward:])
         self.done = first_backward if self.count_first else len(self.actions)
         self.scales = None  # per counted term, 1 / its count (count_first), from finish
-        self.num_groups = 1  # 1 + the counted terms without count_first, known at the end
+        self.num_passes = 1  # 1 + the counted terms without count_first, known at the end
         # A persistent tape makes a recurrent layer's gradient slower (a third in a
         # masked LSTM's step): only where a counted term may need a second backward.
         self.persistent = not self.count_first and (
@@ -121,11 +121,11 @@ class Flight:
         # where not differentiable), what it returned and their Keras masks, what
         # its backward starts from ([share] + the counted terms; None: nothing),
         # its share of the batch's loss (unscaled), and the gradients of what it
-        # returned (sent back by the next stage); per stage, per group, the running
+        # returned (sent back by the next stage); per stage, per pass, the running
         # sum of its micro-batches' weight gradients (_add_gradients).
         self.tapes, self.inputs, self.outputs, self.masks = (_table(shape) for _ in range(4))
         self.targets, self.shares, self.cotangents = (_table(shape) for _ in range(3))
-        self.grad_sums = [[] for _ in range(stages.num_stages)]  # per stage, per group
+        self.grad_sums = [[] for _ in range(stages.num_stages)]  # per stage, per pass
         self.y_pred, self.micro_terms = [None] * num_micro, [None] * num_micro
         self._terms = None  # their sums over the micro-batches, once every forward ran
         self._previous = [[] for _ in devices]  # per stage: what its last action produced
@@ -162,10 +162,10 @@ class Flight:
         for k, device in enumerate(self.devices):
             with tf.device(device):
                 per_stage.append(self._stage_gradients(k))
-        grads = [self.stages.merge(group) for group in zip(*per_stage)]  # per group
+        grads = [self.stages.merge(per_pass) for per_pass in zip(*per_stage)]  # per pass
         if densify is not None:
-            grads = [[gradients.to_dense(g) if dense else g for g, dense in zip(group, densify)]
-                     for group in grads]
+            grads = [[gradients.to_dense(g) if dense else g
+                      for g, dense in zip(per_pass, densify)] for per_pass in grads]
         with tf.device(self.devices[-1]):
             loss, y_pred = self._loss_and_outputs()
         return TowerOutput(grads[0], loss, self.stages.merge(self.changed, trainable=False),
@@ -190,7 +190,7 @@ class Flight:
         run = self._record(k, m, inputs, self.state[k], taped=not self.recompute)
         if last:
             self.y_pred[m], self.micro_terms[m] = run.outputs, run.terms
-            self.num_groups = 1 if self.count_first else len(run.targets)
+            self.num_passes = 1 if self.count_first else len(run.targets)
         else:
             self.masks[k][m] = run.masks
         self.tapes[k][m], self.inputs[k][m], self.targets[k][m] = run.tape, run.watched, run.targets
@@ -231,7 +231,7 @@ class Flight:
         inputs, state = self.kept[k][m]
         self.kept[k][m] = None
         arrived = [] if k == self.stages.num_stages - 1 else [
-            c for group in self.cotangents[k][m] for c in group if c is not None]
+            c for per_pass in self.cotangents[k][m] for c in per_pass if c is not None]
         with tf.control_dependencies(arrived):
             flat = tf.nest.flatten(inputs)
             inputs = tf.nest.pack_sequence_as(inputs, self.work.cross_cut(flat))
@@ -241,7 +241,7 @@ class Flight:
             self.outputs[k][m] = run.outputs  # what the next stage's cotangents apply to
 
     def _backward(self, k, m):
-        """Stage k's backward on micro-batch m (step 4), group by group: weight and input
+        """Stage k's backward on micro-batch m (step 4), pass by pass: weight and input
         gradients."""
         if self.recompute:
             self._rerun(k, m)
@@ -250,19 +250,19 @@ class Flight:
         sent, added = [], []  # sent: input gradients, for the stage before
         if k > 0:
             self.cotangents[k - 1][m] = []
-        for g in range(self.num_groups):
-            targets, output_gradients = self._starts(k, m, g)
+        for p in range(self.num_passes):
+            targets, output_gradients = self._starts(k, m, p)
             if k < self.stages.num_stages - 1:
-                for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m][g]):
+                for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m][p]):
                     if cotangent is not None:
                         targets.append(output)
                         output_gradients.append(tf.identity(cotangent))  # to this device
-            gradients = (self.tapes[k][m].gradient(targets, sources,
-                                                   output_gradients=output_gradients)
-                         if targets else [None] * len(sources))
-            added += self._add_gradients(k, g, gradients[:len(self.weights[k])])
+            grads = (self.tapes[k][m].gradient(targets, sources,
+                                               output_gradients=output_gradients)
+                     if targets else [None] * len(sources))
+            added += self._add_gradients(k, p, grads[:len(self.weights[k])])
             if k > 0:
-                input_grads = iter(gradients[len(self.weights[k]):])
+                input_grads = iter(grads[len(self.weights[k]):])
                 cotangents = [None if t is None else _dense_or_none(next(input_grads))
                               for t in watched]
                 self.cotangents[k - 1][m].append(cotangents)
@@ -270,8 +270,8 @@ class Flight:
         self.tapes[k][m] = None  # the activations of (k, m) may now be freed
         return added + sent
 
-    def _starts(self, k, m, group):
-        """(targets, their output gradients) group `group`'s backward at (k, m) starts
+    def _starts(self, k, m, backward_pass):
+        """(targets, their output gradients) pass `backward_pass`'s backward at (k, m) starts
         from, before what the next stage sends back: its share of the loss, or one
         counted term; with the counts first, every one, each counted term weighed by
         its scale."""
@@ -279,26 +279,26 @@ class Flight:
         if self.scales is not None:
             given = [(t, 1.0 if i == 0 else self.scales[i - 1]) for i, t in enumerate(own)]
         else:
-            given = [(own[group], 1.0)] if group < len(own) else []
+            given = [(own[backward_pass], 1.0)] if backward_pass < len(own) else []
         given = [(t, s) for t, s in given if t is not None]
         return [t for t, _ in given], [tf.ones_like(t) if isinstance(s, float)
                                        else tf.cast(s, t.dtype) * tf.ones_like(t)
                                        for t, s in given]
 
-    def _add_gradients(self, k, group, grads):
-        """Adds one micro-batch's weight gradients of `group` into stage k's running sums,
-        so that one sum is held per stage and group, not every micro-batch's gradients
+    def _add_gradients(self, k, backward_pass, grads):
+        """Adds one micro-batch's weight gradients of `backward_pass` into stage k's running
+        sums, so that one sum is held per stage and pass, not every micro-batch's gradients
         until the last backward (M x the stage's weights). Returns the sums' dense
         parts, what the stage's next action waits for."""
         sums = self.grad_sums[k]
-        if group == len(sums):
+        if backward_pass == len(sums):
             sums.append(grads)
         else:
-            sums[group] = [gradients.add(pair) for pair in zip(sums[group], grads)]
-        return [gradients.dense_part(g) for g in sums[group] if g is not None]
+            sums[backward_pass] = [gradients.add(pair) for pair in zip(sums[backward_pass], grads)]
+        return [gradients.dense_part(g) for g in sums[backward_pass] if g is not None]
 
     def _stage_gradients(self, k):
-        """Stage k's gradients per group: its micro-batches' sums."""
+        """Stage k's gradients per pass: its micro-batches' sums."""
         return self.grad_sums[k]
 
     def _loss_and_outputs(self):
