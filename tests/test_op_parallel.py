@@ -177,7 +177,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
                             if op.type in ("Split", "SplitV") and "down" in op.name], slices)
             self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
 
-    def test_einsum_splits_cut_the_right_axes(self):
+    def test_einsum_splits_run_along_the_right_axes(self):
         model = _einsum()
         x = reference.make_batches(6, num_steps=1)[0][0]
         parted = towers.split_layers(model, EINSUM_PLAN, PARTS)
@@ -194,7 +194,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         inputs = keras.Input((4, 6))
         bias_across = keras.Model(inputs, keras.layers.EinsumDense(
             "abc,cd->abd", (4, 5), bias_axes="b", name="seq")(inputs))
-        with self.assertRaisesRegex(ValueError, "cuts axis 'd', which its bias"):
+        with self.assertRaisesRegex(ValueError, "is along axis 'd', which its bias"):
             towers.split_layers(bias_across, {"seq": "column"}, PARTS)
         with self.assertRaisesRegex(ValueError,
                                     "needs a contracted letter .*'abc,d->abcd' has none"):
@@ -542,7 +542,7 @@ class ExactnessTest(tf.test.TestCase, parameterized.TestCase):
         ("orthogonal_regularizer",
          {"kernel_regularizer": keras.regularizers.OrthogonalRegularizer()}, "column",
          "kernel has the regulariser OrthogonalRegularizer, which reads the whole weight"))
-    def test_a_weight_rule_over_the_cut_is_refused(self, options, how, message):
+    def test_a_weight_rule_across_the_split_is_refused(self, options, how, message):
         with self.assertRaisesRegex(ValueError, message) as caught:
             towers.split_layers(_constrained(**options), {"up": how}, DEVICES[:2])
         self.assertNotIn("\n", str(caught.exception))
@@ -560,7 +560,7 @@ class ExactnessTest(tf.test.TestCase, parameterized.TestCase):
             towers.TowerTrainer(split, "mse", optimizer(), devices=[DEVICES[:2]])
         self.assertNotIn("\n", str(caught.exception))
 
-    def test_a_norm_along_an_uncut_axis_and_global_clipnorm_train_as_one_device(self):
+    def test_a_norm_along_an_unsplit_axis_and_global_clipnorm_train_as_one_device(self):
         # MaxNorm(axis=0) bounds each output unit's column, whole within a column part.
         options = {"kernel_constraint": keras.constraints.MaxNorm(0.3, axis=0)}
         whole = _constrained(**options)

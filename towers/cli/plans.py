@@ -6,14 +6,14 @@ from keras import layers
 
 def parse(items):
     """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab, heads or a part index;
-    column and row may name the equation letter to cut ("attention_output:row:u": split on
-    the first colon)."""
+    column and row may name the equation letter to split along ("attention_output:row:u":
+    parsed at the first colon)."""
     plan = {}
     for item in items:
         name, _, how = item.partition(":")
         if not name or not how:
             raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab, heads or a "
-                             "part index; column:LETTER or row:LETTER cut that letter).")
+                             "part index; column:LETTER or row:LETTER split along that letter).")
         plan[name] = int(how) if how.isdigit() else how
     return plan
 

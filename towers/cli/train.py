@@ -66,7 +66,7 @@ VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
                                        "values at the start of each step (replicated), or "
                                        "each variable and its optimizer slots on one tower, "
                                        "each tower filled to 1/N of the bytes, a variable "
-                                       "across a tower's end cut into slabs of rows (spread).")
+                                       "across a tower's end held as slabs of rows (spread).")
 STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 1,
     "Training steps per call of one compiled function (an in-graph loop, no Python "
