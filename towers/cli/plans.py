@@ -1,5 +1,5 @@
 """The op-parallel plans of the command line: --split_plan parsed, and the built-in
-models' defaults for --tensor_parallel (towers.split_layers takes either)."""
+models' defaults for --num_parts (towers.split_layers takes either)."""
 
 from keras import layers
 
@@ -19,7 +19,7 @@ def parse(items):
 
 
 def default(model, name):
-    """The op-parallel plan --tensor_parallel uses for built-in model `name`: the mlp's
+    """The op-parallel plan --num_parts uses for built-in model `name`: the mlp's
     hidden Dense layers as a column -> row pair, the text model's table split by rows."""
     if name == "mlp":
         hidden = [layer.name for layer in model.layers
