@@ -1,7 +1,7 @@
 """A keras_hub transformer for towers-train, split by layer paths (the [hub] extra).
 
     towers-train --model=examples.hub_transformer:gpt2_classifier --num_towers=2 \
-        --tensor_parallel=2 --split_plan='*/token_embedding:vocab,*/transformer_layer_*/self_attention:heads,*/transformer_layer_*/feedforward_intermediate_dense:column,*/transformer_layer_*/feedforward_output_dense:row'
+        --num_parts=2 --split_plan='*/token_embedding:vocab,*/transformer_layer_*/self_attention:heads,*/transformer_layer_*/feedforward_intermediate_dense:column,*/transformer_layer_*/feedforward_output_dense:row'
 
 Each pixel of an image becomes a token (its intensity in one of LEVELS bins), a
 keras_hub GPT2Backbone (random weights from a small config; nothing is

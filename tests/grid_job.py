@@ -114,7 +114,7 @@ def main(output):
         spread.train_step(batch)
     results["spread"] = largest_difference(towers.join_layers(spread.model).get_weights(),
                                            wanted[1])
-    # What the optimizer updates: each variable, or each slab of one cut across towers.
+    # What the optimizer updates: each variable, or each slab of one slabbed across towers.
     results["spread_placement"] = [(v.path, device_of(v))
                                    for v in spread.setup.columns.held_variables()]
 

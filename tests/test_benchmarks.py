@@ -427,7 +427,7 @@ class MemoryBenchmarkTest(tf.test.TestCase):
         # MLP 256 -> 8 -> 8 -> 10 on 4 towers, variables by bytes: 256 x 8 kernel 8192,
         # 8 x 10 kernel 320, 8 x 8 kernel 256, logits bias 40, two biases of 8: 32 each;
         # 8872 in all, 2218 a tower. Laid end to end, largest first, the first kernel's 256
-        # rows of 32 bytes are cut into slabs of 69, 70, 69 and 48 rows (each row to the
+        # rows of 32 bytes are held as slabs of 69, 70, 69 and 48 rows (each row to the
         # tower holding its middle), and tower 3 takes the rest whole.
         held = self._measure("spread_4")["held"]
         variables = {"/device:CPU:0": 69 * 32, "/device:CPU:1": 70 * 32,

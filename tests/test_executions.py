@@ -113,7 +113,7 @@ class ExecutionTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_an_empty_batch_in_the_loop_is_refused_as_train_step_refuses_it(self):
         # One tower, one micro-batch: the loop runs the step without the skip, behind a
-        # check. Batches of 6, 6, then one cut down to 0 rows.
+        # check. Batches of 6, 6, then one trimmed to 0 rows.
         x, y, w = reference.make_batches(18, num_steps=1, seed=4)[0]
         dataset = tf.data.Dataset.zip(
             tf.data.Dataset.from_tensor_slices((x, y, w)).batch(6),

@@ -46,11 +46,11 @@ class GridTest(tf.test.TestCase):
         for path, (variable_device, slot_device) in placement.items():
             self.assertEqual((variable_device, slot_device), (_expected_device(path),) * 2,
                              path)
-        # Spread placement: each variable, or each slab of one cut across towers
+        # Spread placement: each variable, or each slab of one slabbed across towers
         # (".../kernel_slab_1/kernel"), on one tower's device for its stage and part.
         self.assertLess(results["spread"], TOLERANCE)
         spread = results["spread_placement"]
-        self.assertGreater(len(spread), len(placement))  # some variables are cut
+        self.assertGreater(len(spread), len(placement))  # some variables are slabbed
         for path, device in spread:
             home = int(_expected_device(path).rsplit(":", 1)[1])
             self.assertIn(device, [f"/device:CPU:{home}", f"/device:CPU:{home + 4}"], path)

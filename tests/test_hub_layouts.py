@@ -1,7 +1,7 @@
 """keras_hub's own layout maps (LlamaBackbone.get_layout_map, GemmaBackbone.get_layout_map),
 unchanged, as split_layers' plan for the causal LM: 2 towers x 2 parts, each step against
 Keras's compile + train_on_batch on one device. Their attention projections are
-EinsumDense layers cut along letters other than the last ("row:u", "column:n"); their
+EinsumDense layers split along letters other than the last ("row:u", "column:n"); their
 token embedding is split by vocab for its look-up and its LM head (Llama's reverse table
 untied, Gemma's tied)."""
 

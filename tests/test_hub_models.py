@@ -165,7 +165,7 @@ class CommandLineTest(tf.test.TestCase):
                 "*/transformer_layer_*/feedforward_output_dense:row"]
         with flagsaver.flagsaver(**quick):
             whole = train.train()
-        with flagsaver.flagsaver(**quick, tensor_parallel=2, split_plan=plan):
+        with flagsaver.flagsaver(**quick, num_parts=2, split_plan=plan):
             parted = train.train()
         self.assertEqual(parted["devices"], [DEVICES[:2], DEVICES[2:]])
         self.assertEqual(list(parted["split_plan"].values()), ["vocab", "heads", "column", "row"])

@@ -139,7 +139,7 @@ HEADS_PLAN = {"heads_in": "column:n", "heads_out": "row:n", "elided_in": "column
 
 
 class EinsumAxisTest(tf.test.TestCase, parameterized.TestCase):
-    """EinsumDense cut along a letter other than the last of its kind."""
+    """EinsumDense split along a letter other than the last of its kind."""
 
     def test_layout_names_the_letter_and_trains_as_one_device(self):
         self.assertEqual(layouts.plan_of(_einsum_model(), _layout(BY_HEADS), 2), HEADS_PLAN)
@@ -175,15 +175,15 @@ class EinsumAxisTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("a_letter_not_in_the_equation", {"heads_in": "column:x"},
-         r"plan\['heads_in'\] = 'column:x': a 'column' split of 'btd,ndh->btnh' cuts an "
+         r"plan\['heads_in'\] = 'column:x': a 'column' split of 'btd,ndh->btnh' is along an "
          r"output-only letter .*: 'n' or 'h', not 'x'"),
         ("a_contracted_letter_for_a_column", {"heads_out": "column:n"},
-         r"'btnh,nhd->btd' cuts an output-only letter .*: 'd', not 'n'"),
+         r"'btnh,nhd->btd' is along an output-only letter .*: 'd', not 'n'"),
         ("an_output_letter_for_a_row", {"heads_in": "row:h"},
-         r"'row:h': a 'row' split of 'btd,ndh->btnh' cuts a contracted letter .*: 'd', "
+         r"'row:h': a 'row' split of 'btd,ndh->btnh' is along a contracted letter .*: 'd', "
          "not 'h'"),
         ("a_dense_input_letter_for_a_column", {"dense": "column:i"},
-         r"a 'column' split of '...i,io->...o' cuts an output-only letter .*: 'o', not 'i'"),
+         r"a 'column' split of '...i,io->...o' is along an output-only letter .*: 'o', not 'i'"),
         ("no_letter", {"heads_in": "column:"}, r"'n' or 'h', not ''"),
         ("a_letter_on_another_kind", {"heads_in": "vocab:n"}, r"'vocab:n' is not a kind"))
     def test_a_wrong_letter_is_one_line(self, plan, message):
@@ -208,7 +208,7 @@ class EinsumAxisTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(
                 ValueError, r"shards per_head/kernel dim 0, which no split computes exactly: "
                 r"EinsumDense 'per_head': kernel dim 0 is 'n' in 'bnd,ndh->bnh', "
-                "but a column split cuts an output-only letter") as caught:
+                "but a column split is along an output-only letter") as caught:
             towers.split_layers(model, _layout({"per_head/kernel": ("model", None, None)}),
                                 DEVICES[:2])
         self.assertNotIn("\n", str(caught.exception))

@@ -527,7 +527,10 @@ BAD_FLAGS = [
     ("--clip_global_norm=-1", "--clip_global_norm", r"not a non-negative number"),
     ("--checkpoint_every=0", "--checkpoint_every", r"0 is not a positive integer"),
     ("--intra_op_threads=-1", "--intra_op_threads", r"not a non-negative integer"),
-    ("--tensor_parallel=0", "--tensor_parallel", r"0 is not a positive integer"),
+    ("--num_parts=0", "--num_parts", r"0 is not a positive integer"),
+    # --tensor_parallel, --num_parts's alias for a release: its line names the flag typed.
+    ("--tensor_parallel=0", "--tensor_parallel", r"flag --tensor_parallel=0: 0 is not a "
+                                                 r"positive integer"),
     ("--device_type=tpu", "--device_type", r"one of <auto\|gpu\|cpu>"),
     ("--jit_compile=maybe", "--jit_compile", r"Non-boolean argument to boolean flag"),
     ("--peer_timeout_s=0", "--peer_timeout_s", r"is not number >= 1.0"),
@@ -543,7 +546,8 @@ BAD_FLAGS = [
     ("--pipeline_stages=2 --variable_placement=replicated", "--pipeline_stages",
      r"cannot be combined with --variable_placement=replicated"),
     ("--pipeline_stages=2 --split_plan=logits:column", "--pipeline_stages",
-     r"with --split_plan needs --tensor_parallel=T, the parts of each stage"),
+     r"with --split_plan needs --num_parts=T \(alias --tensor_parallel\), the parts of each "
+     r"stage"),
     ("--split_plan=logits", "--split_plan", r"'logits' is not LAYER:KIND"),
     ("--split_plan=:column", "--split_plan", r"':column' is not LAYER:KIND"),
     ("--split_plan=logits:diagonal", "--split_plan",
@@ -551,10 +555,11 @@ BAD_FLAGS = [
     ("--split_plan=nope:column", "--split_plan", r"plan names layer 'nope', which model"),
     ("--split_plan=images:column", "--split_plan",
      r"splits Dense or EinsumDense layers, but 'images' is InputLayer"),
-    ("--tensor_parallel=2 --split_plan=logits:7", "--split_plan",
+    ("--num_parts=2 --split_plan=logits:7", "--split_plan",
      r"plan\['logits'\] = 7 is not a device index: there are 2 devices"),
+    ("--num_parts=2 --model=cnn", "--num_parts", r"model 'cnn' has no default split plan"),
     ("--tensor_parallel=2 --model=cnn", "--tensor_parallel",
-     r"model 'cnn' has no default split plan"),
+     r"--num_parts=2 \(alias --tensor_parallel\): model 'cnn' has no default split plan"),
     ("--task_index=0", "--task_index", r"--task_index needs --worker_hosts"),
     ("--worker_hosts=localhost:1", "--worker_hosts", r"needs --task_index"),
 ]

@@ -135,9 +135,9 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         ("masked_tokens_sparse_table", "masked", "main", False, (1, 3)),
         # Each worker holds half the optimizer state (ZeRO-2 across workers): the
         # gradients reduce-scattered, the updated halves all-gathered; the logits'
-        # kernel is cut across the workers (10 rows and 6), each worker's rows a slab.
+        # kernel is slabbed across the workers (10 rows and 6), each worker's rows a slab.
         ("spread", "conv", "main", False, (2, 2), {"variable_placement": "spread"}),
-        # The table cut across the workers: its sparse rows gathered, each worker
+        # The table slabbed across the workers: its sparse rows gathered, each worker
         # applying those of its own slab.
         ("spread_sparse_table", "embedding", "main", False, (1, 3),
          {"variable_placement": "spread"}))

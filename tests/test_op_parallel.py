@@ -177,7 +177,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
                             if op.type in ("Split", "SplitV") and "down" in op.name], slices)
             self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
 
-    def test_einsum_splits_cut_the_right_axes(self):
+    def test_einsum_splits_run_along_the_right_axes(self):
         model = _einsum()
         x = reference.make_batches(6, num_steps=1)[0][0]
         parted = towers.split_layers(model, EINSUM_PLAN, PARTS)
@@ -194,7 +194,7 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         inputs = keras.Input((4, 6))
         bias_across = keras.Model(inputs, keras.layers.EinsumDense(
             "abc,cd->abd", (4, 5), bias_axes="b", name="seq")(inputs))
-        with self.assertRaisesRegex(ValueError, "cuts axis 'd', which its bias"):
+        with self.assertRaisesRegex(ValueError, "is along axis 'd', which its bias"):
             towers.split_layers(bias_across, {"seq": "column"}, PARTS)
         with self.assertRaisesRegex(ValueError,
                                     "needs a contracted letter .*'abc,d->abcd' has none"):
@@ -542,7 +542,7 @@ class ExactnessTest(tf.test.TestCase, parameterized.TestCase):
         ("orthogonal_regularizer",
          {"kernel_regularizer": keras.regularizers.OrthogonalRegularizer()}, "column",
          "kernel has the regulariser OrthogonalRegularizer, which reads the whole weight"))
-    def test_a_weight_rule_over_the_cut_is_refused(self, options, how, message):
+    def test_a_weight_rule_across_the_split_is_refused(self, options, how, message):
         with self.assertRaisesRegex(ValueError, message) as caught:
             towers.split_layers(_constrained(**options), {"up": how}, DEVICES[:2])
         self.assertNotIn("\n", str(caught.exception))
@@ -560,7 +560,7 @@ class ExactnessTest(tf.test.TestCase, parameterized.TestCase):
             towers.TowerTrainer(split, "mse", optimizer(), devices=[DEVICES[:2]])
         self.assertNotIn("\n", str(caught.exception))
 
-    def test_a_norm_along_an_uncut_axis_and_global_clipnorm_train_as_one_device(self):
+    def test_a_norm_along_an_unsplit_axis_and_global_clipnorm_train_as_one_device(self):
         # MaxNorm(axis=0) bounds each output unit's column, whole within a column part.
         options = {"kernel_constraint": keras.constraints.MaxNorm(0.3, axis=0)}
         whole = _constrained(**options)
@@ -578,36 +578,44 @@ class ExactnessTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
-    """towers-train --tensor_parallel / --split_plan, run in this process (train.train())."""
+    """towers-train --num_parts / --split_plan, run in this process (train.train())."""
 
     QUICK = dict(num_towers=1, global_batch_size=32, steps=4, optimizer="sgd")
 
     def test_default_mlp_plan_trains_as_the_unsplit_model(self):
         with flagsaver.flagsaver(**self.QUICK, model="mlp"):
             whole = train.train()
-        with flagsaver.flagsaver(**self.QUICK, model="mlp", tensor_parallel=2):
+        with flagsaver.flagsaver(**self.QUICK, model="mlp", num_parts=2):
             parted = train.train()
         # The mlp's two hidden Dense layers (Keras names them), as a column -> row pair.
-        self.assertEqual((parted["tensor_parallel"], list(parted["split_plan"].values())),
+        self.assertEqual((parted["num_parts"], list(parted["split_plan"].values())),
                          (2, ["column", "row"]))
         self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
-        self.assertEqual((whole["tensor_parallel"], whole["split_plan"]), (1, {}))
+        self.assertEqual((whole["num_parts"], whole["split_plan"]), (1, {}))
+        # --tensor_parallel, the flag's name before --num_parts, is its alias for a
+        # release: typed on the command line, the same run, and the output keeps its key.
+        with flagsaver.flagsaver(**self.QUICK, model="mlp"):
+            flags.FLAGS(["towers-train", "--tensor_parallel=2"])
+            aliased = train.train()
+        self.assertEqual((aliased["num_parts"], aliased["tensor_parallel"],
+                          list(aliased["split_plan"].values())), (2, 2, ["column", "row"]))
+        self.assertAllClose(aliased["eval_loss"], parted["eval_loss"], atol=1e-6, rtol=0)
 
     def test_towers_by_parts_train_as_the_unsplit_model_on_those_towers(self):
         quick = {**self.QUICK, "num_towers": 2, "model": "mlp"}
         with flagsaver.flagsaver(**quick):
             whole = train.train()
-        with flagsaver.flagsaver(**quick, tensor_parallel=2):
+        with flagsaver.flagsaver(**quick, num_parts=2):
             parted = train.train()
         self.assertEqual(parted["devices"], [DEVICES[:2], DEVICES[2:]])
         self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
 
     def test_checkpoint_resumes_with_another_part_count(self):
         directory = self.create_tempdir().full_path
-        with flagsaver.flagsaver(**{**self.QUICK, "steps": 2}, model="mlp", tensor_parallel=2,
+        with flagsaver.flagsaver(**{**self.QUICK, "steps": 2}, model="mlp", num_parts=2,
                                  checkpoint_dir=directory):
             self.assertEqual(train.train()["steps"], 2)
-        with flagsaver.flagsaver(**self.QUICK, model="mlp", tensor_parallel=3,
+        with flagsaver.flagsaver(**self.QUICK, model="mlp", num_parts=3,
                                  checkpoint_dir=directory), \
                 self.assertLogs("absl", "INFO") as logs:
             resumed = train.train()
@@ -622,28 +630,28 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
         with flagsaver.flagsaver(**self.QUICK, model="mlp", pipeline_stages=2):
             staged = train.train()
         with flagsaver.flagsaver(**self.QUICK, model="mlp", pipeline_stages=2,
-                                 tensor_parallel=2):
+                                 num_parts=2):
             grid = train.train()
         self.assertEqual(grid["devices"], [[DEVICES[:2], DEVICES[2:]]])
         self.assertEqual(list(grid["split_plan"].values()), ["column", "row"])
         self.assertAllClose(grid["eval_loss"], staged["eval_loss"], atol=1e-5, rtol=0)
 
     def test_split_plan_names_any_layer(self):
-        with flagsaver.flagsaver(**self.QUICK, model="text", tensor_parallel=3,
+        with flagsaver.flagsaver(**self.QUICK, model="text", num_parts=3,
                                  split_plan=["embedding:vocab", "logits:row"]):
             results = train.train()
         self.assertEqual(results["split_plan"], {"embedding": "vocab", "logits": "row"})
 
     @parameterized.named_parameters(
-        ("no_default_plan", dict(model="cnn", tensor_parallel=2),
-         "--tensor_parallel=2: model 'cnn' has no default split plan"),
+        ("no_default_plan", dict(model="cnn", num_parts=2),
+         r"--num_parts=2 \(alias --tensor_parallel\): model 'cnn' has no default split plan"),
         ("not_layer_kind", dict(model="mlp", split_plan=["dense"]),
          "--split_plan: 'dense' is not LAYER:KIND"),
-        ("bad_plan", dict(model="mlp", tensor_parallel=2, split_plan=["logits:heads"]),
+        ("bad_plan", dict(model="mlp", num_parts=2, split_plan=["logits:heads"]),
          "plan\\['logits'\\] = 'heads' splits MultiHeadAttention layers"),
         ("stages_without_parts", dict(model="mlp", split_plan=["logits:column"],
                                       pipeline_stages=2),
-         "--pipeline_stages=2 with --split_plan needs --tensor_parallel=T"))
+         "--pipeline_stages=2 with --split_plan needs --num_parts=T"))
     def test_refused_in_one_line(self, options, message):
         with flagsaver.flagsaver(**{**self.QUICK, **options}):
             with self.assertRaisesRegex(ValueError, message):

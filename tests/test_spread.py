@@ -45,8 +45,8 @@ def _device(variable):
 
 def _held(trainer):
     """{device: bytes of variables + Adam's two slots held there}, after asserting that
-    every variable the optimizer updates (a slab of a cut one too) has its slots beside it,
-    and that each cut variable reads as its slabs joined."""
+    every variable the optimizer updates (a slab of a slabbed one too) has its slots beside
+    it, and that each slabbed variable reads as its slabs joined."""
     slots = {v.path.split("/", 1)[1]: v for v in trainer.optimizer.variables}
     held = {}
     for variable in trainer.setup.columns.held_variables():
@@ -55,10 +55,10 @@ def _held(trainer):
             slot = slots[variable.path.replace("/", "_") + "_" + kind]
             assert _device(slot) == device, (slot.path, _device(slot), device)
         held[device] = held.get(device, 0) + 3 * variable.numpy().nbytes
-    for cut in trainer.setup.columns.cuts.values():
-        np.testing.assert_array_equal(
-            cut.variable.numpy(), np.concatenate([s.numpy() for s in _slabs(cut.variable)]))
-        assert [_device(s) for s in _slabs(cut.variable)] == cut.devices
+    for slabbed in trainer.setup.columns.slabbed.values():
+        np.testing.assert_array_equal(slabbed.variable.numpy(),
+                                      np.concatenate([s.numpy() for s in _slabs(slabbed.variable)]))
+        assert [_device(s) for s in _slabs(slabbed.variable)] == slabbed.devices
     return held
 
 
@@ -67,7 +67,7 @@ def _slabs(variable):
 
 
 def _assert_balanced(test, held, variables, num_towers):
-    """No device over 1/N of the state plus what a cut rounds off: a row (half at each end
+    """No device over 1/N of the state plus what slabs round off: a row (half at each end
     of its run of bytes), with its two slots."""
     rounding = 3 * max(v.numpy().nbytes // v.shape[0] for v in variables)
     test.assertLessEqual(max(held.values()), sum(held.values()) / num_towers + rounding)
@@ -90,13 +90,13 @@ class SpreadTest(tf.test.TestCase):
                 self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
             # Each variable's slots (Adam's two) live with it, the towers filled in turn to
             # 1/N of the bytes, largest first: a variable that does not fit in the tower
-            # being filled is cut into slabs of rows, filling it and the next.
+            # being filled is held as slabs of rows, filling it and the next.
             held = _held(trainer)
             self.assertEqual(sorted(held), DEVICES[:num_towers])
             _assert_balanced(self, held, trainer.model.trainable_variables, num_towers)
-            cut = {c.variable.path: (c.devices, c.sizes)
-                   for c in trainer.setup.columns.cuts.values()}
-            self.assertEqual(cut, {  # 816 floats: 408 per tower on 2, 204 on 4
+            slabbed = {s.variable.path: (s.devices, s.sizes)
+                       for s in trainer.setup.columns.slabbed.values()}
+            self.assertEqual(slabbed, {  # 816 floats: 408 per tower on 2, 204 on 4
                 1: {}, 2: {"table/embeddings": (DEVICES[:2], [15, 15])},
                 3: {"hidden/kernel": (DEVICES[1:3], [1, 11])},
                 4: {"conv/kernel": (DEVICES[:2], [2, 1]),  # 288 floats, 96 a row
@@ -127,7 +127,7 @@ class SpreadTest(tf.test.TestCase):
         main, spread = (t.model.get_weights() for t in trainers)
         for got, want in zip(spread, main):
             self.assertAllClose(got, want, atol=1e-6, rtol=0)
-        # The moving statistics (which cannot be cut) in the run of tower 2, not on main.
+        # The moving statistics (not trainable: never slabs) in the run of tower 2, not on main.
         self.assertEqual({_device(v) for v in trainers[1].model.non_trainable_variables},
                          {DEVICES[2]})
 
@@ -147,7 +147,7 @@ class SpreadTest(tf.test.TestCase):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
         # Stage 0 on the towers' devices for it, grid[t][0] (the conv kernel on one, the
         # table on the other), stage 1 on grid[t][1] (its hidden kernel across the middle
-        # of its bytes: cut).
+        # of its bytes: slabbed).
         held = _held(trainer)
         self.assertEqual(sorted(held), DEVICES)
         stage_0 = ("table", "conv")
@@ -158,8 +158,8 @@ class SpreadTest(tf.test.TestCase):
             _assert_balanced(self, {d: held[d] for d in devices}, variables, 2)
             for variable in trainer_slabs.held_variables(variables):
                 self.assertIn(_device(variable), devices)
-        self.assertEqual({c.variable.path: (c.devices, c.sizes)
-                          for c in trainer.setup.columns.cuts.values()},
+        self.assertEqual({s.variable.path: (s.devices, s.sizes)
+                          for s in trainer.setup.columns.slabbed.values()},
                          {"hidden/kernel": ([DEVICES[1], DEVICES[3]], [9, 3])})
 
     def test_each_part_of_split_layers_spread_over_its_towers(self):
@@ -176,7 +176,7 @@ class SpreadTest(tf.test.TestCase):
             trainer.train_step(batch)
         for got, want in zip(towers.join_layers(parted).get_weights(), expected.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
-        # Part j's variables (the slabs of a cut one too) on the towers' devices for part j
+        # Part j's variables (the slabs of a slabbed one too) on the towers' devices for part j
         # (grid[t][j]), the others on the towers' part 0 devices, each group balanced.
         held = _held(trainer)
         groups = {"part_0": [], "part_1": [], None: []}
@@ -189,7 +189,7 @@ class SpreadTest(tf.test.TestCase):
                 self.assertIn(_device(variable), devices, variable.path)
             _assert_balanced(self, {d: held[d] for d in devices},
                              sum(groups.values(), []), 2)
-        self.assertTrue(trainer.setup.columns.cuts)
+        self.assertTrue(trainer.setup.columns.slabbed)
 
     def test_checkpoint_restores_into_main_placement(self):
         directory = self.get_temp_dir()
@@ -229,7 +229,7 @@ class SpreadTest(tf.test.TestCase):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
 
     def test_a_checkpoint_moves_between_tower_counts_whole(self):
-        # Written on 4 towers (three variables cut into slabs), restored on 3 (others cut):
+        # Written on 4 towers (three variables held as slabs), restored on 3 (others slabbed):
         # the files hold every weight and slot whole, as one device's would.
         directory = self.get_temp_dir()
         batches = _batches()
@@ -250,13 +250,13 @@ class SpreadTest(tf.test.TestCase):
         restoring.optimizer.build(restoring.optimized_variables)
         self.assertIsNotNone(towers.Checkpointer(directory, restoring.model,
                                                  restoring.optimizer).restore())
-        self.assertTrue(restoring.setup.columns.cuts)
+        self.assertTrue(restoring.setup.columns.slabbed)
         restoring.train_step(batches[2])
         for got, want in zip(restoring.model.get_weights(), expected.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
 
-    def test_cut_variables_frozen_evaluated_and_saved(self):
-        # Three variables cut on 4 towers. The table's layer frozen after a step (its slabs
+    def test_slabbed_variables_frozen_evaluated_and_saved(self):
+        # Three variables slabbed on 4 towers. The table's layer frozen after a step (its slabs
         # then read whole and left alone), as main placement trains it (equal to Keras:
         # tests/test_trainable.py); evaluate as Keras's; the model saves as a .keras file
         # that plain Keras loads with the same weights.
@@ -268,8 +268,8 @@ class SpreadTest(tf.test.TestCase):
                 trainer.model.get_layer("table").trainable = i == 0
                 trainer.train_step(batch)
         main, spread = trainers
-        self.assertIn("table/embeddings", [c.variable.path
-                                           for c in spread.setup.columns.cuts.values()])
+        self.assertIn("table/embeddings", [s.variable.path
+                                           for s in spread.setup.columns.slabbed.values()])
         for got, want in zip(spread.model.get_weights(), main.model.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
         keras_model = _model()
@@ -287,33 +287,33 @@ class SpreadTest(tf.test.TestCase):
             self.assertAllEqual(got, want)
 
     def test_whole_variables_hands_the_model_back_to_plain_keras(self):
-        # After training with cut variables, towers.whole_variables holds each as one
+        # After training with slabbed variables, towers.whole_variables holds each as one
         # tf.Variable again: Keras's compile + fit trains the model as a twin of it that
-        # was never cut; the trainer that cut them refuses another step in one line.
+        # was never slabbed; the trainer that held them so refuses another step in one line.
         trainer = towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(0.01),
                                       devices=DEVICES, variable_placement="spread")
         batches = _batches()
         trainer.train_step(batches[0])
         twin = _model()
         twin.set_weights(trainer.model.get_weights())
-        cut = [c.variable for c in trainer.setup.columns.cuts.values()]
+        slabbed = [s.variable for s in trainer.setup.columns.slabbed.values()]
         towers.whole_variables(trainer.model, DEVICES[0])
         self.assertEqual([compat.held_slabs(v) for v in trainer.model.variables],
                          [None] * len(trainer.model.variables))
-        self.assertEqual({_device(v) for v in cut}, {DEVICES[0]})
+        self.assertEqual({_device(v) for v in slabbed}, {DEVICES[0]})
         for model in (trainer.model, twin):
             model.compile(keras.optimizers.SGD(0.1), _loss())
             model.train_on_batch(*batches[1])
         for got, want in zip(trainer.model.get_weights(), twin.get_weights()):
             self.assertAllClose(got, want, atol=TOLERANCE, rtol=0)
         with self.assertRaisesRegex(ValueError, r"'conv/kernel' is no longer held in the "
-                                    r"slabs this trainer cut it into") as caught:
+                                    r"slabs this trainer held it in") as caught:
             trainer.train_step(batches[2])
         self.assertNotIn("\n", str(caught.exception))
 
-    def test_weight_decay_excluded_from_a_cut_variable_as_from_it_whole(self):
+    def test_weight_decay_excluded_from_a_slabbed_variable_as_from_it_whole(self):
         # AdamW told to leave the table out of weight decay leaves out its slabs (the
-        # table is cut on 2 towers), as Keras on one device leaves out the table.
+        # table is slabbed on 2 towers), as Keras on one device leaves out the table.
         def optimizer(model):
             adamw = keras.optimizers.AdamW(0.01, weight_decay=0.5)
             adamw.exclude_from_weight_decay(var_list=[model.get_layer("table").embeddings])
@@ -324,8 +324,8 @@ class SpreadTest(tf.test.TestCase):
         model = _model()
         trainer = towers.TowerTrainer(model, _loss(), optimizer(model), devices=DEVICES[:2],
                                       variable_placement="spread")
-        self.assertIn("table/embeddings", [c.variable.path
-                                           for c in trainer.setup.columns.cuts.values()])
+        self.assertIn("table/embeddings", [s.variable.path
+                                           for s in trainer.setup.columns.slabbed.values()])
         for batch in _batches():
             expected.train_on_batch(*batch)
             trainer.train_step(batch)
@@ -338,13 +338,13 @@ class SpreadTest(tf.test.TestCase):
                 (keras.optimizers.Adafactor(0.01), r"Adafactor does not update each element"),
                 (keras.optimizers.Adam(0.01, clipnorm=1.0), r"clipnorm clips each variable")):
             model = _model()
-            with self.assertRaisesRegex(ValueError, "variable_placement='spread' cuts "
+            with self.assertRaisesRegex(ValueError, "variable_placement='spread' holds "
                                         r"\['table/embeddings'\] .*" + message) as caught:
                 towers.TowerTrainer(model, _loss(), optimizer, devices=DEVICES[:2],
                                     variable_placement="spread")
             self.assertNotIn("\n", str(caught.exception))
             self.assertIsNone(compat.held_slabs(model.get_layer("table").embeddings))
-        # Without a cut (one tower) they train as ever.
+        # Without slabs (one tower) they train as ever.
         towers.TowerTrainer(_model(), _loss(), keras.optimizers.Lamb(0.01),
                             devices=DEVICES[:1], variable_placement="spread").train_step(
             _batches()[0])
@@ -356,7 +356,7 @@ class SpreadTest(tf.test.TestCase):
         for make, message in (
                 (lambda: towers.TowerTrainer(model, _loss(), built, devices=DEVICES[:2],
                                              variable_placement="spread"),
-                 r"spread' cuts \['table/embeddings'\] .* but the optimizer is built already"),
+                 r"spread' holds \['table/embeddings'\] .* but the optimizer is built already"),
                 (lambda: towers.TowerTrainer(_model(), _loss(), keras.optimizers.Adam(),
                                              devices=DEVICES[:2], variable_placement="spred"),
                  r"variable_placement must be one of \('main', 'replicated', 'spread'\)")):

@@ -230,7 +230,7 @@ class InProcessTest(tf.test.TestCase, parameterized.TestCase):
         self.assertTrue(any("unreadable" in line for line in logs.output))
 
     def test_spread_checkpoint_resumes_in_main_placement(self):
-        # 4 towers with spread placement cut the mlp's variables into slabs; its
+        # 4 towers with spread placement hold the mlp's variables as slabs; its
         # checkpoints are whole, so a run in main placement resumes from them and the
         # same 20 steps in one main-placement run end on the same weights.
         directory = self.create_tempdir().full_path

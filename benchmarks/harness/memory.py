@@ -22,7 +22,7 @@ CONFIGS = {
     # All three: tower i's stage k's part j on device (i * 2 + k) * 2 + j.
     "grid_2x2x2": {"towers": 2, "stages": 2, "parts": 2, "micro_batches": 4},
     # Each variable, its slots and its gradient sum on one tower, the towers filled in
-    # turn to 1/N of the bytes, a variable across a tower's end cut into slabs of rows.
+    # turn to 1/N of the bytes, a variable across a tower's end held as slabs of rows.
     "spread_1": {"towers": 1, "variable_placement": "spread"},
     "spread_2": {"towers": 2, "variable_placement": "spread"},
     "spread_4": {"towers": 4, "variable_placement": "spread"},
@@ -135,7 +135,7 @@ def _held_bytes(trainer):
         held.setdefault(device, {"variables": 0, "slots": 0, "gradient_sums": 0})
         held[device][kind] += size
 
-    # What the optimizer updates: the trainable variables, a cut one's slabs in its place
+    # What the optimizer updates: the trainable variables, a slabbed one's slabs in its place
     # (spread placement holds it as them, placement/slabs.py); then the others.
     updated = trainer.setup.columns.held_variables()
     state = trainer.model.non_trainable_variables

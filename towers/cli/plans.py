@@ -1,25 +1,25 @@
 """The op-parallel plans of the command line: --split_plan parsed, and the built-in
-models' defaults for --tensor_parallel (towers.split_layers takes either)."""
+models' defaults for --num_parts (towers.split_layers takes either)."""
 
 from keras import layers
 
 
 def parse(items):
     """["LAYER:KIND", ...] -> {layer: kind}, KIND column, row, vocab, heads or a part index;
-    column and row may name the equation letter to cut ("attention_output:row:u": split on
-    the first colon)."""
+    column and row may name the equation letter to split along ("attention_output:row:u":
+    parsed at the first colon)."""
     plan = {}
     for item in items:
         name, _, how = item.partition(":")
         if not name or not how:
             raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab, heads or a "
-                             "part index; column:LETTER or row:LETTER cut that letter).")
+                             "part index; column:LETTER or row:LETTER split along that letter).")
         plan[name] = int(how) if how.isdigit() else how
     return plan
 
 
 def default(model, name):
-    """The op-parallel plan --tensor_parallel uses for built-in model `name`: the mlp's
+    """The op-parallel plan --num_parts uses for built-in model `name`: the mlp's
     hidden Dense layers as a column -> row pair, the text model's table split by rows."""
     if name == "mlp":
         hidden = [layer.name for layer in model.layers

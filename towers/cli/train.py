@@ -66,7 +66,7 @@ VARIABLE_PLACEMENT = flags.DEFINE_enum("variable_placement", "main",
                                        "values at the start of each step (replicated), or "
                                        "each variable and its optimizer slots on one tower, "
                                        "each tower filled to 1/N of the bytes, a variable "
-                                       "across a tower's end cut into slabs of rows (spread).")
+                                       "across a tower's end held as slabs of rows (spread).")
 STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 1,
     "Training steps per call of one compiled function (an in-graph loop, no Python "
@@ -110,15 +110,15 @@ BATCH_STATISTICS = flags.DEFINE_enum(
     "BatchNormalization's mean and variance in training: per_tower (each tower's shard, "
     "as MirroredStrategy) or global (the global batch's, met across the towers: the same "
     "weights as one device).")
-TENSOR_PARALLEL = flags.DEFINE_integer(
-    "tensor_parallel", 1, "Op parallelism: parts each split layer is cut into, one device each "
+NUM_PARTS = flags.DEFINE_integer(
+    "num_parts", 1, "Op parallelism: the parts of each split layer, one device each "
     "(docs/op_parallel.md); with the built-in mlp and text a default plan, else --split_plan. "
     "The run uses --num_towers x this many devices: tower t runs part j on device t*T + j.",
     lower_bound=1)
 SPLIT_PLAN = flags.DEFINE_list(
     "split_plan", None, "Op parallelism: LAYER:KIND,... with KIND column or row (Dense), vocab "
     "(Embedding), heads (MultiHeadAttention) or a part index (the whole layer on that part's "
-    "device). An EinsumDense may be cut along another letter of its equation: "
+    "device). An EinsumDense may be split along another letter of its equation: "
     "PATH:column:LETTER (output-only) or PATH:row:LETTER (contracted), e.g. "
     "'*/self_attention/attention_output:row:u'.")
 MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
@@ -167,6 +167,26 @@ STARTUP_TIMEOUT_S = flags.DEFINE_float("startup_timeout_s",
                                        "How long each worker waits for all the others to start.",
                                        lower_bound=1.0)
 flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
+
+
+def _define_alias(name, original):
+    """flags.DEFINE_alias, except that a value absl refuses is named as typed: absl's line
+    names the original flag, which the user may not have typed."""
+    flags.DEFINE_alias(name, original)
+    alias = flags.FLAGS[name]
+    parse = alias.parse
+
+    def parse_as_typed(argument):
+        try:
+            parse(argument)
+        except flags.IllegalFlagValueError as error:
+            raise flags.IllegalFlagValueError(
+                str(error).replace(f"--{original}=", f"--{name}=", 1)) from None
+
+    alias.parse = parse_as_typed
+
+
+_define_alias(job_lib.NUM_PARTS_ALIAS, "num_parts")
 
 
 def main(argv):

@@ -67,7 +67,7 @@ def excluded_from_weight_decay(optimizer, variable):
 
 def exclude_from_weight_decay_too(optimizer, variables):
     """Adds `variables` to those `optimizer.exclude_from_weight_decay(var_list=...)` listed
-    (a variable cut into slabs: its slabs), before the optimizer is built.
+    (a variable held as slabs: its slabs), before the optimizer is built.
 
     Public alternative: exclude_from_weight_decay itself, which replaces the list.
     """

@@ -2,7 +2,7 @@
 
 `broadcast_weights` copies the main device's values to a tower each step
 (variable_placement="main"), or each value from the tower that holds it
-("spread": columns.spread_owners; a slab of a cut variable from each tower holding
+("spread": columns.spread_owners; a slab of a slabbed variable from each tower holding
 one, joined on the tower: columns.join_slabs); `Replicas` keeps a variable per tower
 instead, written from the main values before the towers read ("replicated").
 """

@@ -95,7 +95,7 @@ def split_batch(batch, num_shards):
 
 
 def split_rows(batch, sizes):
-    """`batch` cut along dim 0 into consecutive pieces of `sizes` rows, in order.
+    """`batch` split along dim 0 into consecutive pieces of `sizes` rows, in order.
 
     sizes: a list of ints or int32 scalar Tensors, or an int32 Tensor of shape
     (pieces,), adding up to the batch size (not checked again here).

@@ -247,7 +247,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             outputs.append(flight.finish(counts.scales, setup.densify))             # 4
     outputs = denominators.fold(outputs, objective, counts, setup.main_device)
     grads, state, columns = [], [], setup.columns
-    tower_grads = [columns.cut_gradients(o.grads, devices)
+    tower_grads = [columns.slab_gradients(o.grads, devices)
                    for o, devices in zip(outputs, columns.tower_devices)]
     for k, column_device in enumerate(columns.devices):
         column = [devices[k] for devices in columns.tower_devices]

@@ -2,9 +2,10 @@
 split across devices.
 
 A Dense is the EinsumDense "...i,io->...o" with bias on "o", so one description
-serves both: a column split cuts an output axis that comes from the kernel alone, a row
-split an input axis the kernel contracts (`SplitAxes`). The plan names the equation's
-letter ("column:n", "row:u"); plain "column" or "row" cuts the last such letter.
+serves both: a column split is along an output axis that comes from the kernel alone, a
+row split along an input axis the kernel contracts (`SplitAxes`). The plan names the
+equation's letter ("column:n", "row:u"); plain "column" or "row" splits along the last
+such letter.
 """
 
 import collections
@@ -28,21 +29,21 @@ _ELEMENTWISE = {"linear", "relu", "relu6", "leaky_relu", "elu", "selu", "gelu", 
 
 SplitAxes = collections.namedtuple(
     "SplitAxes", ["kernel_axis", "tensor_axis", "shape_index", "bias_axis", "letter"])
-SplitAxes.__doc__ = """Where a split cuts: the kernel's axis; the output's (column) or the
+SplitAxes.__doc__ = """Where a split runs: the kernel's axis; the output's (column) or the
 input's (row) axis, negative where counted from the end; the index of the output axis in
 EinsumDense's output_shape argument (column); the bias's axis (column; None: no bias);
-the equation's letter cut."""
+the equation's letter it runs along."""
 
-# Per split: which letters it may cut, said as the refusals say it.
-_CUT = {"column": "an output-only letter (in the kernel and the output, not the input)",
-        "row": "a contracted letter (in the input and the kernel, not the output)"}
+# Per split: which letters it may run along, said as the refusals say it.
+_ALONG = {"column": "an output-only letter (in the kernel and the output, not the input)",
+          "row": "a contracted letter (in the input and the kernel, not the output)"}
 
 
 def split_kind(how):
     """A plan value's (kind, letter): "row:u" -> ("row", "u"), "column" -> ("column",
     None) (None: the default letter, the last one); any other value -> (how, None)."""
     kind, colon, letter = how.partition(":") if isinstance(how, str) else (how, "", None)
-    return (kind, letter) if colon and kind in _CUT else (how, None)
+    return (kind, letter) if colon and kind in _ALONG else (how, None)
 
 
 def equation_of(layer):
@@ -64,7 +65,7 @@ def _parse(equation):
 
 
 def _letters(inputs, kernel, outputs, how):
-    """The letters a `how` split may cut, in the output's (column) or input's (row) order."""
+    """The letters a `how` split may run along, in the output's (column) or input's (row) order."""
     if how == "column":
         return [c for c in outputs if c in kernel and c not in inputs]
     return [c for c in inputs if c in kernel and c not in outputs]
@@ -81,11 +82,11 @@ def split_axes(equation, bias_axes, how, letter=None):
     left, inputs, kernel, outputs = _parse(equation)
     letters = _letters(inputs, kernel, outputs, how)
     if not letters:
-        raise ValueError(f"a {how!r} split needs {_CUT[how]}, and {equation!r} has none.")
+        raise ValueError(f"a {how!r} split needs {_ALONG[how]}, and {equation!r} has none.")
     if letter is None:
         letter = letters[-1]
     elif letter not in letters:
-        raise ValueError(f"a {how!r} split of {equation!r} cuts {_CUT[how]}: "
+        raise ValueError(f"a {how!r} split of {equation!r} is along {_ALONG[how]}: "
                          f"{' or '.join(map(repr, letters))}, not {letter!r}.")
     spec = outputs if how == "column" else inputs
     # Keras elides on the left of both sides or on the right of both: with "..." in
@@ -99,8 +100,8 @@ def split_axes(equation, bias_axes, how, letter=None):
     bias_axis = None
     if bias_axes:
         if letter not in bias_axes:
-            raise ValueError(f"a 'column' split of {equation!r} cuts axis {letter!r}, which its "
-                             f"bias (bias_axes={bias_axes!r}) does not run along.")
+            raise ValueError(f"a 'column' split of {equation!r} is along axis {letter!r}, which "
+                             f"its bias (bias_axes={bias_axes!r}) does not run along.")
         # The bias has the output's axes from its first bias letter on (EinsumDense).
         bias_spec = outputs[min(outputs.index(c) for c in bias_axes):]
         bias_axis = bias_spec.index(letter)
@@ -108,7 +109,7 @@ def split_axes(equation, bias_axes, how, letter=None):
 
 
 def kind_of_kernel_axis(equation, axis):
-    """The plan kind that cuts an EinsumDense `equation`'s kernel along `axis`:
+    """The plan kind that splits an EinsumDense `equation`'s kernel along `axis`:
     "column" or "row" where its letter is the default one (the last), else
     "column:<letter>" or "row:<letter>".
 
@@ -117,12 +118,12 @@ def kind_of_kernel_axis(equation, axis):
     """
     _, inputs, kernel, outputs = _parse(equation)
     letter = kernel[axis]
-    for how in _CUT:
+    for how in _ALONG:
         letters = _letters(inputs, kernel, outputs, how)
         if letter in letters:
             return how if letter == letters[-1] else f"{how}:{letter}"
     raise ValueError(f"kernel dim {axis} is {letter!r} in {equation!r}, but a column split "
-                     f"cuts {_CUT['column']} and a row split {_CUT['row']}")
+                     f"is along {_ALONG['column']} and a row split {_ALONG['row']}")
 
 
 def is_elementwise(activation):
@@ -140,7 +141,8 @@ class _Parted(keras.layers.Layer):
     """A Dense or EinsumDense as parts, part j built and run on devices[j].
 
     layer_config: the layer's get_config(); layer_class: "Dense" or "EinsumDense";
-    letter: the equation's letter cut (None: the last one `how` may cut).
+    letter: the equation's letter it splits along (None: the last one `how` may
+    split along).
     """
 
     def __init__(self, layer_config, layer_class, devices, how, letter=None,

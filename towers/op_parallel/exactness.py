@@ -4,8 +4,8 @@ A split layer's weight lives as parts, one per device, and everything Keras does
 variable happens to each part on its own: the optimizer's update, a constraint applied
 after it, a regulariser's penalty. That is exact where the operation is elementwise, or
 a sum over entries (L1, L2: the parts' penalties add up to the whole's), or reduces
-along axes the split does not cut (MaxNorm over a column-split kernel's input axis).
-Anything else (a norm along the cut axis, an OrthogonalRegularizer, Lamb's trust ratio,
+along axes the split leaves whole (MaxNorm over a column-split kernel's input axis).
+Anything else (a norm along the split axis, an OrthogonalRegularizer, Lamb's trust ratio,
 Adafactor's factored moments, Muon's orthogonalised update, a per-variable clipnorm)
 would compute on a part what one device computes on the whole: refused here.
 """
@@ -23,10 +23,10 @@ _WHOLE_VARIABLE_OPTIMIZERS = tuple(
     getattr(keras.optimizers, name) for name in ("Adafactor", "Lamb", "Muon")
     if hasattr(keras.optimizers, name))
 
-# Per kind, the axis each of a Dense layer's (or an Embedding's) weights is cut along:
-# None = not cut. EinsumDense and attention weights are cut along axes their equations
-# choose, so a norm constraint on them is refused whatever its axis.
-_CUT_AXES = {"column": {"kernel": 1, "bias": 0}, "row": {"kernel": 0, "bias": None},
+# Per kind, the axis each of a Dense layer's (or an Embedding's) weights is split along:
+# None = not split. EinsumDense and attention weights are split along axes their
+# equations choose, so a norm constraint on them is refused whatever its axis.
+_SPLIT_AXES = {"column": {"kernel": 1, "bias": 0}, "row": {"kernel": 0, "bias": None},
              "vocab": {"embeddings": 0}}
 
 
@@ -66,19 +66,19 @@ def check_weights_split_exactly(name, layer, how):
         if constraint is None or isinstance(constraint, keras.constraints.NonNeg):
             continue
         kind = split_kind(how)[0]  # a Dense's "column:o" is its "column"
-        cut = _CUT_AXES.get(kind, {}).get(attribute, "unknown") if isinstance(
+        axis = _SPLIT_AXES.get(kind, {}).get(attribute, "unknown") if isinstance(
             layer, (keras.layers.Dense, keras.layers.Embedding)) else "unknown"
-        if isinstance(constraint, _NORM_CONSTRAINTS) and cut != "unknown":
+        if isinstance(constraint, _NORM_CONSTRAINTS) and axis != "unknown":
             axes = constraint.axis if isinstance(constraint.axis, (list, tuple)) else [
                 constraint.axis]
-            if cut is None or cut not in [a % len(weight.shape) for a in axes]:
+            if axis is None or axis not in [a % len(weight.shape) for a in axes]:
                 continue
         raise ValueError(
             f"plan[{name!r}] = {how!r}: {attribute} has the constraint "
             f"{type(constraint).__name__}"
             + (f"(axis={constraint.axis})" if hasattr(constraint, "axis") else "")
             + ", which would read the whole weight across the parts; each part would apply "
-            "its own. Drop the constraint, constrain along an axis the split does not cut, "
+            "its own. Drop the constraint, constrain along an axis the split leaves whole, "
             "or leave the layer whole.")
 
 

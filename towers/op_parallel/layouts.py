@@ -3,10 +3,10 @@ model axis becomes the exact split of its layer.
 
 Keras's LayoutMap says, per variable path (regex keys, full match, as Keras matches
 them), which mesh axis each dimension is sharded along. A weight sharded along the
-model axis maps to the form that cuts it there:
+model axis maps to the form that splits it there:
 - a Dense or EinsumDense kernel along an output-only axis: "column"; along a
   contracted input axis: "row"; each naming the equation's letter where it is not the
-  last such letter, the one plain "column"/"row" cut (Llama's attention_output
+  last such letter, the one plain "column"/"row" split (Llama's attention_output
   "bquh,uhm->bqm" sharded on dim 0: "row:u"; dense.kind_of_kernel_axis);
 - an Embedding table along its rows (a ReversibleEmbedding's reverse table along its
   columns): "vocab";
@@ -113,7 +113,7 @@ def _kind(layer, sharded):
             how = kind_of_kernel_axis(equation, kernel)
             kind, letter = split_kind(how)
             axes = split_axes(equation, bias_axes, kind, letter)
-        except ValueError as error:  # neither kind's letter, or a bias across the cut
+        except ValueError as error:  # neither kind's letter, or a bias across the split axis
             _refuse(sharded, f"{type(layer).__name__} {layer.name!r}: "
                     + str(error).rstrip("."))
         bias = [dim for v, dim in sharded.values() if v.path.endswith("/bias")]

@@ -2,7 +2,7 @@
 join_layers: the model back with the original layer types and the full weights.
 
 A plan is {layer path: how}: "column" or "row" (Dense, EinsumDense; "column:n" / "row:u"
-name the equation's letter to cut), "vocab" (Embedding, ReversibleEmbedding), "heads"
+name the equation's letter to split along), "vocab" (Embedding, ReversibleEmbedding), "heads"
 (MultiHeadAttention), or an int j (the whole layer on devices[j]). A path is a
 top-level layer's name, or names down to a nested layer ("block_0/ffn/dense"), each
 level a shell wildcard (paths.py).
@@ -39,7 +39,7 @@ def split_layers(model, plan, devices, *, model_axis="model"):
       model: a built keras.Model: functional, Sequential, a Functional subclass or
         subclassed.
       plan: {layer path: "column" | "row" | "vocab" | "heads" | int}, "column" and
-        "row" optionally naming an EinsumDense's letter to cut ("row:u"); a path is a
+        "row" optionally naming an EinsumDense's letter to split along ("row:u"); a path is a
         top-level layer's name or "/"-joined names down to a nested layer, each level
         a shell wildcard ("block_*/ffn/dense_?").
         Or a keras.distribution.LayoutMap: each weight sharded along the mesh axis
@@ -170,7 +170,7 @@ def joined_values(layer, read=lambda variable: variable.numpy()):
 
 
 def write_split(layer, values, write=lambda variable, value: variable.assign(value)):
-    """Writes `values`, the weights of the layer `layer` stands for, into it: cut into
+    """Writes `values`, the weights of the layer `layer` stands for, into it: split into
     the parts of each parallel form in it. `write(variable, value)` as joined_values'
     read."""
     for (axis, variables), value in zip(_layout(layer), values):
@@ -264,7 +264,7 @@ def check_layer(key, layer, how, devices):
     kind, letter = split_kind(how)  # "row:u": a row split along the equation's letter u
     if kind not in KINDS:
         raise ValueError(f"plan[{key!r}] = {how!r} is not a kind; use one of "
-                         f"{sorted(KINDS)} (column and row may name the letter to cut, "
+                         f"{sorted(KINDS)} (column and row may name the letter to split along, "
                          "'row:u'), or a device index.")
     base = _base_class(layer, kind)
     if base is None:

@@ -64,9 +64,9 @@ class Columns(stages_lib.VariableGroups):
                 self.devices += devices if spread else [home]
                 for i in range(mesh.num_towers):
                     self.tower_devices[i] += [devices[i]] * self._shares
-        # {id(variable): Cut}: the variables spread placement holds as slabs (slabs.py)
-        # once cut_slabs ran.
-        self.cuts = {}
+        # {id(variable): Slabbed}: the variables spread placement holds as slabs
+        # (slabs.py) once hold_slabs ran.
+        self.slabbed = {}
         # {id(variable): the tower holding it, on its device for the variable's group}
         self._owner = self._spread_owners(group_devices) if spread else None
         # {id(variable): the worker owning each of its held entries}, with a cluster
@@ -78,18 +78,18 @@ class Columns(stages_lib.VariableGroups):
         self.stages.reindex()
         super().reindex()
 
-    def cut_slabs(self, optimizer):
-        """Holds each variable spread_owners cut (self.cuts) as slabs on its towers,
+    def hold_slabs(self, optimizer):
+        """Holds each variable in self.slabbed (spread_owners') as slabs on its towers,
         before `optimizer` makes its slots.
 
         Raises:
           ValueError: the optimizer cannot update them slab by slab
-            (slabs.check_optimizer); nothing is cut.
+            (slabs.check_optimizer); nothing is held as slabs.
         """
-        cuts = [(cut.variable, cut.devices, cut.sizes) for cut in self.cuts.values()]
-        slabs.check_optimizer(optimizer, cuts)
-        for variable, devices, sizes in cuts:
-            slabs.cut(variable, devices, sizes, optimizer)
+        slabbed = [(s.variable, s.devices, s.sizes) for s in self.slabbed.values()]
+        slabs.check_optimizer(optimizer, slabbed)
+        for variable, devices, sizes in slabbed:
+            slabs.hold(variable, devices, sizes, optimizer)
 
     def signature(self):
         """Per column, its device and the (path, shape) of the trainable variables held
@@ -100,20 +100,20 @@ class Columns(stages_lib.VariableGroups):
                      for device, positions in zip(self.devices, self.trainable_index))
 
     def check_held(self):
-        """Raises ValueError, in one line, when a variable cut_slabs cut is no longer held
-        in those slabs (slabs.whole_variables, or another trainer cut it otherwise): the
+        """Raises ValueError, in one line, when a slabbed variable is no longer held in
+        the slabs hold_slabs made (slabs.whole_variables, or another trainer's slabs): the
         optimizer's slots would train slabs the model no longer reads."""
-        for cut in self.cuts.values():
-            if not slabs.is_cut_on(cut.variable, cut.devices, cut.sizes):
+        for slabbed in self.slabbed.values():
+            if not slabs.is_held_on(slabbed.variable, slabbed.devices, slabbed.sizes):
                 raise ValueError(
-                    f"{cut.variable.path!r} is no longer held in the slabs this trainer "
-                    "cut it into (towers.whole_variables, or another trainer's placement), "
+                    f"{slabbed.variable.path!r} is no longer held in the slabs this trainer "
+                    "held it in (towers.whole_variables, or another trainer's placement), "
                     "and this trainer's optimizer updates those slabs; make a new "
                     "TowerTrainer with a fresh optimizer.")
 
     def held_variables(self):
-        """The variables the optimizer updates: model.trainable_variables, each cut one
-        replaced by its slabs (cut_slabs first). Gradients, steps 5-7, are of these."""
+        """The variables the optimizer updates: model.trainable_variables, each slabbed
+        one replaced by its slabs (hold_slabs first). Gradients, steps 5-7, are of these."""
         return slabs.held_variables(self.model.trainable_variables)
 
     def held_owners(self):
@@ -134,59 +134,60 @@ class Columns(stages_lib.VariableGroups):
                 if worker == self.cluster.task_index]
 
     def slab_flags(self):
-        """Per held_variables entry, whether it is a slab of a cut variable."""
+        """Per held_variables entry, whether it is a slab of a slabbed variable."""
         return [flag for variable in self.model.trainable_variables
-                for flag in ([True] * len(self.cuts[id(variable)].sizes)
-                             if id(variable) in self.cuts else [False])]
+                for flag in ([True] * len(self.slabbed[id(variable)].sizes)
+                             if id(variable) in self.slabbed else [False])]
 
     def join_slabs(self, values, devices):
         """Step 2 on a tower: `values`, one per held_variables entry on its device of
-        `devices` (a tower's entry of self.tower_devices), as one per model.trainable_variables entry: each
-        cut variable's slabs joined on the tower's device for it (an all-gather)."""
-        if not self.cuts:
+        `devices` (a tower's entry of self.tower_devices), as one per
+        model.trainable_variables entry: each slabbed variable's slabs joined on the
+        tower's device for it (an all-gather)."""
+        if not self.slabbed:
             return values
         values, joined = iter(values), []
         for variable in self.model.trainable_variables:
-            if id(variable) not in self.cuts:
+            if id(variable) not in self.slabbed:
                 joined.append(next(values))
                 continue
-            cut = self.cuts[id(variable)]
-            rows = [next(values) for _ in cut.sizes]
-            with tf.device(devices[cut.columns[0]]):
+            slabbed = self.slabbed[id(variable)]
+            rows = [next(values) for _ in slabbed.sizes]
+            with tf.device(devices[slabbed.columns[0]]):
                 joined.append(tf.concat(rows, 0))
         return joined
 
-    def cut_gradients(self, grads, devices):
+    def slab_gradients(self, grads, devices):
         """Before steps 4-5 on a tower: `grads`, one per model.trainable_variables entry, as
-        one per held_variables entry: each cut variable's gradient cut into its slabs'
-        rows on the tower's device for it (each then meets where its slab lives: a
+        one per held_variables entry: each slabbed variable's gradient divided into its
+        slabs' rows on the tower's device for it (each then meets where its slab lives: a
         reduce-scatter)."""
-        if not self.cuts:
+        if not self.slabbed:
             return grads
         held = []
         for variable, grad in zip(self.model.trainable_variables, grads):
-            if id(variable) not in self.cuts:
+            if id(variable) not in self.slabbed:
                 held.append(grad)
                 continue
-            cut = self.cuts[id(variable)]
-            with tf.device(devices[cut.columns[0]]):
-                held += slabs.cut_rows(grad, cut.sizes)
+            slabbed = self.slabbed[id(variable)]
+            with tf.device(devices[slabbed.columns[0]]):
+                held += slabs.slab_rows(grad, slabbed.sizes)
         return held
 
     def _positions(self, variables, trainable):
         """Per column, the positions of its entries: in held_variables' order where
-        `trainable` (a cut variable's slabs in their towers' columns), else in
+        `trainable` (a slabbed variable's slabs in their towers' columns), else in
         `variables`'."""
         index = [[] for _ in self.devices]
         by_stage = self.stages.trainable_index if trainable else self.stages.state_index
         # where each variable's first held entry is, and how many it has
-        counts = [len(self.cuts[id(v)].sizes) if trainable and id(v) in self.cuts else 1
+        counts = [len(self.slabbed[id(v)].sizes) if trainable and id(v) in self.slabbed else 1
                   for v in variables]
         starts = [sum(counts[:i]) for i in range(len(variables))]
         for k, positions in enumerate(by_stage):
             for i in positions:
-                if trainable and id(variables[i]) in self.cuts:
-                    for t, column in enumerate(self.cuts[id(variables[i])].columns):
+                if trainable and id(variables[i]) in self.slabbed:
+                    for t, column in enumerate(self.slabbed[id(variables[i])].columns):
                         index[column].append(starts[i] + t)
                 else:
                     index[self._column_of(k, variables[i])].append(starts[i])
@@ -194,17 +195,17 @@ class Columns(stages_lib.VariableGroups):
 
     def _spread_owners(self, group_devices):
         """spread_owners of each stage's groups, each over the towers' devices for it;
-        the cuts it makes go into self.cuts."""
+        its slabbed variables go into self.slabbed."""
         owners = {}
         for k in range(self.stages.num_stages):
             variables = self.stages.variables(k)
             for group in sorted({self._group_of(v) for v in variables}):
-                group_owners, cuts = spread_owners(
+                group_owners, slabbed = spread_owners(
                     [v for v in variables if self._group_of(v) == group],
                     group_devices[k * self._groups + group],
                     (k * self._groups + group) * self._shares)
                 owners.update(group_owners)
-                self.cuts.update(cuts)
+                self.slabbed.update(slabbed)
         return owners
 
     def _worker_owners(self):
@@ -212,22 +213,22 @@ class Columns(stages_lib.VariableGroups):
         layer unfrozen later has its owner) over the cluster's workers, the same on every
         worker whatever its towers: {id(variable): the worker of each of its held
         entries}. A variable across a worker's run is held as slabs, all in its column
-        on this worker (cut_slabs): each worker's rows a variable of their own. The cuts
-        go into self.cuts."""
+        on this worker (hold_slabs): each worker's rows a variable of their own. They go
+        into self.slabbed."""
         staged = [(k, variable) for k in range(self.stages.num_stages)
                   for variable in self.stages.variables(k)]
-        owners, cuts = spread_owners([variable for _, variable in staged],
-                                     [None] * self.cluster.num_workers)
+        owners, slabbed = spread_owners([variable for _, variable in staged],
+                                        [None] * self.cluster.num_workers)
         workers = {}
         for k, variable in staged:
             key = id(variable)
-            if key not in cuts:
+            if key not in slabbed:
                 workers[key] = [owners[key]]
                 continue
-            cut, column = cuts[key], self._column_of(k, variable)
-            workers[key] = cut.columns  # spread_owners' columns, counted from 0: workers
-            self.cuts[key] = cut._replace(devices=[self.devices[column]] * len(cut.sizes),
-                                          columns=[column] * len(cut.sizes))
+            held, column = slabbed[key], self._column_of(k, variable)
+            workers[key] = held.columns  # spread_owners' columns, counted from 0: workers
+            self.slabbed[key] = held._replace(devices=[self.devices[column]] * len(held.sizes),
+                                              columns=[column] * len(held.sizes))
         return workers
 
     def _group_of(self, variable):
@@ -239,48 +240,48 @@ class Columns(stages_lib.VariableGroups):
         return (stage * self._groups + self._group_of(variable)) * self._shares + share
 
     def variables(self, column):
-        """Every variable (trainable and not) held in `column`: a cut variable's slab
-        there (cut_slabs first) in its place."""
+        """Every variable (trainable and not) held in `column`: a slabbed variable's slab
+        there (hold_slabs first) in its place."""
         stage = column // (self._groups * self._shares)
         held = []
         for variable in self.stages.variables(stage):
-            if id(variable) in self.cuts:
+            if id(variable) in self.slabbed:
                 held += [slab for slab, slab_column in zip(
-                    compat.held_slabs(variable).variables, self.cuts[id(variable)].columns)
+                    compat.held_slabs(variable).variables, self.slabbed[id(variable)].columns)
                     if slab_column == column]
             elif self._column_of(stage, variable) == column:
                 held.append(variable)
         return held
 
 
-Cut = collections.namedtuple("Cut", ["variable", "devices", "sizes", "columns"])
-Cut.__doc__ = """A variable spread placement holds as slabs (slabs.py): slab t of `sizes[t]`
+Slabbed = collections.namedtuple("Slabbed", ["variable", "devices", "sizes", "columns"])
+Slabbed.__doc__ = """A variable spread placement holds as slabs (slabs.py): slab t of `sizes[t]`
 rows on `devices[t]`, in column `columns[t]`."""
 
 
 def spread_owners(variables, devices, first_column=0):
-    """(owners, cuts) for variable_placement="spread" of `variables` (a model's, trainable
+    """(owners, slabbed) for variable_placement="spread" of `variables` (a model's, trainable
     and not, of one group), over its towers (`devices`: each tower's device for the group;
     tower t's share in column first_column + t).
 
     owners: {id(variable): the tower holding it}; its optimizer slots and gradients' sum
-    live with it. cuts: {id(variable): Cut} for the variables held as slabs. The
-    variables, largest first, are laid end to end and the run of their bytes is cut into N
-    equal runs, one per tower, at row boundaries (each row of a variable, along dim 0, to
-    the tower whose run holds its middle): ZeRO's partition of its flat buffer, by rows.
-    A variable within one run lives whole on its tower; one across a cut is held as
-    slabs (slabs.can_cut), one per tower, at most N - 1 of them; one that cannot be cut
-    (of one row, or not trainable) goes whole to the run holding its middle. So no tower
-    holds more than 1/N of the bytes plus half a row (or half a variable that cannot be
-    cut) at each end of its run. A cut variable's owner is its first slab's tower, where
-    a step reads it whole if it is frozen later.
+    live with it. slabbed: {id(variable): Slabbed} for the variables held as slabs. The
+    variables, largest first, are laid end to end and the run of their bytes is divided
+    into N equal runs, one per tower, at row boundaries (each row of a variable, along dim
+    0, to the tower whose run holds its middle): ZeRO's partition of its flat buffer, by
+    rows. A variable within one run lives whole on its tower; one across a run's end is
+    held as slabs (slabs.can_hold), one per tower, at most N - 1 of them; one that cannot
+    be (of one row, or not trainable) goes whole to the run holding its middle. So no
+    tower holds more than 1/N of the bytes plus half a row (or half a variable that cannot
+    be held as slabs) at each end of its run. A slabbed variable's owner is its first
+    slab's tower, where a step reads it whole if it is frozen later.
     """
     num_towers = len(devices)
     share = sum(_bytes(v) for v in variables) / num_towers or 1.0
-    owners, cuts, offset = {}, {}, 0
+    owners, slabbed, offset = {}, {}, 0
     for variable in sorted(variables, key=lambda v: -_bytes(v)):  # sorted() keeps ties' order
         size = _bytes(variable)
-        if num_towers == 1 or not slabs.can_cut(variable):
+        if num_towers == 1 or not slabs.can_hold(variable):
             owners[id(variable)] = min(num_towers - 1, int((offset + size / 2) // share))
             offset += size
             continue
@@ -291,11 +292,11 @@ def spread_owners(variables, devices, first_column=0):
         slab_towers = [t for t in range(num_towers) if starts[t + 1] > starts[t]]
         owners[id(variable)] = slab_towers[0]
         if len(slab_towers) > 1:
-            cuts[id(variable)] = Cut(variable, [devices[t] for t in slab_towers],
-                                     [starts[t + 1] - starts[t] for t in slab_towers],
-                                     [first_column + t for t in slab_towers])
+            slabbed[id(variable)] = Slabbed(variable, [devices[t] for t in slab_towers],
+                                            [starts[t + 1] - starts[t] for t in slab_towers],
+                                            [first_column + t for t in slab_towers])
         offset += size
-    return owners, cuts
+    return owners, slabbed
 
 
 def _bytes(variable):

@@ -1,8 +1,8 @@
-"""Spread placement's cut: a variable larger than a tower's share held as slabs.
+"""Spread placement's slabs: a variable larger than a tower's share, held in blocks of rows.
 
 Under variable_placement="spread" the towers hold the variables in turn, each tower filled
 to 1/N of the bytes (columns.spread_owners); a variable that does not fit in the tower being
-filled is cut along dim 0 into slabs, its rows filling that tower and the next (ZeRO's
+filled is held as slabs along dim 0, its rows filling that tower and the next (ZeRO's
 partition of the state, by rows): each slab a keras.Variable on its tower, and the optimizer
 updates the slabs, each with its own slots, where they live. The
 model's variable keeps its place in its layer; it reads as its slabs' rows joined (`value`,
@@ -10,9 +10,9 @@ model's variable keeps its place in its layer; it reads as its slabs' rows joine
 twice (compat.hold_in_slabs).
 
 In a step (engine/step.py), step 2 copies each slab to every tower and joins them
-there (an all-gather); after a tower's backward its gradient of the variable is cut into
-the slabs' rows (`cut_rows`), and steps 4-5 sum each slab's rows where the slab lives (a
-reduce-scatter). An optimizer that updates every element on its own (Adam, SGD, ...) then
+there (an all-gather); after a tower's backward its gradient of the variable is divided
+into the slabs' rows (`slab_rows`), and steps 4-5 sum each slab's rows where the slab lives
+(a reduce-scatter). An optimizer that updates every element on its own (Adam, SGD, ...) then
 updates the slabs exactly as the whole variable; others are refused (check_optimizer).
 """
 
@@ -68,23 +68,23 @@ class Slabs:
         return value
 
 
-def can_cut(variable):
+def can_hold(variable):
     """Whether `variable` can be held as slabs: a trainable keras.Variable of 2 rows or more."""
     return variable.trainable and len(variable.shape) >= 1 and variable.shape[0] >= 2 and \
         compat.can_hold_in_slabs(variable)
 
 
-def is_cut_on(variable, devices, sizes):
-    """Whether `variable` is held as slabs of `sizes` rows on `devices` (cut's) already."""
+def is_held_on(variable, devices, sizes):
+    """Whether `variable` is held as slabs of `sizes` rows on `devices` (hold's) already."""
     held = compat.held_slabs(variable)
     return held is not None and (held.devices, held.sizes) == (list(devices), list(sizes))
 
 
-def cut(variable, devices, sizes, optimizer):
+def hold(variable, devices, sizes, optimizer):
     """Holds `variable` as slabs, slab t `sizes[t]` rows on `devices[t]`, its value kept,
-    unless it is so held already (is_cut_on). Where `optimizer` (not built yet) was told
+    unless it is so held already (is_held_on). Where `optimizer` (not built yet) was told
     to exclude the variable from weight decay, it excludes its slabs."""
-    if is_cut_on(variable, devices, sizes):
+    if is_held_on(variable, devices, sizes):
         return
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     excluded = compat.held_slabs(variable) is None and \
@@ -96,11 +96,11 @@ def cut(variable, devices, sizes, optimizer):
 
 
 def whole_variables(model, device=None):
-    """Holds each variable of `model` that spread placement cut into slabs as one
-    tf.Variable again, its value kept, on `device` (default: its first slab's device).
+    """Holds each slabbed variable of `model` (spread placement) as one tf.Variable
+    again, its value kept, on `device` (default: its first slab's device).
 
     For plain Keras afterwards: keras.Model.compile + fit (and a Keras optimizer) read
-    each variable as one resource. The TowerTrainer that cut them cannot step again
+    each variable as one resource. The TowerTrainer that held them so cannot step again
     (its optimizer's slots are the slabs'): it refuses in one line; make a new one.
     """
     for variable in model.variables:
@@ -117,8 +117,8 @@ def held_variables(variables):
             for held in (slabs.variables if slabs is not None else [variable])]
 
 
-def cut_rows(gradient, sizes):
-    """`gradient` of a variable held in slabs of `sizes` rows, cut into one per slab (where
+def slab_rows(gradient, sizes):
+    """`gradient` of a variable held in slabs of `sizes` rows, as one per slab (where
     the caller's scope puts them): a Tensor's rows split, a tf.IndexedSlices' rows sorted
     into the slab holding them (indices made the slab's own), None into Nones."""
     if gradient is None:
@@ -136,9 +136,9 @@ def cut_rows(gradient, sizes):
     return pieces
 
 
-def check_optimizer(optimizer, cuts):
-    """Raises ValueError, in one line, when `optimizer` cannot update the variables `cuts`
-    holds as slabs ([(variable, devices, sizes)]: cut's arguments) slab by slab as it
+def check_optimizer(optimizer, slabbed):
+    """Raises ValueError, in one line, when `optimizer` cannot update the variables `slabbed`
+    holds as slabs ([(variable, devices, sizes)]: hold's arguments) slab by slab as it
     would update them whole.
 
     Its update of an element must read only that element (ELEMENTWISE_OPTIMIZERS), it
@@ -146,11 +146,11 @@ def check_optimizer(optimizer, cuts):
     it must not be built yet where a variable is not held so already (its slots would
     be the whole variable's).
     """
-    if not cuts:
+    if not slabbed:
         return
-    cut_variables = [variable for variable, _, _ in cuts]
+    variables = [variable for variable, _, _ in slabbed]
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    names = [v.path for v in cut_variables][:3]
+    names = [v.path for v in variables][:3]
     why = None
     if not isinstance(inner, ELEMENTWISE_OPTIMIZERS):
         why = (f"{type(inner).__name__} does not update each element on its own, so its "
@@ -159,11 +159,11 @@ def check_optimizer(optimizer, cuts):
     elif inner.clipnorm is not None:
         why = ("clipnorm clips each variable's gradient by its own norm, which a slab's "
                "rows do not have; use global_clipnorm or TowerTrainer(clip_global_norm=...)")
-    elif optimizer.built and not all(is_cut_on(*cut) for cut in cuts):
+    elif optimizer.built and not all(is_held_on(*held) for held in slabbed):
         why = ("the optimizer is built already, with slots for the whole variables; give "
                "the TowerTrainer a fresh optimizer (it is built at the first step, beside "
                "each slab)")
     if why is not None:
         raise ValueError(
-            f"variable_placement='spread' cuts {names} (each larger than a tower's share of "
-            f"the state) into one slab of rows per tower, but {why}.")
+            f"variable_placement='spread' holds {names} (each larger than a tower's share of "
+            f"the state) as one slab of rows per tower, but {why}.")

@@ -66,7 +66,7 @@ class Checkpointer:
         that holds weights or slots in pieces (split layers, spread placement's slabs),
         their whole twin (checkpoint_twin), so that its checkpoints restore with any
         number of parts or towers, with none, and into join_layers' model. Called again
-        before a save or restore: spread placement cuts a model's variables into slabs
+        before a save or restore: spread placement holds a model's variables as slabs
         when its trainer first sees it built."""
         model, optimizer = self.model, self.optimizer
         if checkpoint_twin.needs_twin(model):

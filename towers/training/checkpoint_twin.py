@@ -7,7 +7,7 @@ such a model through its twin, which holds them whole, on the host: for a split 
 join_layers' model, and an optimizer like the trainer's built on it; for a model with
 slabs only, the model itself (its variables save whole) and an optimizer like the
 trainer's with whole slots. Before a save the weights and optimizer slots are joined into
-the twin's; after a restore they are cut from the twin's. The files are what training
+the twin's; after a restore they are taken back from the twin's. The files are what training
 the unsplit model on one device writes, so they restore with any number of parts or
 towers, with none, with any placement, and into join_layers' model.
 """

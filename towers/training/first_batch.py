@@ -251,7 +251,7 @@ def check_model(trainer):
     if trainer.pipeline_cuts is not None or spread:
         if setup.parts is not None:
             setup.parts.settle(setup.stages)
-        setup.columns.cut_slabs(trainer.optimizer)
+        setup.columns.hold_slabs(trainer.optimizer)
         variables_lib.place_variables(setup.columns, trainer.optimizer)
         return  # stages, split layers and spread placement place their variables on purpose
     for variable in model.variables:  # held as slabs by an earlier trainer: whole again

@@ -4,7 +4,7 @@ Kubernetes, Slurm and spot instances stop a job with SIGTERM (Ctrl-C sends
 SIGINT). While `fit` runs, these signals only set a flag; fit checks it after
 every step, writes a checkpoint at the exact position in the data and raises
 towers.Preempted. Further signals while it saves are recorded and ignored, so
-a second Ctrl-C cannot cut a checkpoint in half (SIGKILL still can, and the
+a second Ctrl-C cannot stop a checkpoint halfway (SIGKILL still can, and the
 checkpoint index is written last so a half-written one is never loaded).
 """
 

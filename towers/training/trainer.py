@@ -135,9 +135,9 @@ class TowerTrainer:
     def optimized_variables(self):
         """The variables the optimizer updates, and builds its slots for:
         model.trainable_variables, except that a variable variable_placement="spread"
-        cut across towers is there as its slabs (one per tower holding rows of it);
-        in a cluster, only this worker's own of those (Columns.owned_variables)."""
-        if self.setup.columns is None:  # not built yet: nothing is cut
+        holds as slabs across towers is there as its slabs (one per tower holding rows of
+        it); in a cluster, only this worker's own of those (Columns.owned_variables)."""
+        if self.setup.columns is None:  # not built yet: nothing is held as slabs
             return self.model.trainable_variables
         return self.setup.columns.owned_variables()
 
@@ -352,7 +352,7 @@ class TowerTrainer:
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
         sets them up again for the new trainable set, to be traced anew. A variable this
-        trainer cut into slabs and someone made whole is refused (Columns.check_held)."""
+        trainer held as slabs and someone made whole is refused (Columns.check_held)."""
         if self.setup.columns is not None:
             self.setup.columns.check_held()
         if self.setup.trainable_ids is not None and trainable.changed(self):
