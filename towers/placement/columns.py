@@ -84,10 +84,10 @@ class Columns(stages_lib.VariableGroups):
 
         Raises:
           ValueError: the optimizer cannot update them slab by slab
-            (slabs.check_optimizer); nothing is held as slabs.
+            (slabs.check_slab_updates); nothing is held as slabs.
         """
         slabbed = [(s.variable, s.devices, s.sizes) for s in self.slabbed.values()]
-        slabs.check_optimizer(optimizer, slabbed)
+        slabs.check_slab_updates(optimizer, slabbed)
         for variable, devices, sizes in slabbed:
             slabs.hold(variable, devices, sizes, optimizer)
 

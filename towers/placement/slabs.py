@@ -13,7 +13,7 @@ In a step (engine/step.py), step 2 copies each slab to every tower and joins the
 there (an all-gather); after a tower's backward its gradient of the variable is divided
 into the slabs' rows (`slab_rows`), and steps 4-5 sum each slab's rows where the slab lives
 (a reduce-scatter). An optimizer that updates every element on its own (Adam, SGD, ...) then
-updates the slabs exactly as the whole variable; others are refused (check_optimizer).
+updates the slabs exactly as the whole variable; others are refused (check_slab_updates).
 """
 
 import keras
@@ -136,7 +136,7 @@ def slab_rows(gradient, sizes):
     return pieces
 
 
-def check_optimizer(optimizer, slabbed):
+def check_slab_updates(optimizer, slabbed):
     """Raises ValueError, in one line, when `optimizer` cannot update the variables `slabbed`
     holds as slabs ([(variable, devices, sizes)]: hold's arguments) slab by slab as it
     would update them whole.
