@@ -224,6 +224,29 @@ class MisuseTest(tf.test.TestCase):
         for want, got in zip(_state(expected), _state(trainer)):
             self.assertAllClose(want, got, atol=1e-6)
 
+    def test_keras_habits_get_one_line_naming_the_argument(self):
+        self.assertRefused(lambda: self.trainer.train_step(self.x, self.y), "data_ended",
+                           r"^data_ended must be True or False, got ndarray; train_step takes "
+                           r"the batch as one argument: train_step\(\(x, y\)\)")
+        self.assertRefused(lambda: self.trainer.fit((self.x, self.y), verbose=0), "dataset",
+                           r"^fit takes batches, and dataset \(x, y\) of arrays is one batch")
+        self.assertRefused(
+            lambda: towers.TowerTrainer(reference.make_model(), None, keras.optimizers.SGD(0.1),
+                                        devices=DEVICES), "loss", r"^loss is None; give")
+
+    def test_reset_metrics_starts_train_steps_metrics_again(self):
+        # A learning rate of 0 keeps the weights, so each step's accuracy is the model's.
+        trainer = _trainer(optimizer=keras.optimizers.SGD(0.0), metrics=["accuracy"])
+        (a, y_a), (b, y_b) = (self.x[:5], self.y[:5]), (self.x[5:], self.y[5:])
+        trainer.train_step((a, y_a))
+        right = [np.argmax(trainer.model(part), -1) == labels
+                 for part, labels in ((a, y_a), (b, y_b))]
+        logs = trainer.train_step((b, y_b))  # the metric runs over both calls
+        self.assertAllClose(logs["accuracy"], np.mean(np.concatenate(right)))
+        trainer.reset_metrics()
+        logs = trainer.train_step((b, y_b))  # this batch's alone
+        self.assertAllClose(logs["accuracy"], np.mean(right[1]))
+
     def test_an_unknown_keyword_is_refused_naming_what_is_taken(self):
         self.assertRefused(lambda: _trainer(micro_batch=2), "micro_batch",
                            r"unexpected keyword argument 'micro_batch'.*micro_batches",

@@ -84,6 +84,11 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             f"fit takes batches, not x and y: its second argument is epochs, got an array of "
             f"shape {tuple(epochs.shape)}. Pass one dataset of (x, y) batches, e.g. "
             "fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)) or fit([(x, y)]).")
+    if isinstance(dataset, tuple) and any(getattr(part, "ndim", 0) > 0 for part in dataset):
+        raise ValueError(
+            "fit takes batches, and dataset (x, y) of arrays is one batch: pass fit([(x, y)]) "
+            "for that batch each epoch, or fit(tf.data.Dataset.from_tensor_slices((x, y))"
+            ".batch(32)) for batches of 32.")
     if epochs is None:
         raise ValueError("epochs must be an integer >= 1, got None.")
     epochs, steps_per_epoch, max_steps = _positive_integers(

@@ -178,6 +178,9 @@ class TowerTrainer:
             NaN/Inf (with loss scaling: the loss); weights and optimizer state
             are left as they were.
         """
+        if not isinstance(data_ended, bool):
+            raise ValueError(f"data_ended must be True or False, got {type(data_ended).__name__}; "
+                             "train_step takes the batch as one argument: train_step((x, y)).")
         if data_ended and self.cluster is None:
             raise ValueError("data_ended=True is for a worker of a cluster whose data "
                              "ended before the others'; without a cluster stop stepping.")
@@ -193,6 +196,12 @@ class TowerTrainer:
         self._skipped_steps += not applied and not logs.get("data_ended")
         logs["skipped_steps"] = self._skipped_steps
         return logs
+
+    def reset_metrics(self):
+        """Resets the metrics, as keras.Model.reset_metrics: train_step's and
+        train_steps' metric logs run over every call since the last reset (fit and
+        evaluate reset them at each epoch's start and each evaluation's)."""
+        self.metrics.reset()
 
     def shard_iterator(self, dataset, buffer_size=1):
         """A prefetch.ShardIterator: `dataset`'s global batches as split.Shards, each
