@@ -14,7 +14,7 @@ from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
-from towers.training import compiled, compiled_steps, executions, first_batch, loop
+from towers.training import compiled, compiled_steps, executions, first_batch, loop, overrides
 from towers.training import metrics as metrics_lib, placement, prefetch, trainable
 from towers.training import recompute as recompute_lib, worker_signals
 
@@ -81,6 +81,7 @@ class TowerTrainer:
             steps_per_execution, prefetch_to_devices = keywords.values()
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        overrides.check_not_overridden(model)  # train_step, compute_loss...: never ignored
         if not isinstance(jit_compile, bool):
             raise ValueError(f"jit_compile must be True or False, got {jit_compile!r}.")
         output_names = getattr(model, "output_names", None)
