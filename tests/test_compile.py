@@ -271,6 +271,21 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(want, got, atol=TOLERANCE)
 
 
+    def test_an_optimizer_by_name_equals_keras_compile(self):
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(7, 4)).astype("float32"), np.arange(7) % CLASSES)
+                   for _ in range(3)]
+        keras_model = _linear_model()
+        keras_model.compile(optimizer="adam", loss=_sce())
+        expected = [keras_model.train_on_batch(*batch) for batch in batches]
+        trainer = towers.TowerTrainer(_linear_model(), _sce(), "adam", devices=DEVICES[:3])
+        self.assertIsInstance(trainer.optimizer, keras.optimizers.Adam)
+        for batch, want in zip(batches, expected):
+            self.assertAllClose(trainer.train_step(batch)["loss"], want, atol=TOLERANCE)
+        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
+
 class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
     """What compile refuses is refused in one line, before anything is applied."""
 

@@ -85,9 +85,9 @@ class ProbeTest(tf.test.TestCase):
         self.assert_all_refused([
             ("model not a keras.Model", lambda: _trainer(model="mlp"), "model",
              r"^model must be a keras.Model, got str"),
-            ("optimizer a name", lambda: towers.TowerTrainer(
-                reference.make_model(), reference.make_loss(), "sgd"), "optimizer",
-             r"^optimizer must be a keras.optimizers.Optimizer, got str"),
+            ("optimizer an unknown name", lambda: towers.TowerTrainer(
+                reference.make_model(), reference.make_loss(), "sgdd"), "optimizer",
+             r"^optimizer 'sgdd' names no Keras optimizer"),
             ("optimizer a class", lambda: towers.TowerTrainer(
                 reference.make_model(), reference.make_loss(), keras.optimizers.SGD),
              "optimizer", r"^optimizer must be .*, got type"),

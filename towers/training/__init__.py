@@ -1,6 +1,7 @@
 """The trainer: the step compiled, fed and looped.
 
-trainer (`TowerTrainer`: options, checks, calling the compiled step), placement
+trainer (`TowerTrainer`: options, checks, calling the compiled step), arguments
+(its arguments as Keras users type them), placement
 (its devices as towers x stages x parts: the step's set-up), compiled_steps (the
 bodies it compiles: the train step, steps 1-6, and the eval step), overrides (a model
 overriding train_step or compute_loss refused), first_batch (building and checking on the

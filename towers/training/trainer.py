@@ -14,7 +14,8 @@ from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
-from towers.training import compiled, compiled_steps, executions, first_batch, loop, overrides
+from towers.training import arguments, compiled, compiled_steps, executions
+from towers.training import first_batch, loop, overrides
 from towers.training import metrics as metrics_lib, placement, prefetch, trainable
 from towers.training import recompute as recompute_lib, worker_signals
 
@@ -76,7 +77,7 @@ class TowerTrainer:
         own (jit_compile, cluster, pipeline_cuts, steps_per_execution,
         prefetch_to_devices) and TowerOptions' fields, each as the attributes say;
         TowerOptions' fields either as keywords or as one `options`."""
-        keywords, option_keywords = _trainer_keywords(keywords)
+        keywords, option_keywords = arguments.trainer_keywords(keywords)
         metrics, weighted_metrics, loss_weights, jit_compile, cluster, pipeline_cuts, \
             steps_per_execution, prefetch_to_devices = keywords.values()
         if not isinstance(model, keras.Model):
@@ -87,9 +88,7 @@ class TowerTrainer:
         output_names = getattr(model, "output_names", None)
         self.objective = losses.Objective(loss, loss_weights, output_names)
         self.metrics = metrics_lib.Metrics(metrics, weighted_metrics, output_names)
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise ValueError(
-                f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}.")
+        optimizer = arguments.keras_optimizer(optimizer)
         self.options = TowerOptions.given(options, option_keywords)
         placement_option = self.options.variable_placement
         if model.compute_dtype == "float16" and not isinstance(
@@ -372,25 +371,3 @@ class TowerTrainer:
     def _no_compiled_functions(self):
         """A fresh set of compiled functions: traced under the step's hooks (placement)."""
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
-
-
-# The trainer's own keyword options and their defaults, in the order __init__ takes them.
-_OWN_KEYWORDS = {"metrics": (), "weighted_metrics": None, "loss_weights": None,
-                 "jit_compile": False, "cluster": None, "pipeline_cuts": None,
-                 "steps_per_execution": 1, "prefetch_to_devices": "auto"}
-
-
-def _trainer_keywords(keywords):
-    """(every one of _OWN_KEYWORDS, given or its default; TowerOptions' fields given).
-
-    Raises:
-      TypeError: a keyword that is neither, as Python says of an unknown keyword.
-    """
-    fields = TowerOptions.field_names()
-    unknown = sorted(set(keywords) - set(_OWN_KEYWORDS) - set(fields))
-    if unknown:
-        raise TypeError(f"TowerTrainer got an unexpected keyword argument {unknown[0]!r}; it "
-                        f"takes {', '.join(_OWN_KEYWORDS)}, options= and TowerOptions' "
-                        f"fields ({', '.join(fields)}).")
-    own = {name: keywords.get(name, default) for name, default in _OWN_KEYWORDS.items()}
-    return own, {name: value for name, value in keywords.items() if name in fields}
