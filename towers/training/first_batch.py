@@ -32,12 +32,12 @@ def set_up(trainer, batch):
             lambda t: tf.zeros([1, *t.shape[1:]], t.dtype), first_shard)
     whole = not isinstance(batch, split.Shards) and split.batch_size(batch) != 0
     with tf.device(setup.main_device):
-        y, outputs = check_examples(trainer, batch if whole else first_shard)
+        y, outputs, sample_weight = check_examples(trainer, batch if whole else first_shard)
         trainer.objective.model_loss_forms = model_loss_forms.measure(
             trainer.model, _inputs(shards, first_shard), trainer.cluster)
         for shard in shards:  # the whole first batch's labels, once
             losses.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
-        trainer.metrics.build(y, outputs)
+        trainer.metrics.build(y, outputs, sample_weight)
         check_model(trainer)
         trainer.setup = dataclasses.replace(trainer.setup, dense_choices=(
             tower.choose_dense_gradients(trainer.model, trainer.objective, first_shard,
@@ -144,8 +144,8 @@ def check_spec(trainer, spec):
 
 def check_examples(trainer, batch, shown=None):
     """Runs the model and the loss eagerly on the first two examples of `batch`; returns
-    (y, (y_pred, output masks)) of them. `shown`: what the messages give the shapes of
-    (the batch's parts, or their tf.TensorSpec); by default `batch`.
+    (y, (y_pred, output masks), sample_weight) of them. `shown`: what the messages give
+    the shapes of (the batch's parts, or their tf.TensorSpec); by default `batch`.
 
     Two rows, not one: a weight of the wrong shape would broadcast over one.
 
@@ -189,7 +189,7 @@ def check_examples(trainer, batch, shown=None):
             f"{_shapes(y_pred, any_rows=True)}: {cause}. Check that y matches the model's "
             "outputs and the loss (sparse losses take class indices, others one value per "
             "output entry).") from None
-    return y, outputs
+    return y, outputs, sample_weight
 
 
 def _check_inputs(model, x, whole_x):

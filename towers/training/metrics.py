@@ -4,7 +4,7 @@ batch, updated on the main device every step (summed across workers with a clust
 import keras
 import tensorflow as tf
 
-from towers import compat
+from towers import compat, errors
 from towers.data_parallel import exchange, split
 from towers.engine import losses
 
@@ -53,18 +53,27 @@ class Metrics:
     def __getitem__(self, index):
         return self._keras.metrics[index]
 
-    def build(self, y, outputs):
-        """Builds every metric for targets `y` and (y_pred, masks) `outputs`; eagerly, on
-        the device the metrics' variables should live on.
+    def build(self, y, outputs, sample_weight=None):
+        """Builds every metric for targets `y` and (y_pred, masks) `outputs` (a batch's
+        first examples, and their `sample_weight`); eagerly, on the device the metrics'
+        variables should live on, before a step is traced.
+
+        Keras's container makes the metric objects; a metric that creates its variables
+        on its first update (F1Score, FBetaScore, R2Score, a user's) gets them from one
+        update on these examples, as Keras's fit builds its metrics on the first batch
+        before its step is traced. The update's assignments are dropped (StatelessScope:
+        the new variables start at their initial values, on leaving it).
 
         Raises:
           ValueError: a metric that does not fit the model's outputs, in one line.
         """
         try:
             self._keras.build(y, losses.with_masks(outputs))
-        except (ValueError, TypeError, KeyError) as error:
+            with keras.StatelessScope():
+                self._keras.update_state(y, losses.with_masks(outputs), sample_weight)
+        except (ValueError, TypeError, KeyError, tf.errors.OpError) as error:
             raise ValueError(
-                f"the metrics do not fit the model's outputs: {str(error).splitlines()[0]}"
+                f"the metrics do not fit the model's outputs: {errors.root_cause(error)}"
             ) from None
         self.names = list(self._keras.result())
         self._keras.reset_state()  # a metric object given with a state of its own starts afresh
