@@ -125,8 +125,8 @@ class BadInputTest(tf.test.TestCase, parameterized.TestCase):
             _trainer(**kwargs)
 
     def test_optimizer_that_is_not_keras(self):
-        with self.assertRaisesRegex(ValueError, "keras.optimizers.Optimizer"):
-            towers.TowerTrainer(reference.make_model(), reference.make_loss(), "adam",
+        with self.assertRaisesRegex(ValueError, "keras.optimizers.Optimizer, got float"):
+            towers.TowerTrainer(reference.make_model(), reference.make_loss(), 0.1,
                                 devices=DEVICES)
 
     @parameterized.named_parameters(
