@@ -14,7 +14,7 @@ from absl import logging
 from towers import errors
 from towers.errors import Preempted
 from towers.training import callbacks as callbacks_lib, class_weights, executions
-from towers.training import first_batch, preemption, resume
+from towers.training import first_batch, preemption, py_datasets, resume
 
 def evaluate(trainer, data, callbacks=None):
     """The loss over every example of `data` (+ regularisation), each loss term's, and the
@@ -100,6 +100,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                          f"lines), as keras.Model.fit takes it, got {verbose!r}.")
     if validation_data is not None and not isinstance(validation_data, tuple):
         _batches("validation_data", validation_data)
+    epoch_hooks = py_datasets.EpochHooks(dataset)
     dataset = class_weights.weighted(dataset, class_weight)
     if checkpointer is not None:
         if trainer.cluster is not None and trainer.options.variable_placement == "spread":
@@ -122,11 +123,13 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
         trainer, callbacks, epochs, steps_per_epoch, verbose)
     shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
     callbacks.on_train_begin()
+    epoch_hooks.before_fit()
     epoch_logs = None
     with preemption.StopSignals() as signals:
         while epoch < epochs and not _reached(trainer, max_steps):
             trainer.metrics.reset()
             callbacks.on_epoch_begin(epoch)
+            epoch_hooks.epoch_begins()
             steps = executions.EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip,
                                            shared_iterator)
             progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
@@ -155,6 +158,8 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                 if _reached(trainer, max_steps) or trainer.model.stop_training:
                     broke_off = True
                     break
+            if not broke_off:
+                epoch_hooks.epoch_ends()
             if batch_index == skip:
                 if skip:  # resumed after the last batch of an epoch of unknown length
                     epoch, skip = epoch + 1, 0
