@@ -124,6 +124,36 @@ class BadInputTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, message):
             _trainer(**kwargs)
 
+    def test_a_subclass_built_by_shape_trains_as_keras_fit(self):
+        # model.build((None, 4)) builds none of a subclass's layers: they build on the
+        # first batch, in Keras's fit as here.
+        class Linear(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(3)
+
+            def call(self, x):
+                return self.dense(x)
+
+        def built():
+            keras.utils.set_random_seed(0)
+            model = Linear()
+            model.build((None, 4))
+            return model
+
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(7, 4)).astype("float32"), np.arange(7) % 3
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        keras_model = built()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        expected = [keras_model.train_on_batch(x, y) for _ in range(2)]
+        trainer = towers.TowerTrainer(built(), loss, keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3])
+        self.assertAllClose([trainer.train_step((x, y))["loss"] for _ in range(2)], expected,
+                            atol=1e-5)
+        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-5)
+
     def test_optimizer_that_is_not_keras(self):
         with self.assertRaisesRegex(ValueError, "keras.optimizers.Optimizer, got float"):
             towers.TowerTrainer(reference.make_model(), reference.make_loss(), 0.1,

@@ -118,7 +118,9 @@ class TowerTrainer:
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
         self._compiled = self._no_compiled_functions()
-        if model.built:
+        # A subclass built by model.build(shape) may hold no variable yet: its layers
+        # build on the first batch, where it is checked, as Keras's fit builds them.
+        if model.built and model.variables:
             first_batch.check_model(self)
 
     @property
