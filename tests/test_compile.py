@@ -286,6 +286,31 @@ class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(want, got, atol=TOLERANCE)
 
 
+    def test_a_compiled_model_gives_its_loss_optimizer_and_metrics(self):
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(22, 4)).astype("float32"), np.arange(22) % CLASSES
+        batches = [(x[i:i + 10], y[i:i + 10]) for i in range(0, 22, 10)]  # 10, 10, 2 rows
+
+        def compiled():
+            model = _linear_model()
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_sce(),
+                          metrics=["accuracy",
+                                   keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+                          loss_weights=0.5)
+            return model
+
+        keras_model = compiled()
+        expected = keras_model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+        trainer = towers.TowerTrainer(compiled(), devices=DEVICES[:3])
+        history = trainer.fit(batches, epochs=2, verbose=0)
+        self.assertEqual(sorted(history.history),
+                         sorted([*expected.history, "examples_per_sec"]))
+        for name, values in expected.history.items():
+            self.assertAllClose(history.history[name], values, atol=TOLERANCE, msg=name)
+        for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
+
 class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
     """What compile refuses is refused in one line, before anything is applied."""
 

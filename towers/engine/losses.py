@@ -64,9 +64,9 @@ class Objective:
           ValueError: one line saying which entry is wrong and what would do.
         """
         if loss is None:
-            raise ValueError("loss is None; give what keras.Model.compile takes as loss: a "
+            raise ValueError("loss is None; give what keras.Model.compile takes as loss (a "
                              "keras.losses.Loss, a loss name, a callable(y_true, y_pred) or a "
-                             "list or dict of them per output (None for an output without one).")
+                             "list or dict of them per output), or a model compiled with one.")
         for entry in tf.nest.flatten(loss):
             _check_loss(entry)
         if loss_weights is not None and not all(

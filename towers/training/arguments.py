@@ -12,8 +12,9 @@ _OWN_KEYWORDS = {"metrics": (), "weighted_metrics": None, "loss_weights": None,
                  "steps_per_execution": 1, "prefetch_to_devices": "auto"}
 
 
-def trainer_keywords(keywords):
-    """(every one of _OWN_KEYWORDS, given or its default; TowerOptions' fields given).
+def trainer_keywords(keywords, defaults=None):
+    """(every one of _OWN_KEYWORDS, given, else from `defaults` (a compiled model's:
+    compiled_defaults), else its default; TowerOptions' fields given).
 
     Raises:
       TypeError: a keyword that is neither, as Python says of an unknown keyword.
@@ -24,7 +25,8 @@ def trainer_keywords(keywords):
         raise TypeError(f"TowerTrainer got an unexpected keyword argument {unknown[0]!r}; it "
                         f"takes {', '.join(_OWN_KEYWORDS)}, options= and TowerOptions' "
                         f"fields ({', '.join(fields)}).")
-    own = {name: keywords.get(name, default) for name, default in _OWN_KEYWORDS.items()}
+    defaults = {**_OWN_KEYWORDS, **(defaults or {})}
+    own = {name: keywords.get(name, default) for name, default in defaults.items()}
     return own, {name: value for name, value in keywords.items() if name in fields}
 
 
@@ -45,3 +47,31 @@ def keras_optimizer(given):
         raise ValueError(
             f"optimizer must be a keras.optimizers.Optimizer, got {type(given).__name__}.")
     return given
+
+
+def compiled_defaults(model, loss, optimizer):
+    """(loss, optimizer, keyword defaults) from what `model.compile` was given, where the
+    model is compiled: its loss and optimizer where `loss` and `optimizer` are None, and
+    its metrics, weighted_metrics, loss_weights and steps_per_execution as the defaults of
+    the trainer's keywords (a keyword given wins). Where it is not compiled, the three as
+    they are and no defaults."""
+    if not getattr(model, "compiled", False):
+        return loss, optimizer, {}
+    config = model.get_compile_config()  # what compile was given, serialized
+    defaults = {name: _deserialized(config[name]) for name in
+                ("metrics", "weighted_metrics", "loss_weights") if config.get(name) is not None}
+    defaults["steps_per_execution"] = config.get("steps_per_execution", 1)
+    return (model.loss if loss is None else loss,
+            model.optimizer if optimizer is None else optimizer, defaults)
+
+
+def _deserialized(value):
+    """A compile config's metrics (names, serialized metrics, in lists or dicts) as
+    compile takes them: each serialized metric a new metric object."""
+    if isinstance(value, dict) and "class_name" in value:
+        return keras.metrics.get(value)
+    if isinstance(value, dict):
+        return {key: _deserialized(entry) for key, entry in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_deserialized(entry) for entry in value]
+    return value

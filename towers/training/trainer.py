@@ -71,13 +71,15 @@ class TowerTrainer:
         and the end of this worker's data, which every step all-reduces), else None.
     """
 
-    def __init__(self, model, loss, optimizer, devices=None, main_device=None, *,
+    def __init__(self, model, loss=None, optimizer=None, devices=None, main_device=None, *,
                  options=None, **keywords):
         """keywords: compile's (metrics, weighted_metrics, loss_weights), the trainer's
         own (jit_compile, cluster, pipeline_cuts, steps_per_execution,
         prefetch_to_devices) and TowerOptions' fields, each as the attributes say;
-        TowerOptions' fields either as keywords or as one `options`."""
-        keywords, option_keywords = arguments.trainer_keywords(keywords)
+        TowerOptions' fields either as keywords or as one `options`. A compiled model
+        gives what compile was given where loss, optimizer or compile's keywords are not."""
+        loss, optimizer, compiled = arguments.compiled_defaults(model, loss, optimizer)
+        keywords, option_keywords = arguments.trainer_keywords(keywords, compiled)
         metrics, weighted_metrics, loss_weights, jit_compile, cluster, pipeline_cuts, \
             steps_per_execution, prefetch_to_devices = keywords.values()
         if not isinstance(model, keras.Model):
