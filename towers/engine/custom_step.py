@@ -29,8 +29,7 @@ import tensorflow as tf
 
 from towers import devices as devices_lib
 from towers.data_parallel import aggregate, batch_statistics, exchange, split
-from towers.engine import forward
-from towers.engine import tower_handle
+from towers.engine import forward, tower_handle
 
 StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux", "rows"])
 StepOutput.__doc__ = """What tower_step computed, on the main device.

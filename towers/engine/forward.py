@@ -12,8 +12,8 @@ import inspect
 import keras
 import tensorflow as tf
 
-from towers.engine import losses, model_losses
 from towers.data_parallel import split
+from towers.engine import losses, model_losses
 
 
 def predict(stages, tower, may_be_empty=True):

@@ -13,16 +13,12 @@ import keras
 import tensorflow as tf
 
 from towers import devices as devices_lib
-from towers.data_parallel import aggregate, batch_statistics
-from towers.placement import columns as columns_lib
-from towers.engine import denominators
-from towers.data_parallel import exchange
-from towers.engine import forward, losses
-from towers.data_parallel import replicas as replicas_lib, split
-from towers.engine import tower
-from towers.placement import worker_owners
+from towers.data_parallel import aggregate, batch_statistics, exchange, replicas as replicas_lib
+from towers.data_parallel import split
+from towers.engine import denominators, forward, losses, tower
 from towers.engine.options import TowerOptions
 from towers.model_parallel import stages as stages_lib
+from towers.placement import columns as columns_lib, worker_owners
 
 TowerResult = collections.namedtuple(
     "TowerResult", ["grads", "loss", "state", "y_pred", "examples", "term_losses"])

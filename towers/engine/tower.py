@@ -19,8 +19,8 @@ import tensorflow as tf
 from towers import compat
 from towers.data_parallel import split
 from towers.engine import losses
-from towers.engine.forward import concat_rows, cross_cut, forward, regularization_share
-from towers.engine.forward import shard_loss, unless_empty
+from towers.engine.forward import concat_rows, cross_cut, forward, regularization_share, shard_loss
+from towers.engine.forward import unless_empty
 from towers.model_parallel import flight
 from towers.op_parallel import layers as op_layers
 

@@ -16,8 +16,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from towers.engine import forward, model_losses, tower
 from towers.data_parallel import replicas
+from towers.engine import forward, model_losses, tower
 
 
 class Tower:

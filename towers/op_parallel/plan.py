@@ -12,8 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from towers import compat
-from towers import devices as devices_lib
+from towers import compat, devices as devices_lib
 from towers.op_parallel import exactness, layouts, paths
 from towers.op_parallel.dense import ColumnDense, RowDense, equation_of, split_axes, split_kind
 from towers.op_parallel.forms import HeadsAttention, Placed, VocabEmbedding

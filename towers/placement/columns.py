@@ -15,8 +15,8 @@ import math
 import tensorflow as tf
 
 from towers import compat
-from towers.placement import slabs
 from towers.model_parallel import stages as stages_lib
+from towers.placement import slabs
 
 
 class Columns(stages_lib.VariableGroups):

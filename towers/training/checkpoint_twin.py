@@ -19,8 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from towers import compat
-from towers.placement import slabs
 from towers.op_parallel import plan
+from towers.placement import slabs
 
 
 def needs_twin(model):

@@ -11,10 +11,9 @@ import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, split
 from towers.engine import forward
-from towers.placement import worker_owners
-from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights
-from towers.engine.step import run_towers
+from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
+from towers.placement import worker_owners
 from towers.training import recompute
 
 def train_step(trainer, batch, may_be_empty):

@@ -11,8 +11,8 @@ import tensorflow as tf
 from absl import logging
 
 from towers import compat, devices as devices_lib, errors
-from towers.engine import forward, losses, tower
 from towers.data_parallel import split
+from towers.engine import forward, losses, tower
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import plan as op_plan

@@ -13,8 +13,8 @@ from absl import logging
 
 from towers import errors
 from towers.errors import Preempted
-from towers.training import callbacks as callbacks_lib, class_weights, executions
-from towers.training import first_batch, preemption, py_datasets, resume
+from towers.training import callbacks as callbacks_lib, class_weights, executions, first_batch
+from towers.training import preemption, py_datasets, resume
 
 def evaluate(trainer, data, callbacks=None):
     """The loss over every example of `data` (+ regularisation), each loss term's, and the

@@ -7,8 +7,8 @@ import contextlib
 from towers import devices as devices_lib
 from towers.data_parallel import exchange
 from towers.engine.step import StepSetup
-from towers.placement import variables as variables_lib
 from towers.op_parallel import grid as op_grid, tables as op_tables
+from towers.placement import variables as variables_lib
 
 _ABSENT = object()
 

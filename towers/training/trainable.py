@@ -21,8 +21,8 @@ import dataclasses
 import tensorflow as tf
 
 from towers import compat
-from towers.engine import tower
 from towers.data_parallel.replicas import Replicas
+from towers.engine import tower
 from towers.op_parallel import tables as op_tables
 
 

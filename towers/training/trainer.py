@@ -7,17 +7,16 @@ import keras
 import tensorflow as tf
 
 from towers import errors
-from towers.engine import losses
 from towers.data_parallel import split
+from towers.engine import losses
 from towers.engine.options import TowerOptions
 from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
-from towers.training import arguments, compiled, compiled_steps, executions
-from towers.training import first_batch, loop, overrides
-from towers.training import metrics as metrics_lib, placement, prefetch, trainable
-from towers.training import recompute as recompute_lib, worker_signals
+from towers.training import arguments, compiled, compiled_steps, executions, first_batch, loop
+from towers.training import metrics as metrics_lib, overrides, placement, prefetch
+from towers.training import recompute as recompute_lib, trainable, worker_signals
 
 
 class TowerTrainer:
