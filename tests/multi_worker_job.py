@@ -183,7 +183,7 @@ def uneven_data_fits(config, cluster, devices):
                 writer=cluster.is_chief)
         return trainer, trainer.fit(
             lambda epoch: uneven_parts(epoch, cluster.task_index, as_dataset=in_graph),
-            UNEVEN_EPOCHS, validation_data=validation, verbose=False, **options)
+            epochs=UNEVEN_EPOCHS, validation_data=validation, verbose=False, **options)
 
     def keep(name, trainer, history):
         results.update({f"{name}_step": trainer.step,

@@ -201,9 +201,34 @@ class MisuseTest(tf.test.TestCase):
             self.assertRefused(lambda: self.trainer.train_steps(iter(dataset), num_steps),
                                "num_steps", r"^num_steps must be an integer >= 1")
 
-    def test_fit_on_x_and_y(self):
-        self.assertRefused(lambda: self.trainer.fit(self.x, self.y), "epochs",
-                           r"^fit takes batches, not x and y")
+    def test_keras_arguments_that_do_not_fit_the_data(self):
+        dataset = tf.data.Dataset.from_tensor_slices((self.x, self.y)).batch(4)
+        fit = lambda *args, **kwargs: self.trainer.fit(*args, verbose=0, **kwargs)  # noqa: E731
+        for call, argument, message in (
+                (lambda: fit(self.x), "y", r"^x is arrays and y is None: give y"),
+                (lambda: fit([self.x, self.x]), "y", r"^x is a list of arrays and y is None: give y"),
+                (lambda: fit(dataset, self.y), "y", r"^y must be None when x is a \w*Dataset"),
+                (lambda: fit(dataset, batch_size=8), "batch_size",
+                 r"^batch_size must be None when x is a \w*Dataset: its batches carry their size"),
+                (lambda: fit(dataset, sample_weight=self.w), "sample_weight",
+                 r"^sample_weight must be None when x is"),
+                (lambda: fit(dataset, validation_split=0.5), "validation_split",
+                 r"^validation_split holds out the last rows of arrays"),
+                (lambda: fit(self.x, self.y, validation_split=1.5), "validation_split",
+                 r"^validation_split must be a fraction between 0 and 1"),
+                (lambda: fit(self.x, self.y, batch_size=2.5), "batch_size",
+                 r"^batch_size must be an integer >= 1"),
+                (lambda: fit(self.x, self.y, initial_epoch=-1), "initial_epoch",
+                 r"^initial_epoch must be an integer >= 0"),
+                (lambda: fit(self.x, self.y, validation_split=0.5, validation_freq=0),
+                 "validation_freq", r"^validation_freq must be an integer >= 1"),
+                (lambda: fit(self.x, "labels"), "x", r"^x must be arrays with y, .*; got x=ndarray, y=str"),
+                (lambda: fit(None), "x", r"^x must be arrays with y, .*; got x=None"),
+                (lambda: self.trainer.evaluate(self.x, self.y, steps=0), "steps",
+                 r"^steps must be an integer >= 1"),
+                (lambda: self.trainer.evaluate(self.x, self.y, verbose=3), "verbose",
+                 r"^verbose must be 'auto', 0, 1 or 2")):
+            self.assertRefused(call, argument, message)
 
     def test_fit_counts_not_positive_integers(self):
         for name, value in (("epochs", 2.0), ("epochs", True), ("epochs", 0),
@@ -228,8 +253,6 @@ class MisuseTest(tf.test.TestCase):
         self.assertRefused(lambda: self.trainer.train_step(self.x, self.y), "data_ended",
                            r"^data_ended must be True or False, got ndarray; train_step takes "
                            r"the batch as one argument: train_step\(\(x, y\)\)")
-        self.assertRefused(lambda: self.trainer.fit((self.x, self.y), verbose=0), "dataset",
-                           r"^fit takes batches, and dataset \(x, y\) of arrays is one batch")
         self.assertRefused(
             lambda: towers.TowerTrainer(reference.make_model(), None, keras.optimizers.SGD(0.1),
                                         devices=DEVICES), "loss", r"^loss is None; give")

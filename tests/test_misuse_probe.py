@@ -257,20 +257,21 @@ class ProbeTest(tf.test.TestCase):
              "Dataset", r"^ShardIterator needs a tf.data.Dataset, got list"),
             ("shard_iterator buffer_size 0", lambda: trainer.shard_iterator(
                 self.dataset, buffer_size=0), "buffer_size", r"^buffer_size must be an integer"),
-            ("evaluate None", lambda: trainer.evaluate(None), "data",
-             r"^data must be a batch \(x, y\[, sample_weight\]\), a tf.data.Dataset or an "
-             r"iterable of .* batches, got NoneType"),
-            ("evaluate a number", lambda: trainer.evaluate(3), "data",
-             r"^data must be a batch .*, got int"),
+            ("evaluate None", lambda: trainer.evaluate(None), "x",
+             r"^x must be arrays with y, a tf.data.Dataset or an iterable of .* batches; "
+             r"got x=None"),
+            ("evaluate a number", lambda: trainer.evaluate(3), "x",
+             r"^x must be arrays with y, .*; got x=int"),
             ("evaluate no batches", lambda: trainer.evaluate([]), "batches",
              r"^evaluate got no batches"),
             ("evaluate an empty dataset", lambda: trainer.evaluate(self.dataset.take(0)),
              "batches", r"^evaluate got no batches"),
-            ("evaluate x alone", lambda: trainer.evaluate(x), "batch",
-             r"^a batch must be \(x, y\) or \(x, y, sample_weight\), got a ndarray"),
-            ("evaluate y None", lambda: trainer.evaluate((x, None)), "y", r"^y is None"),
-            ("evaluate fewer labels than rows", lambda: trainer.evaluate((x, y[:7])), "batch",
-             r"^the fields of the batch disagree on batch size"),
+            ("evaluate x alone", lambda: trainer.evaluate(x), "y",
+             r"^x is arrays and y is None: give y"),
+            ("evaluate y None", lambda: trainer.evaluate((x, None)), "y",
+             r"^x is arrays and y is None"),
+            ("evaluate fewer labels than rows", lambda: trainer.evaluate((x, y[:7])), "sizes",
+             r"^x: Data cardinality is ambiguous. .*'x' sizes: 8 'y' sizes: 7"),
             ("evaluate one-hot labels", lambda: trainer.evaluate(
                 (x, np.eye(3, dtype="float32")[y])), "y", r"^y, shape \(8, 3\), does not fit"),
             ("evaluate a dataset of another width", lambda: trainer.evaluate(narrow), "x",
@@ -293,28 +294,28 @@ class ProbeTest(tf.test.TestCase):
         cases += [(f"verbose={value!r}", lambda value=value: fit(batches, verbose=value),
                    "verbose", r"^verbose must be 'auto', 0 \(silent\), 1 \(a progress bar\) or "
                               r"2 \(log lines\)") for value in ("loud", 3)]
-        cases += [(f"dataset {value!r}", lambda value=value: fit(value), "dataset",
-                   r"^dataset must be a tf.data.Dataset or an iterable of .* batches, or a "
-                   r"callable epoch -> one of those, got ") for value in (None, 42)]
+        cases += [(f"x {value!r}", lambda value=value: fit(value), "x",
+                   r"^x must be arrays with y, a tf.data.Dataset or an iterable of .* batches, "
+                   r"or a callable epoch -> one of those; got x=") for value in (None, 42)]
         self.assert_all_refused(cases + [
             ("epochs=None", lambda: fit(batches, epochs=None), "epochs",
              r"^epochs must be an integer >= 1, got None"),
             ("validation_data empty", lambda: fit(batches, validation_data=[]),
              "validation_data", r"^validation_data has no batches"),
             ("validation_data a number", lambda: fit(batches, validation_data=3),
-             "validation_data", r"^validation_data must be a batch .*, got int"),
+             "validation_data", r"^validation_data must be arrays with y, .*; got x=int"),
             ("checkpointer a folder", lambda: fit(batches, checkpointer="dir"), "checkpointer",
              r"^checkpointer must be a towers.Checkpointer\(directory, trainer.model, "
              r"trainer.optimizer\), got str"),
             ("log_dir a file", lambda: fit(batches, log_dir=self.a_file), "log_dir",
              r"^log_dir=.* cannot hold TensorBoard summaries: Not a directory"),
             ("validation_data x alone", lambda: fit(batches, validation_data=(x,)),
-             "validation_data", r"^validation_data: a batch must be \(x, y\)"),
+             "validation_data", r"^validation_data is arrays and y is None: give y"),
             ("validation_data a string", lambda: fit(batches, validation_data="val"),
-             "validation_data", r"^validation_data: a batch must be .*, got a str"),
+             "validation_data", r"^validation_data must be arrays with y, .*; got x=str"),
             ("validation_data fewer labels than rows", lambda: fit(
                 batches, validation_data=(x, y[:7])), "validation_data",
-             r"^validation_data: the fields of the batch disagree on batch size"),
+             r"^validation_data: Data cardinality is ambiguous. .*'x' sizes: 8 'y' sizes: 7"),
             ("callbacks a string", lambda: fit(batches, callbacks="x"), "callbacks",
              r"^callbacks must be keras.callbacks.Callback objects, got str"),
             ("callbacks of a number", lambda: fit(batches, callbacks=[42]), "callbacks",

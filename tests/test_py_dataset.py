@@ -65,6 +65,27 @@ class PyDatasetTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(keras_model.get_weights(), trainer.model.get_weights()):
             self.assertAllClose(want, got, atol=1e-5)
 
+    def test_as_validation_data_and_in_evaluate_as_keras(self):
+        # Keras's evaluate (fit's validation too) resets its iterator (on_epoch_end), then
+        # runs one epoch of at most `steps` batches between on_epoch_begin and on_epoch_end.
+        keras_train, keras_val, towers_train, towers_val = (Reshuffled() for _ in range(4))
+        keras_model = _model()
+        keras_model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss(),
+                            metrics=["accuracy"])
+        expected = keras_model.fit(keras_train, epochs=2, validation_data=keras_val,
+                                   validation_steps=3, shuffle=False, verbose=0)
+        expected_logs = keras_model.evaluate(keras_val, steps=2, verbose=0, return_dict=True)
+        trainer = towers.TowerTrainer(_model(), _loss(), keras.optimizers.SGD(0.5),
+                                      devices=DEVICES[:3], metrics=["accuracy"])
+        history = trainer.fit(towers_train, epochs=2, validation_data=towers_val,
+                              validation_steps=3, verbose=0)
+        logs = trainer.evaluate(towers_val, steps=2)
+        self.assertEqual(towers_val.calls, keras_val.calls)
+        self.assertEqual(towers_train.calls, keras_train.calls)
+        for name, values in expected.history.items():
+            self.assertAllClose(history.history[name], values, atol=1e-5, msg=name)
+        self.assertAllClose(logs, expected_logs, atol=1e-5)
+
     @parameterized.parameters(dict(workers=2), dict(use_multiprocessing=True))
     def test_parallel_loading_refused_in_one_line(self, **loading):
         trainer = towers.TowerTrainer(_model(), _loss(), keras.optimizers.SGD(0.5),

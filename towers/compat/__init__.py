@@ -10,7 +10,8 @@ names are in benchmarks/harness/compat.py.
 Kept apart by what they lean on, so that an upgrade of one library is read in
 one place: `keras_layers` (models, layers, variables, losses), `keras_optimizers`
 (optimizers, Keras's configuration), `tensorflow_runtime` (tf.data, the eager
-runtime, checkpoints). Everything is used as `compat.<name>`.
+runtime, checkpoints), `keras_data` (fit's arrays batched as Keras batches them).
+Everything is used as `compat.<name>`.
 
 Private behaviours elsewhere (no private name; they lean on how Keras works inside):
 - training/placement.py step_hooks: sets update_hooks' and gather_hooks' attributes on
@@ -28,6 +29,9 @@ from towers.compat.keras_layers import (  # noqa: F401
     every_batch_norm_moments, sublayers, own_weights, replace_sublayer, functional_graph,
     nodes_by_depth, move_variable, can_hold_in_slabs, hold_in_slabs, held_slabs,
     drop_weight, is_seed_state,
+)
+from towers.compat.keras_data import (  # noqa: F401
+    can_batch_arrays, array_batches, train_validation_split,
 )
 from towers.compat.keras_optimizers import (  # noqa: F401
     update_hooks, optimizer_knows, track_as_optimized, excluded_from_weight_decay,

@@ -48,3 +48,12 @@ def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
     return history, keras.callbacks.CallbackList(
         callbacks, model=model, verbose=1 if verbose else 0, epochs=epochs,
         steps=steps_per_epoch), own_progress
+
+
+def evaluate_list(trainer, callbacks, verbose):
+    """evaluate's callbacks, checked as callback_list checks them, as a CallbackList.
+    verbose: as keras.Model.evaluate takes it; evaluate prints no progress of its own."""
+    if verbose not in ("auto", 0, 1, 2):
+        raise ValueError(f"verbose must be 'auto', 0, 1 or 2, as keras.Model.evaluate takes "
+                         f"it, got {verbose!r}.")
+    return callback_list(trainer, callbacks, 1, None, 0)[1]

@@ -170,6 +170,39 @@ class EpochSteps:
                 self._epoch + 1, self._position + worker_batches)
 
 
+class SharedBatches:
+    """fit's batches where steps_per_epoch is given and the data is not a callable: one
+    iterator read on from epoch to epoch and started again where the data ends, as
+    keras.Model.fit's epoch iterator does it. Data that ends inside an epoch ends that
+    epoch early, with Keras's warning, and the next epoch starts it again; data of a
+    known length (inputs.Data.num_batches) that ends with an epoch starts again with the
+    next one, without a word. Data of an unknown length (a generator) that ends with an
+    epoch is found out by the next one, which gets no batch (so Keras's does too) and
+    starts it again after.
+    """
+
+    def __init__(self, data):
+        """data: an inputs.Data that is not a callable."""
+        self._batches, self._num_batches = data
+        self.iterator, self._seen = iter(self._batches), 0
+
+    def epoch_ended(self, steps, ran_out):
+        """After an epoch of `steps` steps; ran_out: the data ended before its last step."""
+        self._seen += steps
+        if ran_out:
+            warn_ran_out()
+        if ran_out or self._num_batches is not None and self._seen >= self._num_batches:
+            self.iterator, self._seen = iter(self._batches), 0
+
+
+def warn_ran_out():
+    """Keras's warning, word for word, for data that ended before the steps asked of it."""
+    logging.warning(
+        "Your input ran out of data; interrupting training. Make sure that your dataset or "
+        "generator can generate at least `steps_per_epoch * epochs` batches. You may need "
+        "to use the `.repeat()` function when building your dataset.")
+
+
 def limit(trainer, batch_index, steps_per_epoch, max_steps):
     """Steps the next execution may run: what is left of the epoch and of max_steps."""
     limits = [trainer.steps_per_execution]

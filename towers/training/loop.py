@@ -4,6 +4,8 @@ The trainer owns the step; this module only decides which batches to feed it
 and how to summarise what comes back.
 """
 
+import itertools
+import numbers
 import sys
 import time
 
@@ -14,23 +16,25 @@ from absl import logging
 from towers import errors
 from towers.errors import Preempted
 from towers.training import callbacks as callbacks_lib, class_weights, executions, first_batch
-from towers.training import preemption, py_datasets, resume
+from towers.training import inputs, preemption, py_datasets, resume
 
-def evaluate(trainer, data, callbacks=None):
+def evaluate(trainer, data, steps=None, callbacks=None):
     """The loss over every example of `data` (+ regularisation), each loss term's, and the
     metrics, as keras.Model.evaluate computes them (each batch's loss weighed by its rows).
 
-    `data`: one batch as a tuple (x, y[, sample_weight]), a tf.data.Dataset or
-    any iterable of such batches. `callbacks`: None or a
+    `data`: an inputs.Data. `steps`: at most this many batches (None = until the data
+    ends; fewer there are is warned of, as Keras does). `callbacks`: None or a
     keras.callbacks.CallbackList, whose on_test_* hooks are called as
     keras.Model.evaluate calls them.
     """
-    batches = [data] if isinstance(data, tuple) else _batches("data", data)
     callbacks = callbacks or keras.callbacks.CallbackList()
+    epoch_hooks = py_datasets.EpochHooks(data.batches)
     trainer.metrics.reset()
     callbacks.on_test_begin()
-    means, logs = _LossMeans(trainer.objective), {}
-    for index, batch in enumerate(batches):
+    epoch_hooks.before_fit()
+    epoch_hooks.epoch_begins()
+    means, logs, index = _LossMeans(trainer.objective), {}, -1
+    for index, batch in enumerate(itertools.islice(data.batches, steps)):
         callbacks.on_test_batch_begin(index)
         batch_logs = trainer.eval_step(batch)
         means.add(batch_logs, steps=1)
@@ -38,23 +42,54 @@ def evaluate(trainer, data, callbacks=None):
         callbacks.on_test_batch_end(index, logs)
     if not means.examples:
         raise ValueError("evaluate got no batches; pass a batch or a non-empty dataset.")
+    if steps is not None and index + 1 < steps:
+        executions.warn_ran_out()
+    epoch_hooks.epoch_ends()
     callbacks.on_test_end(logs)
     return logs
 
 
-def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
-        max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None,
-        class_weight=None):
+def keras_list(trainer, logs):
+    """evaluate's logs as keras.Model.evaluate(return_dict=False) lists them: "loss",
+    each loss term's, the metrics, then the other logs by name; one number alone as it."""
+    names = ["loss", *trainer.objective.names, *trainer.metrics.names]
+    values = [logs[name] for name in names] + [logs[name] for name in sorted(logs)
+                                                if name not in names]
+    return values[0] if len(values) == 1 else values
+
+
+def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+        sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1, *, max_steps=None, checkpointer=None,
+        log_dir=None):
     """Runs epochs of tower steps; returns a keras.callbacks.History.
 
-    Args:
-      dataset: a tf.data.Dataset or iterable of batches, or a callable
-        epoch -> one of those. A callable gives each epoch its own reproducible
-        order, which is what lets a checkpoint resume in the middle of an epoch.
-      epochs: epochs to reach (counting epochs already done in a restored run).
-      steps_per_epoch: batches per epoch; None = one pass over the data. With
-        a plain (non-callable) dataset one iterator continues across epochs.
-      validation_data: evaluated after each epoch (see `evaluate`), "val_" logs.
+    The arguments up to validation_freq are keras.Model.fit's, meant as it means them:
+      x, y, sample_weight, batch_size, shuffle: the data, in any form inputs.py lists:
+        arrays (with y) batched as Keras batches them, a tf.data.Dataset, a
+        keras.utils.PyDataset, an iterable of (x, y[, sample_weight]) batches, or (towers'
+        own) a callable epoch -> one of those. A callable gives each epoch its own
+        reproducible order, which is what lets a checkpoint resume in the middle of an
+        epoch.
+      epochs: the epoch to end at (counting epochs already done in a restored run, and
+        initial_epoch, the one to start at).
+      steps_per_epoch: batches per epoch; None = one pass over the data. Otherwise one
+        iterator continues across epochs, and data that ends starts again as Keras's
+        does (executions.SharedBatches).
+      validation_split: the last fraction of the arrays' rows held out to validate on.
+      validation_data: evaluated after each epoch whose number (from 1) validation_freq
+        (an int: every that many; a list: those) names, "val_" logs; at most
+        validation_steps batches; arrays batched by validation_batch_size or batch_size.
+      verbose: "auto" (a progress bar on a terminal, else log lines), 0 or False
+        (nothing), 1 or True (a progress bar), 2 (log lines).
+      callbacks: keras.callbacks.Callback objects, called as keras.Model.fit
+        calls them (see callbacks.py); a keras.callbacks.ProgbarLogger among
+        them replaces the trainer's own progress output.
+      class_weight: None, or {class index: weight}: each training batch's sample
+        weights from its labels, as keras.Model.fit makes them (one output only,
+        not with sample weights; validation is not weighted).
+    towers' own, keyword-only:
       max_steps: stop once trainer.step reaches this many optimizer steps.
       checkpointer: a towers.Checkpointer of the trainer's model and optimizer
         (another is refused before any step); the run first resumes from its
@@ -65,43 +100,32 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
       every worker restores. A worker whose data ends before the others' takes
       part in their steps with an empty part; every worker's epoch ends after
       the last step any worker had a batch for (docs/multi_worker.md).
-      verbose: "auto" (a progress bar on a terminal, else log lines), 0 or False
-        (nothing), 1 or True (a progress bar), 2 (log lines).
-      callbacks: keras.callbacks.Callback objects, called as keras.Model.fit
-        calls them (see callbacks.py); a keras.callbacks.ProgbarLogger among
-        them replaces the trainer's own progress output.
-      class_weight: None, or {class index: weight}: each training batch's sample
-        weights from its labels, as keras.Model.fit makes them (one output only,
-        not with sample weights; validation is not weighted).
 
     The logs the callbacks and the History see are Keras's: "loss" (the mean
     over the epoch's examples so far) and the metrics, then "val_" ones; the
     epoch logs add "examples_per_sec" (all towers together, since the epoch
     began), and "loss_scale" with loss scaling.
     """
-    if getattr(epochs, "ndim", 0) > 0:  # keras.Model.fit's fit(x, y)
-        raise ValueError(
-            f"fit takes batches, not x and y: its second argument is epochs, got an array of "
-            f"shape {tuple(epochs.shape)}. Pass one dataset of (x, y) batches, e.g. "
-            "fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32)) or fit([(x, y)]).")
-    if isinstance(dataset, tuple) and any(getattr(part, "ndim", 0) > 0 for part in dataset):
-        raise ValueError(
-            "fit takes batches, and dataset (x, y) of arrays is one batch: pass fit([(x, y)]) "
-            "for that batch each epoch, or fit(tf.data.Dataset.from_tensor_slices((x, y))"
-            ".batch(32)) for batches of 32.")
     if epochs is None:
         raise ValueError("epochs must be an integer >= 1, got None.")
-    epochs, steps_per_epoch, max_steps = _positive_integers(
-        epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps)
-    if not callable(dataset):
-        _batches("dataset", dataset, f"{_BATCHES}, or a callable epoch -> one of those")
+    epochs, steps_per_epoch, max_steps, validation_steps = _positive_integers(
+        epochs=epochs, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+        validation_steps=validation_steps)
+    initial_epoch = _epoch_number("initial_epoch", initial_epoch)
+    should_validate = _validation_epochs(validation_freq)
     if verbose not in ("auto", 0, 1, 2):  # True and False are 1 and 0
         raise ValueError(f"verbose must be 'auto', 0 (silent), 1 (a progress bar) or 2 (log "
                          f"lines), as keras.Model.fit takes it, got {verbose!r}.")
-    if validation_data is not None and not isinstance(validation_data, tuple):
-        _batches("validation_data", validation_data)
-    epoch_hooks = py_datasets.EpochHooks(dataset)
-    dataset = class_weights.weighted(dataset, class_weight)
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = inputs.split_for_validation(
+            x, y, sample_weight, validation_split)
+    train = inputs.data("x", x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                        forms=f"{inputs.FORMS}, or a callable epoch -> one of those")
+    if validation_data is not None:
+        validation_data = inputs.validation(validation_data,
+                                            validation_batch_size or batch_size)
+    epoch_hooks = py_datasets.EpochHooks(train.batches)
+    dataset = class_weights.weighted(train.batches, class_weight)
     if checkpointer is not None:
         if trainer.cluster is not None and trainer.options.variable_placement == "spread":
             raise ValueError("a checkpointer cannot save variable_placement='spread' in a "
@@ -111,17 +135,19 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
     summaries = _Summaries(log_dir if chief else None)  # a log_dir refused before any work
-    epoch, skip = 0, 0
+    epoch, skip = initial_epoch, 0
     if checkpointer is not None:
         dataset = resume.build_for_restore(trainer, checkpointer, dataset)
         if checkpointer.restore():
             epoch, skip = int(checkpointer.epoch), int(checkpointer.batch_in_epoch)
     if validation_data is not None:  # refused before the first epoch, not after it
         dataset = first_batch.set_up_before_fit(trainer, dataset, "to check validation_data")
-        validation_data = first_batch.check_validation(trainer, validation_data)
+        validation_data = validation_data._replace(
+            batches=first_batch.check_validation(trainer, validation_data.batches))
     history, callbacks, own_progress = callbacks_lib.callback_list(
         trainer, callbacks, epochs, steps_per_epoch, verbose)
-    shared_iterator = None if callable(dataset) or not steps_per_epoch else iter(dataset)
+    shared = (executions.SharedBatches(train._replace(batches=dataset))
+              if steps_per_epoch and not callable(dataset) else None)
     callbacks.on_train_begin()
     epoch_hooks.before_fit()
     epoch_logs = None
@@ -131,7 +157,7 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             callbacks.on_epoch_begin(epoch)
             epoch_hooks.epoch_begins()
             steps = executions.EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip,
-                                           shared_iterator)
+                                           shared and shared.iterator)
             progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
             start, means, batch_index, logs = time.perf_counter(), _LossMeans(trainer.objective), skip, {}
             broke_off = False
@@ -160,7 +186,10 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
                     break
             if not broke_off:
                 epoch_hooks.epoch_ends()
-            if batch_index == skip:
+            if shared is not None:
+                shared.epoch_ended(batch_index - skip,
+                                   ran_out=not broke_off and batch_index < steps_per_epoch)
+            elif batch_index == skip:
                 if skip:  # resumed after the last batch of an epoch of unknown length
                     epoch, skip = epoch + 1, 0
                     continue
@@ -170,11 +199,12 @@ def fit(trainer, dataset, epochs=1, steps_per_epoch=None, validation_data=None, 
             epoch_logs = _logs(trainer, means)
             epoch_logs.update({name: logs[name] for name in ("examples_per_sec", "loss_scale")
                                if name in logs})
-            if validation_data is not None:
-                val_logs = evaluate(trainer, validation_data, callbacks)
+            if validation_data is not None and should_validate(epoch + 1):
+                val_logs = evaluate(trainer, validation_data, validation_steps, callbacks)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
                 summaries.evaluation(trainer, val_logs)
-            progress.finish(batch_index, {**epoch_logs, "skipped_steps": logs["skipped_steps"]})
+            progress.finish(batch_index, {**epoch_logs,
+                                          "skipped_steps": logs.get("skipped_steps", 0)})
             callbacks.on_epoch_end(epoch, epoch_logs)
             epoch, skip = (_next_position(epoch, batch_index, steps_per_epoch) if broke_off
                            else (epoch + 1, 0))
@@ -295,17 +325,6 @@ class _Summaries:
         self._writer.flush()
 
 
-_BATCHES = "a tf.data.Dataset or an iterable of (x, y[, sample_weight]) batches"
-
-
-def _batches(name, data, forms=f"a batch (x, y[, sample_weight]), {_BATCHES}"):
-    """`data`, refused in one line naming `name` and the `forms` it may take unless it
-    is iterable (a tf.data.Dataset, an iterator, a list of batches)."""
-    if not (hasattr(data, "__iter__") or hasattr(data, "__getitem__")):
-        raise ValueError(f"{name} must be {forms}, got {type(data).__name__}.")
-    return data
-
-
 def _reached(trainer, max_steps):
     return max_steps is not None and trainer.step >= max_steps
 
@@ -315,6 +334,23 @@ def _positive_integers(**values):
     as Python ints; ValueError, naming it, for anything else (a float, a bool, 0)."""
     return tuple(None if value is None else errors.positive_integer(name, value)
                  for name, value in values.items())
+
+
+def _epoch_number(name, value):
+    """`value` as a Python int where it is an integer >= 0; ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (an epoch's index), got {value!r}.")
+    return int(value)
+
+
+def _validation_epochs(validation_freq):
+    """validation_freq as keras.Model.fit takes it, as a test of an epoch's number (from
+    1): an integer N (every N-th epoch) or a list of epoch numbers."""
+    if isinstance(validation_freq, (list, tuple)):
+        epochs = {_epoch_number("validation_freq's epochs", epoch) for epoch in validation_freq}
+        return epochs.__contains__
+    every = errors.positive_integer("validation_freq", validation_freq)
+    return lambda epoch: epoch % every == 0
 
 
 def _bar_values(logs):

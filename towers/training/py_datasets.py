@@ -1,10 +1,12 @@
-"""A keras.utils.PyDataset in fit: its epoch hooks called as keras.Model.fit calls them.
+"""A keras.utils.PyDataset in fit and evaluate: its epoch hooks called as Keras calls them.
 
 keras.Model.fit resets its epoch iterator before the first epoch, which calls the
 dataset's `on_epoch_end` once; then, each epoch, `on_epoch_begin` before the first batch
 and `on_epoch_end` after the last one, before validation (not after an epoch that
-stopped early). A dataset that reshuffles in `on_epoch_end` so trains on the same orders
-as under Keras's fit(shuffle=False): towers reads the batches in their order.
+stopped early). keras.Model.evaluate (fit's validation too) calls `on_epoch_end`, then
+`on_epoch_begin` and `on_epoch_end` around its batches. A dataset that reshuffles in
+`on_epoch_end` so trains on the same orders as under Keras's fit(shuffle=False): towers
+reads the batches in their order.
 
 Its batches are read one at a time in the training thread, so a PyDataset built to load
 them in parallel (workers > 1, use_multiprocessing=True) is refused in one line rather

@@ -14,8 +14,9 @@ from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
-from towers.training import arguments, compiled, compiled_steps, executions, first_batch, loop
-from towers.training import metrics as metrics_lib, overrides, placement, prefetch
+from towers.training import arguments, callbacks as callbacks_lib, compiled, compiled_steps
+from towers.training import executions, first_batch, inputs, loop, metrics as metrics_lib
+from towers.training import overrides, placement, prefetch
 from towers.training import recompute as recompute_lib, trainable, worker_signals
 
 
@@ -277,24 +278,39 @@ class TowerTrainer:
         if self.signals is not None:
             self.signals.stop_requested.assign(1.0)
 
-    def evaluate(self, data):
-        """Mean loss (+ metrics) over a batch, a tf.data.Dataset or an iterable of batches."""
-        return loop.evaluate(self, data)
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=True):
+        """The loss (+ metrics) over the data, as keras.Model.evaluate computes it.
 
-    def fit(self, dataset, epochs=1, steps_per_epoch=None, validation_data=None, *,
-            max_steps=None, checkpointer=None, log_dir=None, verbose="auto", callbacks=None,
-            class_weight=None):
-        """Trains for `epochs` epochs over `dataset`; returns a keras.callbacks.History.
-
-        See towers.training.loop.fit for every argument: `dataset` may be a callable
-        epoch -> batches, `checkpointer` resumes and saves, `log_dir` gets
-        TensorBoard summaries, `callbacks` are Keras callbacks, `class_weight`
-        weighs the batches' rows by their labels as keras.Model.fit does.
+        The arguments are keras.Model.evaluate's, meant as it means them: x, y,
+        sample_weight, batch_size in any form training/inputs.py lists (arrays with y,
+        a (x, y[, sample_weight]) tuple of them, a tf.data.Dataset, a PyDataset, an
+        iterable of batches); at most `steps` batches; callbacks' on_test_* hooks
+        called. Returns a dict of floats, or with return_dict=False Keras's list
+        ("loss", the metrics, then the other logs by name; one number alone as it).
         """
-        return loop.fit(self, dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                        validation_data=validation_data, max_steps=max_steps,
-                        checkpointer=checkpointer, log_dir=log_dir, verbose=verbose,
-                        callbacks=callbacks, class_weight=class_weight)
+        data = inputs.data("x", x, y, sample_weight, batch_size=batch_size)
+        steps = None if steps is None else errors.positive_integer("steps", steps)
+        logs = loop.evaluate(self, data, steps, callbacks_lib.evaluate_list(self, callbacks,
+                                                                             verbose))
+        return logs if return_dict else loop.keras_list(self, logs)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1, *, max_steps=None,
+            checkpointer=None, log_dir=None):
+        """Trains for `epochs` epochs; returns a keras.callbacks.History.
+
+        keras.Model.fit's arguments, meant as it means them (x may also be a callable
+        epoch -> batches), then towers' own: `max_steps`, `checkpointer` (resumes and
+        saves), `log_dir` (TensorBoard summaries). See towers.training.loop.fit.
+        """
+        return loop.fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_split,
+                        validation_data, shuffle, class_weight, sample_weight, initial_epoch,
+                        steps_per_epoch, validation_steps, validation_batch_size,
+                        validation_freq, max_steps=max_steps, checkpointer=checkpointer,
+                        log_dir=log_dir)
 
     def eval_step(self, batch):
         """One evaluation batch: its logs as train_step computes them, without a step
