@@ -15,8 +15,8 @@ from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import arguments, compiled, compiled_steps, executions, first_batch, loop
-from towers.training import metrics as metrics_lib, overrides, placement, prefetch
-from towers.training import recompute as recompute_lib, trainable, worker_signals
+from towers.training import metrics as metrics_lib, overrides, placement, predict as predict_lib
+from towers.training import prefetch, recompute as recompute_lib, trainable, worker_signals
 
 
 class TowerTrainer:
@@ -296,6 +296,16 @@ class TowerTrainer:
                         checkpointer=checkpointer, log_dir=log_dir, verbose=verbose,
                         callbacks=callbacks, class_weight=class_weight)
 
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """keras.Model.predict, every tower its shard of each batch (training/predict.py)."""
+        return predict_lib.predict(self, x, batch_size, verbose, steps, callbacks)
+
+    def predict_on_batch(self, x):
+        """keras.Model.predict_on_batch: each tower's outputs for its shard, in row order."""
+        overrides.check_can_predict(self.model)
+        batch, key = self._prepare((x,), "predict")
+        return self._call(key, batch)
+
     def eval_step(self, batch):
         """One evaluation batch: its logs as train_step computes them, without a step
         ("loss", each loss term's, "examples", the metrics' results), as floats."""
@@ -332,7 +342,8 @@ class TowerTrainer:
     def _prepare(self, batch, kind):
         """Checks a batch; returns it as Tensors and the key of the compiled `kind` step
         for it, traced once per batch structure (self._compiled), in two variants: one
-        for batches that give every micro-batch a row, one that skips empty ones."""
+        for batches that give every micro-batch a row, one that skips empty ones.
+        `kind`: "train", "eval", or "predict", whose batch is (x,)."""
         self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
             key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch), batch)
@@ -340,8 +351,8 @@ class TowerTrainer:
                 return batch, key
         if isinstance(batch, split.Shards):
             batch = split.Shards(split.checked_batch(shard) for shard in batch)
-        else:
-            batch = split.checked_batch(batch)
+        else:  # predict's batch is (x,)
+            batch = split.as_batch(batch) if kind == "predict" else split.checked_batch(batch)
         if self.cluster is None:
             split.check_not_empty(batch)
         if self.signals is not None and kind == "train":
@@ -349,17 +360,21 @@ class TowerTrainer:
         # A batch of a new structure is checked before its step is traced: the first by
         # set_up, later ones by check_batch (a trace would say what fails in 20 lines).
         check = functools.partial(first_batch.check_batch, self)
-        if self.setup.trainable_ids is None:
+        if kind == "predict" and self.setup.trainable_ids is None:  # before the first step
+            first_batch.set_up_to_predict(self, batch)
+        elif self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
             check = None
         if kind == "train":
             self.setup.statistics.warn_single_rows(compiled_steps.micro_batch_rows(self.setup,
                                                                                    batch))
         variant = compiled_steps.variant(self.setup, kind, batch)
-        step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
+        step = {"train": compiled_steps.train_step, "eval": compiled_steps.eval_step,
+                "predict": compiled_steps.predict_step}[kind]
         may_be_empty = variant != kind
         return batch, self._compiled.for_batch(
-            variant, batch, lambda batch: step(self, batch, may_be_empty), check)
+            variant, batch, lambda batch: step(self, batch, may_be_empty), check,
+            packed=kind != "predict")
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
