@@ -1,5 +1,6 @@
 """A model overriding Keras's step methods (train_step, test_step, compute_loss,
-compute_metrics) is refused in one line naming the class, the methods and tower_step;
+compute_metrics) is refused in one line naming the class, the methods and tower_step, and
+one overriding predict_step trains but TowerTrainer.predict refuses it in one line;
 Sequential, functional and a subclass overriding only call and build train as one device."""
 
 import re
@@ -122,12 +123,16 @@ class AcceptedTest(tf.test.TestCase):
         for want, got in zip(expected, model.weights):
             self.assertAllClose(want, got.numpy(), atol=1e-6, rtol=1e-6)
 
-    def test_predict_step_overridden(self):
-        # TowerTrainer never predicts: the override changes nothing it computes, and
-        # model.predict still runs it.
+    def test_predict_step_overridden_trains_and_refuses_predict(self):
+        # Training never calls predict_step: the model trains, and model.predict still
+        # runs the override. TowerTrainer.predict would call it on each tower's shard,
+        # not on the whole batch as Keras does: refused in one line naming it.
         class Decoding(Mlp):
             def predict_step(self, data):
                 return keras.ops.argmax(super().predict_step(data), axis=-1)
+
+        class Subclass(Decoding):  # inherits the override
+            pass
 
         model = Decoding()
         trainer = _trainer(model)
@@ -135,6 +140,15 @@ class AcceptedTest(tf.test.TestCase):
         trainer.train_step((x, y, w))
         predicted = model.predict(x, verbose=0)
         self.assertAllEqual(predicted, np.argmax(model(x), axis=-1))
+        for model, named in ((model, "predict_step"), (Subclass(), "predict_step (in Decoding)")):
+            for call in (lambda: _trainer(model).predict(x, verbose=0),
+                         lambda: _trainer(model).predict_on_batch(x)):
+                with self.assertRaises(ValueError) as raised:
+                    call()
+                text = str(raised.exception)
+                self.assertNotIn("\n", text)
+                self.assertRegex(text, rf"^model {type(model).__name__} overrides keras.Model's "
+                                       rf"{re.escape(named)}, ")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ def can_batch_arrays(arrays):
     return array_data_adapter.can_convert_arrays(arrays)
 
 
-def array_batches(x, y, sample_weight, batch_size, shuffle):
+def array_batches(x, y, sample_weight, batch_size, shuffle, steps=None):
     """A tf.data.Dataset of the batches keras.Model.fit makes of arrays: (x, y) or
-    (x, y, sample_weight) tuples of `batch_size` rows (32 if None), the last one
-    partial, in the rows' order or (shuffle=True) in a new random order each time it is
+    (x, y, sample_weight) tuples (x alone, or (x,) for a list or tuple x, where y and
+    sample_weight are None, as predict's) of `batch_size` rows (if None: the rows over
+    `steps` batches, or 32), the last one partial, in the rows' order or (shuffle=True) in a new random order each time it is
     iterated (shuffle="batch": the batches' order). Its number of batches is
     `.num_batches` beside it: (dataset, num_batches).
 
@@ -29,7 +30,7 @@ def array_batches(x, y, sample_weight, batch_size, shuffle):
     the arrays into the graph and shuffles otherwise than Keras ("batch").
     """
     adapter = array_data_adapter.ArrayDataAdapter(
-        x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle)
+        x, y, sample_weight=sample_weight, batch_size=batch_size, steps=steps, shuffle=shuffle)
     return adapter.get_tf_dataset(), adapter.num_batches
 
 

@@ -2,11 +2,13 @@
 
 trainer (`TowerTrainer`: options, checks, calling the compiled step), arguments (its
 arguments as Keras users type them), placement (its devices as towers x stages x parts:
-the step's set-up), compiled_steps (the bodies it compiles: the train step, steps 1-6, and
-the eval step), overrides (a model overriding train_step or compute_loss refused),
+the step's set-up), compiled_steps (the bodies it compiles: the train step, steps 1-6, the
+eval step and the predict step), overrides (a model overriding train_step or compute_loss
+refused; predict_step refused by predict),
 first_batch (building and checking on the first batch), compiled (one tf.function per
 batch structure), executions (step 7: several steps per call, an in-graph loop), loop
-(`fit`, `evaluate`, progress, summaries), py_datasets (a PyDataset's epoch hooks),
+(`fit`, `evaluate`, progress, summaries), predict (`predict`: x in batches, every tower
+its shard, the outputs in row order), py_datasets (a PyDataset's epoch hooks),
 metrics, callbacks (Keras callbacks), checkpoint (`Checkpointer`), preemption
 (SIGTERM/SIGINT finish the step and save), prefetch (shards staged on their towers'
 devices ahead of the step).

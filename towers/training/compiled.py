@@ -5,7 +5,8 @@ uneven and short batches reuse it) and then called as its traced graph,
 without tf.function's argument matching. A batch of Tensors whose structure
 was seen before is recognised by a cheap signature, with no specs built or
 compared. A function's logs come back packed in one float64 vector: one
-device-to-host read per call.
+device-to-host read per call. A predict step's outputs come back as they are,
+as NumPy arrays.
 """
 
 import functools
@@ -44,11 +45,12 @@ class CompiledFunctions:
         signature = _signature(batch)
         return None if signature is None else self._known.get((kind, signature))
 
-    def for_batch(self, kind, batch, step, check=None):
+    def for_batch(self, kind, batch, step, check=None, packed=True):
         """The key of `kind`'s function for `batch` (checked Tensors, or split.Shards of
         them), traced now if its structure is new.
 
-        step: fn(batch) -> a dict of scalar logs (packed: one read per call).
+        step: fn(batch) -> a dict of scalar logs (packed: one read per call), or with
+          packed=False any nest of Tensors (a predict step's outputs).
         check: None, or fn(batch), called before a function is traced for a new
           structure; it raises for a batch the step cannot take.
         """
@@ -63,7 +65,8 @@ class CompiledFunctions:
             if is_shards:  # the one argument comes as a list: Shards again inside
                 step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(
-                self._packed(key, step), input_signature=[spec], autograph=False)
+                self._packed(key, step) if packed else step, input_signature=[spec],
+                autograph=False)
             with self._tracing():
                 self._graphs[key] = self._functions[key].get_concrete_function()
         signature = _signature(batch)
@@ -87,13 +90,16 @@ class CompiledFunctions:
                 self._packed(key, functools.partial(converted, *bound)), autograph=False)
 
     def call(self, key, *args):
-        """Calls the function of `key`; its logs come back as Python floats."""
+        """Calls the function of `key`; its logs come back as Python floats (a function
+        compiled with packed=False: its outputs, as NumPy arrays in their nest)."""
         if key in self._graphs:
             # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
             result = self._graphs[key](*args)
         else:
             with self._tracing():  # a function added (not traced) yet traces when called
                 result = self._functions[key](*args)
+        if key not in self._log_names:
+            return tf.nest.map_structure(lambda t: t.numpy(), result)
         values = result.numpy()  # the call's one device-to-host read
         return dict(zip(self._log_names[key], values.tolist()))
 

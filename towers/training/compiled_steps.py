@@ -1,4 +1,5 @@
-"""The bodies TowerTrainer compiles: the train step (steps 1-6) and the eval step.
+"""The bodies TowerTrainer compiles: the train step (steps 1-6), the eval step and the
+predict step.
 
 Each takes the trainer and reads only its public attributes (model, objective,
 optimizer, metrics, setup, cluster, signals); call them
@@ -59,9 +60,11 @@ def train_step_any_rows(trainer, batch):
 
 
 def variant(setup, kind, batch):
-    """`kind` ("train", "eval"), or `kind`_with_empty_parts for a batch (Tensors) that
-    leaves a micro-batch of a tower without a row: the step traced for such batches."""
-    fills = fills_every_micro_batch(setup, batch)
+    """`kind` ("train", "eval", "predict"), or `kind`_with_empty_parts for a batch
+    (Tensors) that leaves a micro-batch of a tower without a row (predict: a tower, which
+    runs its shard whole): the step traced for such batches."""
+    fills = (split.smallest_shard_rows(batch, setup.mesh.num_towers) >= 1 if kind == "predict"
+             else fills_every_micro_batch(setup, batch))
     return kind if fills is True else f"{kind}_with_empty_parts"
 
 
@@ -179,3 +182,19 @@ def eval_step(trainer, batch, may_be_empty):
         return {"loss": loss, **dict(zip(objective.names, term_losses)),
                 "examples": split_batch.batch_rows,
                 **metric_logs}
+
+
+def predict_step(trainer, batch, may_be_empty):
+    """The model's outputs for `batch`, (x,): each tower's for its shard, computed as
+    eval_step computes them (inference mode, on the tower's copies of the weights, its
+    shard whole through its stages), concatenated in row order on the main device, in
+    the structure the model returns. No variable changes."""
+    setup = trainer.setup
+    split_batch = SplitBatch(setup, batch)                                          # 1
+    outputs = []
+    for _, this_tower in split_batch.towers(copy_weights):                         # 2
+        with setup.tower_scope(this_tower.index):
+            (y_pred, _), _ = forward.predict(setup.stages, this_tower, may_be_empty)  # 3
+        outputs.append(y_pred)
+    with tf.device(setup.main_device):
+        return forward.concat_rows(outputs)

@@ -110,17 +110,34 @@ def _peeked(data):
     return batch, data
 
 
+def set_up_to_predict(trainer, batch):
+    """Before the first step, what predict needs of it, on `batch` ((x,), Tensors): the
+    model built on the main device on its first examples (check_examples) and cut into
+    stages, its variables placed (check_model); the loss, metrics and optimizer are left
+    to the first train or eval batch (set_up). A model set up so far: its columns
+    indexed for the trainable set now (a layer frozen since), for a predict step traced
+    now; one traced before reads the same values and stays."""
+    if trainer.setup.stages is not None:
+        trainer.setup.columns.reindex()
+        return
+    with tf.device(trainer.setup.main_device):
+        check_examples(trainer, batch)
+        check_model(trainer)
+
+
 def check_batch(trainer, batch):
     """Checks a batch (Tensors, or split.Shards of them) of a structure the steps have
     not been traced for, before it is: the model and the loss run eagerly on its first
     examples (check_examples), and a sparse loss's labels, all of them, are class ids
     (float labels for a trainer set up on integer ones are a new structure), on the main
-    device. A batch of no rows (a cluster worker's batch) passes: its structure is that
-    of a batch the worker had."""
+    device; of predict's (x,), the model only. A batch of no rows (a cluster worker's
+    batch) passes: its structure is that of a batch the worker had."""
     parts = batch if isinstance(batch, split.Shards) else [batch]
     if split.batch_size(parts[0]) != 0:
         with tf.device(trainer.setup.main_device):
             check_examples(trainer, parts[0])
+            if len(parts[0]) == 1:  # predict's (x,): no labels
+                return
             for part in parts:
                 losses.check_sparse_labels(trainer.objective, split.unpack_batch(part)[1])
 
@@ -146,6 +163,7 @@ def check_examples(trainer, batch, shown=None):
     """Runs the model and the loss eagerly on the first two examples of `batch`; returns
     (y, (y_pred, output masks), sample_weight) of them. `shown`: what the messages give
     the shapes of (the batch's parts, or their tf.TensorSpec); by default `batch`.
+    Predict's batch (x,) runs the model only (y and sample_weight None).
 
     Two rows, not one: a weight of the wrong shape would broadcast over one.
 
@@ -154,7 +172,9 @@ def check_examples(trainer, batch, shown=None):
         (the model's inputs), y (its outputs and the loss) or sample_weight.
     """
     shown = batch if shown is None else shown
-    x, y, sample_weight = split.unpack_batch(tf.nest.map_structure(lambda t: t[:2], batch))
+    first = tf.nest.map_structure(lambda t: t[:2], batch)
+    x, y, sample_weight = (first[0], None, None) if len(first) == 1 else \
+        split.unpack_batch(first)
     _check_inputs(trainer.model, x, shown[0])
     try:
         with keras.StatelessScope():  # a check: what the call assigns (a counter) is dropped
@@ -163,6 +183,8 @@ def check_examples(trainer, batch, shown=None):
         raise ValueError(
             f"model {trainer.model.name!r} failed on x, {_shapes(shown[0])}: "
             f"{errors.root_cause(error)}. Check that x matches the model's inputs.") from None
+    if len(first) == 1:  # predict's: no labels
+        return None, (y_pred, losses.output_masks(y_pred)), None
     if isinstance(y, dict) and isinstance(y_pred, dict) and set(y) - set(y_pred):
         raise ValueError(
             f"y has key(s) {sorted(set(y) - set(y_pred))}, which name no output of model "

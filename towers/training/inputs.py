@@ -24,6 +24,8 @@ from towers import compat, errors
 
 _BATCHES = "a tf.data.Dataset or an iterable of (x, y[, sample_weight]) batches"
 FORMS = f"arrays with y, {_BATCHES}"
+PREDICT_FORMS = ("an array or Tensor with a row per example (or a list or dict of them), a "
+                 "tf.data.Dataset, a keras.utils.PyDataset or an iterable of batches")
 
 Data = collections.namedtuple("Data", ["batches", "num_batches"])
 Data.__doc__ = """What a loop iterates: `batches` (a tf.data.Dataset, an iterable of
@@ -45,14 +47,23 @@ def data(name, x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
     for argument, value in (("y", y), ("sample_weight", sample_weight),
                             ("batch_size", batch_size)):
         if value is not None:
-            raise ValueError(
-                f"{argument} must be None when {name} is a {type(x).__name__}: its batches "
-                f"carry {'their size' if argument == 'batch_size' else 'it'}, as Keras's "
-                f"fit takes them; got {argument}={_short(value)}"
-                + (f" (epochs is fit's fourth argument, as keras.Model.fit's: pass "
-                   f"epochs={value})." if argument == "y" and _is_count(value) else "."))
+            raise ValueError(_carried(argument, value, name, x))
     if callable(x) and not isinstance(x, keras.utils.PyDataset):
         return Data(x, None)
+    return Data(x, num_batches(x))
+
+
+def predict_data(x, batch_size=None, steps=None):
+    """predict's x as a Data, as keras.Model.predict takes it: arrays (a list, tuple or
+    dict of them per input too) in batches of `batch_size` rows (None: the rows over
+    `steps` batches, or 32); a tf.data.Dataset, a PyDataset or an iterable of batches
+    as they are, each batch x, (x,) or (x, y[, sample_weight]) (batch_size refused)."""
+    if not _carries_batches(x) or isinstance(x, list):
+        return _arrays("x", x, None, None, batch_size, False, PREDICT_FORMS, steps)
+    if callable(x) and not isinstance(x, keras.utils.PyDataset):
+        raise ValueError(f"x must be {PREDICT_FORMS}; got a {type(x).__name__}.")
+    if batch_size is not None:
+        raise ValueError(_carried("batch_size", batch_size, "x", x))
     return Data(x, num_batches(x))
 
 
@@ -88,26 +99,33 @@ def num_batches(batches):
         cardinality = int(batches.cardinality())
         return cardinality if cardinality >= 0 else None
     if isinstance(batches, keras.utils.PyDataset):
-        return batches.num_batches
+        try:
+            return batches.num_batches
+        except NotImplementedError:  # an infinite one that does not say so
+            return None
     return len(batches) if hasattr(batches, "__len__") else None
 
 
-def _arrays(name, x, y, sample_weight, batch_size, shuffle, forms):
+def _arrays(name, x, y, sample_weight, batch_size, shuffle, forms, steps=None):
+    """Arrays as a Data of Keras's batches; y None only for predict (forms=PREDICT_FORMS)."""
     if x is None or not compat.can_batch_arrays((x, y, sample_weight)):
         given = ", ".join(f"{key}={type(value).__name__}" for key, value in
                           (("x", x), ("y", y), ("sample_weight", sample_weight))
                           if value is not None) or "x=None"
         raise ValueError(f"{name} must be {forms}; got {given}.")
-    if y is None:
+    if y is None and forms is not PREDICT_FORMS:
         what = "a list of arrays" if isinstance(x, list) else "arrays"
         raise ValueError(f"{name} is {what} and y is None: give y, the targets (fit(x, y)), "
                          "or batches of (x, y).")
     if batch_size is not None:
         batch_size = errors.positive_integer("batch_size", batch_size)
     try:
-        return Data(*compat.array_batches(x, y, sample_weight, batch_size, shuffle))
+        arrays = Data(*compat.array_batches(x, y, sample_weight, batch_size, shuffle, steps))
     except ValueError as error:  # Keras's words, over several lines: one here
         raise ValueError(f"{name}: " + " ".join(str(error).split())) from None
+    if not arrays.num_batches:
+        raise ValueError(f"{name} has no rows; pass arrays with at least one row.")
+    return arrays
 
 
 def _carries_batches(x):
@@ -124,6 +142,15 @@ def _is_batch_of_arrays(x):
 
 def _is_array(value):
     return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _carried(argument, value, name, x):
+    """The one line refusing `argument` beside data `x` that comes in batches."""
+    return (f"{argument} must be None when {name} is a {type(x).__name__}: its batches carry "
+            f"{'their size' if argument == 'batch_size' else 'it'}, as Keras's fit takes "
+            f"them; got {argument}={_short(value)}"
+            + (f" (epochs is fit's fourth argument, as keras.Model.fit's: pass "
+               f"epochs={value})." if argument == "y" and _is_count(value) else "."))
 
 
 def _is_count(value):

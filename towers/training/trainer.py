@@ -16,7 +16,7 @@ from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import arguments, callbacks as callbacks_lib, compiled, compiled_steps
 from towers.training import executions, first_batch, inputs, loop, metrics as metrics_lib
-from towers.training import overrides, placement, prefetch
+from towers.training import overrides, placement, predict as predict_lib, prefetch
 from towers.training import recompute as recompute_lib, trainable, worker_signals
 
 
@@ -30,9 +30,8 @@ class TowerTrainer:
       optimizer: as given, wrapped in keras.optimizers.LossScaleOptimizer when
         the model computes in float16 (a mixed_float16 policy) and it is not one.
       devices: tower device names, e.g. ["/device:CPU:0", "/device:CPU:1"]; with
-        pipeline_cuts a grid, one row per tower and one device per stage. (For a
-        model with split layers the constructor also takes a grid, one row per
-        tower and one device per part; this attribute then holds each row's first.)
+        pipeline_cuts a grid, one row per tower and one device per stage (with
+        split layers, each tower's first part's device).
       main_device: where the variables live and the gradients are averaged
         (with pipeline stages: stage 0's; stage k's is devices[0][k]).
       pipeline_cuts: None, or the names of the layers the model is cut after
@@ -65,7 +64,7 @@ class TowerTrainer:
         worker applies the same update of the whole global batch.
       num_towers: towers in a step: this process's, or with a cluster every
         worker's (counted at the first step; before it, this worker's).
-      setup: the step's data_parallel.step.StepSetup (devices, stages, options;
+      setup: the step's engine.step.StepSetup (devices, stages, options;
         its first-batch fields are filled in by the first step).
       signals: with a cluster, its worker_signals.WorkerSignals (the stop request
         and the end of this worker's data, which every step all-reduces), else None.
@@ -280,15 +279,9 @@ class TowerTrainer:
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=True):
-        """The loss (+ metrics) over the data, as keras.Model.evaluate computes it.
-
-        The arguments are keras.Model.evaluate's, meant as it means them: x, y,
-        sample_weight, batch_size in any form training/inputs.py lists (arrays with y,
-        a (x, y[, sample_weight]) tuple of them, a tf.data.Dataset, a PyDataset, an
-        iterable of batches); at most `steps` batches; callbacks' on_test_* hooks
-        called. Returns a dict of floats, or with return_dict=False Keras's list
-        ("loss", the metrics, then the other logs by name; one number alone as it).
-        """
+        """keras.Model.evaluate, its arguments and result (a dict of floats; Keras's list
+        with return_dict=False): the data in any form training/inputs.py lists, at most
+        `steps` batches, callbacks' on_test_* hooks called (see loop.evaluate)."""
         data = inputs.data("x", x, y, sample_weight, batch_size=batch_size)
         steps = None if steps is None else errors.positive_integer("steps", steps)
         logs = loop.evaluate(self, data, steps, callbacks_lib.evaluate_list(self, callbacks,
@@ -311,6 +304,16 @@ class TowerTrainer:
                         steps_per_epoch, validation_steps, validation_batch_size,
                         validation_freq, max_steps=max_steps, checkpointer=checkpointer,
                         log_dir=log_dir)
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """keras.Model.predict, every tower its shard of each batch (training/predict.py)."""
+        return predict_lib.predict(self, x, batch_size, verbose, steps, callbacks)
+
+    def predict_on_batch(self, x):
+        """keras.Model.predict_on_batch: each tower's outputs for its shard, in row order."""
+        overrides.check_can_predict(self.model)
+        batch, key = self._prepare((x,), "predict")
+        return self._call(key, batch)
 
     def eval_step(self, batch):
         """One evaluation batch: its logs as train_step computes them, without a step
@@ -348,7 +351,8 @@ class TowerTrainer:
     def _prepare(self, batch, kind):
         """Checks a batch; returns it as Tensors and the key of the compiled `kind` step
         for it, traced once per batch structure (self._compiled), in two variants: one
-        for batches that give every micro-batch a row, one that skips empty ones."""
+        for batches that give every micro-batch a row, one that skips empty ones.
+        `kind`: "train", "eval", or "predict", whose batch is (x,)."""
         self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
             key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch), batch)
@@ -356,8 +360,8 @@ class TowerTrainer:
                 return batch, key
         if isinstance(batch, split.Shards):
             batch = split.Shards(split.checked_batch(shard) for shard in batch)
-        else:
-            batch = split.checked_batch(batch)
+        else:  # predict's batch is (x,)
+            batch = split.as_batch(batch) if kind == "predict" else split.checked_batch(batch)
         if self.cluster is None:
             split.check_not_empty(batch)
         if self.signals is not None and kind == "train":
@@ -365,17 +369,21 @@ class TowerTrainer:
         # A batch of a new structure is checked before its step is traced: the first by
         # set_up, later ones by check_batch (a trace would say what fails in 20 lines).
         check = functools.partial(first_batch.check_batch, self)
-        if self.setup.trainable_ids is None:
+        if kind == "predict" and self.setup.trainable_ids is None:  # before the first step
+            first_batch.set_up_to_predict(self, batch)
+        elif self.setup.trainable_ids is None:
             first_batch.set_up(self, batch)
             check = None
         if kind == "train":
             self.setup.statistics.warn_single_rows(compiled_steps.micro_batch_rows(self.setup,
                                                                                    batch))
         variant = compiled_steps.variant(self.setup, kind, batch)
-        step = compiled_steps.train_step if kind == "train" else compiled_steps.eval_step
+        step = {"train": compiled_steps.train_step, "eval": compiled_steps.eval_step,
+                "predict": compiled_steps.predict_step}[kind]
         may_be_empty = variant != kind
         return batch, self._compiled.for_batch(
-            variant, batch, lambda batch: step(self, batch, may_be_empty), check)
+            variant, batch, lambda batch: step(self, batch, may_be_empty), check,
+            packed=kind != "predict")
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
