@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from towers import gradients
 from towers.data_parallel import aggregate, exchange
+from towers.engine import losses
 
 Counts = collections.namedtuple("Counts", ["scales", "term_losses", "grad_scale"])
 Counts.__doc__ = """The batch's loss terms counted, on the main device.
@@ -54,7 +55,7 @@ def sum_scale(objective, batch_rows, cluster, device):
     """What a sum term's sum is multiplied by in a tower's share: None (1) without a
     cluster or a sum term; with both, the global batch's rows over this worker's (one
     all-reduce of the rows, on `device`), 0 for a worker of no rows."""
-    if cluster is None or "sum" not in objective.given_reductions:
+    if cluster is None or losses.SUM not in objective.given_reductions:
         return None
     with tf.device(device), tf.name_scope("denominators"):
         [all_rows] = exchange.sum_across_workers([batch_rows], cluster, device)

@@ -182,7 +182,7 @@ def regularization_share(objective, regularization, rows, batch_rows):
       ValueError: (when traced) regularisation beside an unreduced loss
         (reduction=None), which Keras's compile cannot add to it either.
     """
-    if regularization and objective.given_reductions & {None, "none"}:
+    if regularization and objective.given_reductions & set(losses.UNREDUCED):
         added = sorted(model_losses.layer_of(key) for key in regularization
                        if key != model_losses.WEIGHTS)
         what = (f"layer {added[0]!r} adds a loss in its call" if added else

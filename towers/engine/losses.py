@@ -34,8 +34,8 @@ from towers.op_parallel import vocab_loss
 _ENTRIES_MEAN = ("sum_over_batch_size", "mean")
 _WEIGHTS_MEAN = "mean_with_sample_weight"
 SUM = "sum"
-_UNREDUCED = (None, "none")
-_REDUCTIONS = _ENTRIES_MEAN + (_WEIGHTS_MEAN, SUM) + _UNREDUCED
+UNREDUCED = (None, "none")
+_REDUCTIONS = _ENTRIES_MEAN + (_WEIGHTS_MEAN, SUM) + UNREDUCED
 _AUTO_NAMES = ("crossentropy", "ce")  # compile picks binary / categorical / sparse by shape
 
 Term = collections.namedtuple("Term", ["sum", "units", "per_row"])
@@ -119,7 +119,7 @@ class Objective:
 
     @property
     def unreduced(self):
-        return [i for i, reduction in enumerate(self.reductions) if reduction in _UNREDUCED]
+        return [i for i, reduction in enumerate(self.reductions) if reduction in UNREDUCED]
 
     def terms(self, y_true, outputs, sample_weight=None):
         """Each loss term of one shard: a list of Term, in Keras's order of the terms.
