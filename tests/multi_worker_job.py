@@ -75,9 +75,15 @@ def global_batches(kind):
     return masked
 
 
+def make_loss(reduction="sum_over_batch_size"):
+    """reference.make_loss with Keras's `reduction` (a sum, or None: unreduced)."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
 def make_trainer(devices, kind, cluster=None, **options):
     """The same model, loss, optimizer and metric in every process.
 
+    options["loss_reduction"], if there, is the loss's reduction (make_loss).
     options["pipeline_cuts"], if there, holds indices into model.layers, and so does
     options["split_plan"] ({index: how}): the model's layers are then split over the
     grid's first row (towers.split_layers).
@@ -89,7 +95,8 @@ def make_trainer(devices, kind, cluster=None, **options):
     if "split_plan" in options:
         plan = {model.layers[int(i)].name: how for i, how in options.pop("split_plan").items()}
         model = towers.split_layers(model, plan, devices[0])
-    return towers.TowerTrainer(model, reference.make_loss(), reference.OPTIMIZERS["adam"](),
+    loss = make_loss(options.pop("loss_reduction", "sum_over_batch_size"))
+    return towers.TowerTrainer(model, loss, reference.OPTIMIZERS["adam"](),
                                devices=devices, metrics=["accuracy"], cluster=cluster,
                                **options)
 

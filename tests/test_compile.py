@@ -315,8 +315,6 @@ class RefusedFormsTest(tf.test.TestCase, parameterized.TestCase):
     """What compile refuses is refused in one line, before anything is applied."""
 
     @parameterized.named_parameters(
-        ("sum_reduction", dict(loss=keras.losses.MeanSquaredError(reduction="sum")),
-         "reduction='sum'"),
         ("unknown_loss_name", dict(loss="no_such_loss"), "not a Keras loss name"),
         ("loss_not_callable", dict(loss=3), "got int"),
         ("weights_not_numbers", dict(loss="mse", loss_weights={"cls": "big"}), "loss_weights"),

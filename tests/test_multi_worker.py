@@ -140,7 +140,14 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # The table slabbed across the workers: its sparse rows gathered, each worker
         # applying those of its own slab.
         ("spread_sparse_table", "embedding", "main", False, (1, 3),
-         {"variable_placement": "spread"}))
+         {"variable_placement": "spread"}),
+        # A loss with reduction="sum": each worker's share scaled by the global rows over
+        # its own (an all-reduce before the towers), on XLA towers.
+        ("sum_loss_xla", "dense", "main", False, (1, 3),
+         {"loss_reduction": "sum", "jit_compile": True}),
+        # reduction=None: the gradients times the unreduced values' entries, counted
+        # across workers (padded tokens counted as 0).
+        ("unreduced_loss", "masked", "main", False, (2, 1), {"loss_reduction": None}))
     def test_two_workers_of_two_towers_match_one_process_of_four(
             self, model, aggregation, pack, towers_per_worker, more_options=None,
             devices_per_tower=1, trace_on_chief_first=False):
@@ -151,12 +158,14 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             for i in range(2)])
 
         batches = multi_worker_job.global_batches(model)
-        single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)], model)
+        reduction = options.get("loss_reduction", "sum_over_batch_size")
+        single = multi_worker_job.make_trainer([f"/device:CPU:{i}" for i in range(4)], model,
+                                               loss_reduction=reduction)
         losses = [single.train_step(batch)["loss"] for batch in batches]
         expected = [v.numpy() for v in single.model.weights]
         plain = reference.single_device_weights(
             multi_worker_job.make_model(model), reference.OPTIMIZERS["adam"](),
-            reference.make_loss(), batches)
+            multi_worker_job.make_loss(reduction), batches)
         for result in results:
             self.assertEqual(int(result["steps"]), len(batches))
             weights = [result[f"w{i}"] for i in range(len(expected))]

@@ -147,22 +147,26 @@ def stateless_run(model, variables, values, call):
     return result, new_values, model_losses.keyed_terms(model, extra_losses, scope.losses)
 
 
-def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
+def shard_loss(objective, shard, outputs, regularization, rows, batch_rows, sum_scale=None):
     """A shard's share of the batch's loss, and its loss terms (losses.Term).
 
     share: a float32 scalar, or None where there is nothing to it: the sum of the
     terms whose denominator is known, each over the batch's (Keras's
-    "sum_over_batch_size": rows x values per row) and times its loss weight,
-    plus the regularisation's share (regularization_share). Adding up the shares of
-    a batch's shards gives its mean loss plus the regularisation counted once,
+    "sum_over_batch_size": rows x values per row; a sum term's: none, its sum
+    times `sum_scale` where one is given) and times its loss weight, plus the
+    regularisation's share (regularization_share). Adding up the shares of
+    a batch's shards gives its loss plus the regularisation counted once,
     which is what one device computes. An empty shard's share is 0. The terms
     whose denominator is counted (a Keras mask) are not in it: denominators.py
     scales them once every shard is counted.
     """
     _, y, sample_weight = split.unpack_batch(shard)
     terms = objective.terms(y, outputs, sample_weight)
-    shares = [weight * tf.math.divide_no_nan(term.sum, batch_rows * term.per_row)
-             for term, weight in zip(terms, objective.weights) if term.per_row is not None]
+    summed = objective.summed
+    shares = [weight * (term.sum if sum_scale is None else term.sum * sum_scale) if i in summed
+              else weight * tf.math.divide_no_nan(term.sum, batch_rows * term.per_row)
+              for i, (term, weight) in enumerate(zip(terms, objective.weights))
+              if term.per_row is not None]
     regularization = regularization_share(objective, regularization, rows, batch_rows)
     if regularization is not None:
         shares.append(regularization)
@@ -172,7 +176,22 @@ def shard_loss(objective, shard, outputs, regularization, rows, batch_rows):
 def regularization_share(objective, regularization, rows, batch_rows):
     """A shard's share of the batch's regularisation (keyed terms, as `forward` returns
     them) by the forms measured on the first batch (objective.model_loss_forms): a
-    mean term times rows / batch_rows, a sum term whole. A float32 scalar, or None."""
+    mean term times rows / batch_rows, a sum term whole. A float32 scalar, or None.
+
+    Raises:
+      ValueError: (when traced) regularisation beside an unreduced loss
+        (reduction=None), which Keras's compile cannot add to it either.
+    """
+    if regularization and objective.given_reductions & set(losses.UNREDUCED):
+        added = sorted(model_losses.layer_of(key) for key in regularization
+                       if key != model_losses.WEIGHTS)
+        what = (f"layer {added[0]!r} adds a loss in its call" if added else
+                "its weights have regularizers")
+        raise ValueError(
+            f"the loss has reduction=None and the model adds losses of its own ({what}); "
+            "Keras's compile cannot add those to an unreduced loss either (its train_step "
+            "fails on them): give the loss reduction='sum' (the gradient reduction=None "
+            "gives) or another.")
     return model_losses.share(regularization, objective.model_loss_forms,
                              row_fraction(rows, batch_rows))
 

@@ -3,13 +3,19 @@
 Keras's loss of a batch is, per loss term (one per output that has a loss),
 sum(loss values x sample weight x mask) / denominator, weighted by its
 loss_weight, the terms added. A shard can compute its share of every sum but
-not always the denominator:
-- without a mask (Keras's "sum_over_batch_size"), it is the batch's rows times
-  the values per row: known before the forward, so each tower pre-weights its
-  share (its gradients then only need adding up, steps 4-5);
-- with a Keras mask on the output it is the batch's unmasked entries (and with
-  reduction="mean_with_sample_weight" the sum of the weights): *counted*, known
-  only once every tower has run its forward (towers.engine.denominators).
+not always the denominator, which the loss's reduction decides:
+- "sum_over_batch_size" (Keras's default) and "mean" without a mask: the
+  batch's rows times the values per row, known before the forward, so each
+  tower pre-weights its share (its gradients then only need adding up, steps 4-5);
+- the same with a Keras mask on the output: the batch's unmasked entries (and
+  with "mean_with_sample_weight" the sum of the weights): *counted*, known only
+  once every tower has run its forward (towers.engine.denominators);
+- "sum": none (1): a *sum term*, whose share is the shard's sum, whole (a mask
+  only zeroes the masked entries, as Keras's does);
+- None / "none": Keras's compile adds the terms' unreduced values entry by entry
+  into one loss vector, logs its mean (each such term a mean over the batch's
+  entries, masked ones counted as 0) and differentiates its sum: the gradient
+  of that mean times the vector's entries over the batch (denominators.count).
 `Objective` resolves the forms exactly as compile does, with Keras's own
 CompileLoss (towers.compat), and gives each shard a `Term` per loss term.
 """
@@ -22,10 +28,14 @@ import tensorflow as tf
 from towers import compat, errors
 from towers.op_parallel import vocab_loss
 
-# Reductions whose meaning is "mean over the batch's entries": Keras's default,
-# and None/"none", which towers averages the same way (a per-example loss).
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", None, "none")
+# Keras's reductions (keras.losses.Loss): those that divide by the batch's
+# entries, of which a mask counts only the unmasked ones; by the sum of the
+# weights; none (a sum term); and none at all (compile sums the values).
+_ENTRIES_MEAN = ("sum_over_batch_size", "mean")
 _WEIGHTS_MEAN = "mean_with_sample_weight"
+SUM = "sum"
+UNREDUCED = (None, "none")
+_REDUCTIONS = _ENTRIES_MEAN + (_WEIGHTS_MEAN, SUM) + UNREDUCED
 _AUTO_NAMES = ("crossentropy", "ce")  # compile picks binary / categorical / sparse by shape
 
 Term = collections.namedtuple("Term", ["sum", "units", "per_row"])
@@ -33,7 +43,8 @@ Term.__doc__ = """One loss term on one shard (or micro-batch), float32 scalars.
 
 sum: the sum of its loss values times their sample weights and mask (0/1).
 units: the shard's share of the term's denominator: Keras's loss of a batch is
-  sum over the batch's shards of `sum` / sum of `units`.
+  sum over the batch's shards of `sum` / sum of `units` (but a sum term's,
+  Objective.summed, is the sum of `sum`: its units are the shard's entries).
 per_row: units per row where the denominator follows the rows (known before
   the forward: rows x per_row), else None (counted: a mask, or the weights).
 """
@@ -47,6 +58,11 @@ class Objective:
         several (Keras logs each), else [] (the one term is "loss"). Known
         after the first call of `terms`.
       weights: per term its loss_weight (1.0 where none was given).
+      reductions: per term the Keras reduction of its loss; `summed`: the
+        indices of the sum terms ("sum"), `unreduced`: of those with None or
+        "none" (all three known after the first call of `terms`).
+      given_reductions: the reductions of the losses given, a frozenset, known
+        at construction (what the step decides before any forward).
       counted: None before the first call of `terms`, then the indices of the
         terms whose denominator is counted (a Keras mask on the output).
       sparse_targets: None before the first call of `terms`, then the indices in
@@ -76,6 +92,9 @@ class Objective:
         if isinstance(loss, (list, tuple, dict)) and not tf.nest.flatten(loss):
             raise ValueError(f"loss {loss!r} holds no loss; give one per output.")
         _check_loss_weights(loss, loss_weights, output_names)
+        self.given_reductions = frozenset(
+            entry.reduction if isinstance(entry, keras.losses.Loss) else _ENTRIES_MEAN[0]
+            for entry in tf.nest.flatten(loss) if entry is not None)
         self._recorded, self.counted, self.sparse_targets = None, None, None
         self.model_loss_forms = None
         self._keras = compat.CompileLoss(loss, loss_weights, output_names, self._record)
@@ -90,6 +109,18 @@ class Objective:
         return [1.0 if term.loss_weights is None else float(term.loss_weights)
                 for term in self._keras.flat_losses]
 
+    @property
+    def reductions(self):
+        return [term.loss.reduction for term in self._keras.flat_losses]
+
+    @property
+    def summed(self):
+        return [i for i, reduction in enumerate(self.reductions) if reduction == SUM]
+
+    @property
+    def unreduced(self):
+        return [i for i, reduction in enumerate(self.reductions) if reduction in UNREDUCED]
+
     def terms(self, y_true, outputs, sample_weight=None):
         """Each loss term of one shard: a list of Term, in Keras's order of the terms.
 
@@ -102,16 +133,19 @@ class Objective:
         Raises:
           errors.LossMismatch: the loss itself does not fit the outputs (what it
             returns), in one line.
+          errors.LossMismatch: unreduced terms (reduction=None) whose values differ
+            in shape per row, which Keras's compile cannot add entry by entry either.
           ValueError, TypeError, tf.errors.OpError: targets that do not fit them.
         """
         y_pred = with_masks(outputs)
-        self._recorded, self._sparse_ids = [], []
+        self._recorded, self._sparse_ids, self._row_shapes = [], [], []
         try:
             self._keras(y_true, y_pred, sample_weight)
         except (KeyError, TypeError) as error:
             raise errors.LossMismatch(
                 f"the loss does not fit the model's outputs: {error}") from None
         terms, self._recorded = self._recorded, None
+        _check_unreduced([self._row_shapes[i] for i in self.unreduced])
         self.counted = [i for i, term in enumerate(terms) if term.per_row is None]
         # Keras hands each term one of y_true's own leaves, only regrouped.
         index_of = {id(target): i for i, target in enumerate(tf.nest.flatten(y_true))}
@@ -121,7 +155,9 @@ class Objective:
     def _record(self, loss, y_true, y_pred, sample_weight):
         if getattr(loss, "fn", None) is keras.losses.sparse_categorical_crossentropy:
             self._sparse_ids.append(id(y_true))  # also SparseCategoricalCrossentropy's fn
-        self._recorded.append(term(loss, y_true, y_pred, sample_weight))
+        values, weight, mask = _weighted_values(loss, y_true, y_pred, sample_weight)
+        self._row_shapes.append(tuple(values.shape[1:]))
+        self._recorded.append(_term(loss, values, weight, mask))
         return tf.zeros([])  # Keras adds these up; the terms are what counts
 
 
@@ -131,8 +167,15 @@ def term(loss, y_true, y_pred, sample_weight=None):
     The mask is the one Keras attaches to y_pred, combined with one the loss's
     values may carry; Keras's "sum_over_batch_size" with a mask divides by the
     batch's unmasked entries, which `units` counts (scaled as Keras scales them
-    where the values and the mask differ in size).
+    where the values and the mask differ in size). With any other reduction the
+    mask only weighs the values 0 or 1, as Keras's does.
     """
+    return _term(loss, *_weighted_values(loss, y_true, y_pred, sample_weight))
+
+
+def _weighted_values(loss, y_true, y_pred, sample_weight):
+    """(values x weights, weights, mask) of one loss term: the weights are the sample
+    weights times the mask (0/1; None for neither), the mask None for none."""
     in_mask = compat.keras_mask(y_pred)
     y_pred = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_pred)
     y_true = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_true)
@@ -147,12 +190,17 @@ def term(loss, y_true, y_pred, sample_weight=None):
     if weight is not None:
         values, weight = _matched(values, weight)
         values = values * weight
+    return values, weight, mask
+
+
+def _term(loss, values, weight, mask):
+    """The Term of a loss term's weighted values (_weighted_values')."""
     per_row = tf.cast(tf.reduce_prod(tf.shape(values)[1:]), tf.float32)
     rows = tf.cast(tf.shape(values)[0], tf.float32)
     total = tf.reduce_sum(values)
     if loss.reduction == _WEIGHTS_MEAN and weight is not None:
         return Term(total, tf.reduce_sum(weight), None)
-    if mask is None:
+    if mask is None or loss.reduction not in _ENTRIES_MEAN:
         return Term(total, rows * per_row, per_row)
     # Keras weighs each unmasked entry total / valid (mask entries over unmasked
     # ones) and divides by the values' size: size x valid / total per shard, summed.
@@ -200,18 +248,17 @@ def output_masks(y_pred):
 
 
 def _check_loss(loss):
-    """Raises ValueError unless `loss` is one loss compile takes, with a mean reduction."""
+    """Raises ValueError unless `loss` is one loss compile takes."""
     if loss is None:
         return
     if isinstance(loss, type):  # callable, but calling it builds a loss, not a value
         raise ValueError(f"loss {loss.__name__} is a class; pass an instance, "
                          f"{loss.__name__}(), or a loss name.")
     if isinstance(loss, keras.losses.Loss):
-        if loss.reduction not in _MEAN_REDUCTIONS + (_WEIGHTS_MEAN,):
+        if loss.reduction not in _REDUCTIONS:  # Keras checks its own; a subclass may not
             raise ValueError(
-                f"loss {loss.name!r} has reduction={loss.reduction!r}; towers averages "
-                "losses over the global batch, as Keras's default "
-                "reduction='sum_over_batch_size' does. Build the loss with that reduction.")
+                f"loss {loss.name!r} has reduction={loss.reduction!r}, which is not one of "
+                f"Keras's: {', '.join(map(repr, _REDUCTIONS))}.")
     elif isinstance(loss, str):
         if loss.lower() not in _AUTO_NAMES and not _known_loss(loss):
             raise ValueError(f"loss {loss!r} is not a Keras loss name; pass e.g. "
@@ -221,6 +268,18 @@ def _check_loss(loss):
             f"loss must be a keras.losses.Loss, a loss name or a callable(y_true, y_pred) "
             f"returning per-example losses, or a list or dict of them (one per output), "
             f"got {type(loss).__name__}.")
+
+
+def _check_unreduced(row_shapes):
+    """Raises errors.LossMismatch for unreduced terms whose values differ in shape per row:
+    Keras's compile adds them entry by entry into one loss vector and fails (or,
+    where one has a single entry per row, spreads it over a square)."""
+    if len(set(row_shapes)) > 1:
+        shapes = " and ".join(str((None, *shape)) for shape in row_shapes)
+        raise errors.LossMismatch(
+            f"the losses with reduction=None return values of shapes {shapes}; Keras's "
+            "compile adds unreduced losses entry by entry, which these shapes do not allow: "
+            "give them one shape, or a reduction ('sum', 'sum_over_batch_size').")
 
 
 def _check_loss_weights(loss, loss_weights, output_names):

@@ -25,15 +25,17 @@ TowerResult = collections.namedtuple(
 TowerResult.__doc__ = """Steps 1-5 of one global batch, everything on the main device.
 
 grads: mean gradient per setup.columns.held_variables() entry (None where unused),
-  times the loss scale if one was given: per model.trainable_variables entry, but
+  times the loss scale if one was given (and, with an unreduced loss, times its
+  entries: Keras's gradient of their sum): per model.trainable_variables entry, but
   for a variable held as slabs (variable_placement="spread") one per slab. With
   spread placement in a cluster, None for the entries another worker owns.
-loss: scalar float32, the batch's loss as Keras computes it (each loss term's
-  mean over the batch, weighted and added) plus regularisation.
+loss: scalar float32, the batch's loss as Keras computes and logs it (each loss
+  term's mean over the batch, or a sum term's sum, weighted and added) plus
+  regularisation.
 state: new value per model.non_trainable_variables entry (None where unchanged).
 y_pred: (outputs, masks) for the whole batch, rows in batch order (forward.forward's).
 examples: float32 scalar, the number of examples in the batch.
-term_losses: per loss term its unweighted mean (Keras's "<output>_loss" logs),
+term_losses: per loss term its unweighted value (Keras's "<output>_loss" logs),
   or [] for a loss of one term.
 
 With a cluster, all but y_pred are the global batch's, the same on every worker.
@@ -229,14 +231,16 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     setup.statistics.start_step(shard_sizes)  # where step 3's global BatchNorms meet
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
                                         options.state_policy)
+    # A sum term's share is its sum; in a cluster, scaled for step 5's mean over workers.
+    sum_scale = denominators.sum_scale(objective, batch_rows, setup.cluster, setup.main_device)
     step = tower.StepWork(stages, objective, batch_rows, loss_scale, options.micro_batches,
                           options.pipeline_schedule, may_be_empty,
-                          recompute_stages=options.recompute_stages)
+                          recompute_stages=options.recompute_stages, sum_scale=sum_scale)
     flights = [(scope, start_tower(setup, step, this_tower))                        # 3
                for scope, this_tower in split_batch.towers(read_weights)]           # 2
     # A masked output's loss is over the whole batch's unmasked entries: counted here.
     counts = denominators.count([f.terms for _, f in flights], objective, batch_rows,
-                                setup.cluster, setup.main_device)
+                                setup.cluster, setup.main_device, sum_scale)
     outputs = []
     for i, (scope, flight) in enumerate(flights):
         with tf.name_scope(scope), setup.tower_scope(i):
@@ -260,12 +264,13 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
             state=columns.merge(state, trainable=False),
             y_pred=forward.concat_rows([o.y_pred for o in outputs]),
             examples=batch_rows, term_losses=counts.term_losses)
-    if setup.cluster is None:
-        return result
     if columns.cluster is not None:  # the state spread over the workers
-        return worker_owners.means_on_owners(result, setup, state_rules, state_values)  # 5
-    return exchange.across_workers(result, setup.cluster, setup.main_device,       # 5
-                                   state_rules, state_values)
+        result = worker_owners.means_on_owners(result, setup, state_rules, state_values)  # 5
+    elif setup.cluster is not None:
+        result = exchange.across_workers(result, setup.cluster, setup.main_device,   # 5
+                                         state_rules, state_values)
+    # Keras differentiates an unreduced loss's sum: the mean gradient times its entries.
+    return result._replace(grads=denominators.scale_gradients(result.grads, counts))
 
 
 class SplitBatch:

@@ -42,6 +42,8 @@ class StepWork:
     count_first, recompute_stages: as flight.Plan's count_first and recompute.
     forwards: None, or per stage fn(weights, state, x) -> forward's result in
       training mode (compiled_tower's XLA functions); None = forward itself.
+    sum_scale: None, or what a sum term's sum is multiplied by in a share
+      (denominators.sum_scale: with a cluster).
     """
     stages: object
     objective: losses.Objective
@@ -53,6 +55,7 @@ class StepWork:
     count_first: bool = True
     recompute_stages: bool = False
     forwards: Optional[tuple] = None
+    sum_scale: Optional[tf.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -138,7 +141,7 @@ class StageWork:
         step, terms, counted = self.step, None, []
         if k == step.stages.num_stages - 1:
             share, terms = shard_loss(step.objective, self.micro[m], outputs, regularization,
-                                     self.sizes[m], step.batch_rows)
+                                     self.sizes[m], step.batch_rows, step.sum_scale)
             counted = [weight * term.sum for term, weight
                        in zip(terms, step.objective.weights) if term.per_row is None]
         else:
@@ -206,12 +209,12 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify):
 
     @tf.function(jit_compile=True, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
-                           may_be_empty):
+                           may_be_empty, sum_scale):
         # The rows from the shard's shape, which XLA knows: it needs split sizes it can
         # fold to constants. (It does not fold unless_empty's cond away: a cnn ran 20x
         # slower with it, so full batches get the variant without, as outside XLA.)
         step = StepWork(stages, objective, batch_rows, loss_scale, micro_batches, schedule,
-                        may_be_empty)
+                        may_be_empty, sum_scale=sum_scale)
         tower = TowerWork(shard, split.batch_size(shard), weights, state, [None], tower_index)
         return run_tower(step, tower, densify)
 
@@ -219,7 +222,7 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify):
         with tf.device(tower.devices[0]):
             return run_compiled_tower(tower.shard, step.batch_rows, tower.weights, tower.state,
                                       tf.constant(tower.index), step.loss_scale,
-                                      step.may_be_empty)
+                                      step.may_be_empty, step.sum_scale)
 
     return run_on_its_device
 

@@ -171,9 +171,11 @@ def eval_step(trainer, batch, may_be_empty):
                 objective, regularization, this_tower.rows, split_batch.batch_rows))
         outputs.append(tower_outputs)
     with tf.device(setup.main_device):
-        term_losses = [tf.math.divide_no_nan(tf.add_n([t.sum for t in per_tower]),
+        summed = objective.summed  # a sum term's value is its sum, over no denominator
+        term_losses = [tf.add_n([t.sum for t in per_tower]) if i in summed else
+                       tf.math.divide_no_nan(tf.add_n([t.sum for t in per_tower]),
                                              tf.add_n([t.units for t in per_tower]))
-                       for per_tower in zip(*terms)]
+                       for i, per_tower in enumerate(zip(*terms))]
         metric_logs = trainer.metrics.update(batch, forward.concat_rows(outputs),
                                              setup.main_device)
         # Each tower's share of the regularisation, as in training (an empty tower's is 0).
