@@ -188,3 +188,25 @@ def traced_nodes(trainer):
             graph = concrete.graph.as_graph_def()
             nodes += list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     return nodes
+
+
+def keras_step_logs(model, batches, learning_rate, **compile_args):
+    """Compiles `model` on one device (SGD(learning_rate), `compile_args`), trains it
+    with train_on_batch on `batches`; the logs of each step, by name."""
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), **compile_args)
+    return [model.train_on_batch(*batch, return_dict=True) for batch in batches]
+
+
+class SameTraining:
+    """A tf.test.TestCase mixin: a trainer against keras_step_logs' model."""
+
+    def assert_same_training(self, keras_model, keras_logs, trainer, batches,
+                             joined=lambda model: model, atol=1e-5):
+        """Trains `trainer` on `batches`: each step's logs, by name, and the weights
+        against Keras's (`joined(trainer.model)`'s: a split model joined again)."""
+        for batch, expected in zip(batches, keras_logs):
+            logs = trainer.train_on_batch(*batch, return_dict=True)
+            for name, value in expected.items():
+                self.assertAllClose(logs[name], value, atol=atol, msg=name)
+        for want, got in zip(keras_model.get_weights(), joined(trainer.model).get_weights()):
+            self.assertAllClose(want, got, atol=atol)

@@ -7,12 +7,15 @@ masked sequences (a Keras mask on the outputs), per-output losses in dicts and
 lists with loss_weights and per-output metrics, sample and class weights.
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from tests import reference
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 TOLERANCE = 1e-5
@@ -86,25 +89,11 @@ def _batches(rows, labels, steps=3, token_weights=False, seed=1):
     return batches
 
 
-def _keras_logs(model, batches, **compile_args):
-    """Compiles `model` on one device, trains on `batches`; the logs of each step."""
-    model.compile(optimizer=keras.optimizers.SGD(0.5), **compile_args)
-    return [model.train_on_batch(*batch, return_dict=True) for batch in batches]
+_keras_logs = functools.partial(reference.keras_step_logs, learning_rate=0.5)
 
 
-class CompileFormsTest(tf.test.TestCase, parameterized.TestCase):
-
-    def assert_same_training(self, keras_model, keras_logs, trainer, batches,
-                             joined=lambda model: model):
-        """Trains `trainer` on `batches`, each step's logs and the weights against Keras's
-        (`joined(trainer.model)`'s: a split model joined again)."""
-        for batch, expected in zip(batches, keras_logs):
-            trainer.metrics.reset()  # train_on_batch's logs are the batch's own
-            logs = trainer.train_step(batch)
-            for name, value in expected.items():
-                self.assertAllClose(logs[name], value, atol=TOLERANCE, msg=name)
-        for want, got in zip(keras_model.get_weights(), joined(trainer.model).get_weights()):
-            self.assertAllClose(want, got, atol=TOLERANCE)
+class CompileFormsTest(reference.SameTraining, tf.test.TestCase,
+                       parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("lstm_tokens", "lstm", "tokens", 3, {}),

@@ -9,12 +9,15 @@ and 3 towers, uneven batches and one smaller than the towers, micro-batches, pip
 stages and XLA towers, and compares the logs by name and value and the weights.
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from tests import reference
 from towers import errors
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -76,10 +79,7 @@ def _sequences(sizes=SIZES, heads=("tags",), token_weights=False, seed=1):
     return batches
 
 
-def _keras_logs(model, batches, **compile_args):
-    """Compiles `model` on one device, trains on `batches`; the logs of each step."""
-    model.compile(optimizer=keras.optimizers.SGD(0.05), **compile_args)
-    return [model.train_on_batch(*batch, return_dict=True) for batch in batches]
+_keras_logs = functools.partial(reference.keras_step_logs, learning_rate=0.05)
 
 
 def _devices(num_towers, options):
@@ -88,19 +88,8 @@ def _devices(num_towers, options):
     return DEVICES[:num_towers]
 
 
-class ReductionsTest(tf.test.TestCase, parameterized.TestCase):
-
-    def assert_same_training(self, keras_model, keras_logs, trainer, batches,
-                             joined=lambda model: model):
-        """Trains `trainer` on `batches`: each step's logs, by name, and the weights
-        against Keras's (`joined(trainer.model)`'s: a split model joined again)."""
-        for batch, expected in zip(batches, keras_logs):
-            trainer.metrics.reset()  # train_on_batch's logs are the batch's own
-            logs = trainer.train_step(batch)
-            for name, value in expected.items():
-                self.assertAllClose(logs[name], value, atol=TOLERANCE, msg=name)
-        for want, got in zip(keras_model.get_weights(), joined(trainer.model).get_weights()):
-            self.assertAllClose(want, got, atol=TOLERANCE)
+class ReductionsTest(reference.SameTraining, tf.test.TestCase,
+                     parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("sum_one_tower", "sum", 1),

@@ -179,6 +179,11 @@ class SharedBatches:
     next one, without a word. Data of an unknown length (a generator) that ends with an
     epoch is found out by the next one, which gets no batch (so Keras's does too) and
     starts it again after.
+
+    One difference, warned of: with steps_per_execution > 1, Keras runs a fixed number
+    of calls per epoch and finds the end of data of an unknown length only at a call
+    that gets no batch, which can be the next epoch's (an epoch without a step); here a
+    call that ends short is followed by another, which finds the end in this epoch.
     """
 
     def __init__(self, data):

@@ -16,7 +16,7 @@ from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import arguments, callbacks as callbacks_lib, compiled, compiled_steps
 from towers.training import executions, first_batch, inputs, loop, metrics as metrics_lib
-from towers.training import overrides, placement, predict as predict_lib, prefetch
+from towers.training import on_batch, overrides, placement, predict as predict_lib, prefetch
 from towers.training import recompute as recompute_lib, trainable, worker_signals
 
 
@@ -37,28 +37,19 @@ class TowerTrainer:
       pipeline_cuts: None, or the names of the layers the model is cut after
         (towers.split_model); stage k's variables and optimizer slots then
         live on devices[0][k], and its update is applied there.
-      options: a TowerOptions, the one given as options= or built from the keyword
-        options (aggregation, pack_gradients, variable_placement,
-        accum_steps, clip_global_norm, sparse_policy, state_policy, on_nonfinite,
-        micro_batches, pipeline_schedule, embedding_lookup, recompute: False,
-        "stages" or layer names or paths, whose activations the backward
-        recomputes instead of keeping them; training/recompute.py;
-        batch_statistics: "per_tower" or "global", BatchNormalization's statistics
-        over each tower's shard or the global batch; data_parallel/batch_statistics.py).
+      options: a TowerOptions (engine/options.py), the one given as options= or built
+        from the keyword options (aggregation, variable_placement, accum_steps,
+        recompute, batch_statistics, ...).
       recomputed_layers: the layers recompute names ([] for False or "stages").
       metrics: a metrics.Metrics: `metrics` and `weighted_metrics` in every form
         keras.Model.compile takes them, updated on every train and evaluation
         batch; indexing or iterating it gives the Keras metric objects.
-      jit_compile: whether each tower's forward and backward (all its
-        micro-batches) is compiled by XLA as one computation on its device
-        (with pipeline stages: each stage's, per micro-batch, on its device);
-        split, gather, average and apply stay as they are.
+      jit_compile: whether each tower's forward and backward is compiled by XLA on
+        its device (with stages: each stage's, per micro-batch).
       steps_per_execution: steps fit runs per call of one compiled function (an
         in-graph loop over a tf.data iterator; see train_steps).
-      prefetch_to_devices: whether fit splits each batch of a tf.data.Dataset
-        in the input pipeline and stages every shard on its tower's device
-        while the previous step runs (shard_iterator). The default "auto" is
-        True where a tower's input device is not a CPU (a GPU).
+      prefetch_to_devices: whether fit stages each shard of a tf.data.Dataset's batch on
+        its tower's device while the previous step runs ("auto": where it is a GPU).
       cluster: None, or the joined towers.Cluster this process is a worker of:
         each batch is then this worker's batch, and every
         worker applies the same update of the whole global batch.
@@ -314,6 +305,15 @@ class TowerTrainer:
         overrides.check_can_predict(self.model)
         batch, key = self._prepare((x,), "predict")
         return self._call(key, batch)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """keras.Model.train_on_batch: train_step, the metrics reset first (on_batch.py)."""
+        return on_batch.train_on_batch(self, x, y, sample_weight, class_weight, return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """keras.Model.test_on_batch: eval_step, the metrics reset first (on_batch.py)."""
+        return on_batch.test_on_batch(self, x, y, sample_weight, return_dict)
 
     def eval_step(self, batch):
         """One evaluation batch: its logs as train_step computes them, without a step
