@@ -6,6 +6,8 @@ rate takes effect at the next step, without retracing) and
 `model.stop_training`, which fit checks after every step and epoch.
 """
 
+import sys
+
 import keras
 
 
@@ -50,10 +52,17 @@ def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
         steps=steps_per_epoch), own_progress
 
 
-def evaluate_list(trainer, callbacks, verbose):
-    """evaluate's callbacks, checked as callback_list checks them, as a CallbackList.
-    verbose: as keras.Model.evaluate takes it; evaluate prints no progress of its own."""
+def evaluate_list(trainer, callbacks, verbose, steps):
+    """evaluate's callbacks, checked as callback_list checks them, as a CallbackList with
+    Keras's progress bar where verbose asks for one (1, or "auto" on a terminal; 2 and 0
+    print nothing). steps: the batches it will run, None where unknown."""
     if verbose not in ("auto", 0, 1, 2):
         raise ValueError(f"verbose must be 'auto', 0, 1 or 2, as keras.Model.evaluate takes "
                          f"it, got {verbose!r}.")
-    return callback_list(trainer, callbacks, 1, None, 0)[1]
+    callbacks = callback_list(trainer, callbacks, 1, steps, 0)[1]
+    if verbose == 1 or verbose == "auto" and sys.stdout.isatty():
+        progress = keras.callbacks.ProgbarLogger()
+        progress.set_model(trainer.model)
+        progress.set_params({"verbose": 1, "epochs": 1, "steps": steps})
+        callbacks.callbacks.append(progress)
+    return callbacks

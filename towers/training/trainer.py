@@ -275,8 +275,8 @@ class TowerTrainer:
         `steps` batches, callbacks' on_test_* hooks called (see loop.evaluate)."""
         data = inputs.data("x", x, y, sample_weight, batch_size=batch_size)
         steps = None if steps is None else errors.positive_integer("steps", steps)
-        logs = loop.evaluate(self, data, steps, callbacks_lib.evaluate_list(self, callbacks,
-                                                                             verbose))
+        logs = loop.evaluate(self, data, steps, callbacks_lib.evaluate_list(
+            self, callbacks, verbose, steps or data.num_batches))
         return logs if return_dict else loop.keras_list(self, logs)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
