@@ -172,5 +172,22 @@ class AutoPlanTest(tf.test.TestCase):
                       said)
 
 
+class CommandLineTest(tf.test.TestCase):
+
+    def test_split_plan_auto_trains_as_the_unsplit_model(self):
+        from absl.testing import flagsaver
+
+        from towers.cli import train
+        quick = dict(model="examples.hub_transformer:gpt2_classifier", num_towers=2,
+                     global_batch_size=16, steps=2, optimizer="adam")
+        with flagsaver.flagsaver(**quick):
+            whole = train.train()
+        with flagsaver.flagsaver(**quick, num_parts=2, split_plan=["auto"]):
+            parted = train.train()
+        self.assertEqual(list(parted["split_plan"].values()), ["vocab", "heads", "column", "row"])
+        self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+        self.assertAllClose(parted["train_loss"], whole["train_loss"], atol=1e-5, rtol=0)
+
+
 if __name__ == "__main__":
     tf.test.main()

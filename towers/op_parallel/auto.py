@@ -219,6 +219,11 @@ def _feedforward(layers, attention_paths, checker):
                 entries += [Entry(p, layer, how, f"the feed-forward {names} ({width} -> "
                                   f"{inner}) then {down.name} ({inner} -> {width})")
                             for p, layer, how in pair]
+        if len(denses) > 1 and not any(_parent(e.path) == parent for e in entries):
+            checker.whole.append(
+                f"{parent!r}'s {', '.join(layer.name for _, layer in denses)} stay whole: no "
+                "feed-forward pair (layers widening the width D to F > D, then one "
+                "narrowing F back to D).")
     return entries
 
 
