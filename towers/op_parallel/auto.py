@@ -61,12 +61,12 @@ def auto_plan(model, num_parts=None):
                          f"got {type(model).__name__} {getattr(model, 'name', '')!r}.")
     checker = _Checker(num_parts)
     layers = paths.walk(model)
-    entries = _token_embedding(layers, checker)
-    vocabulary = entries[0].layer.input_dim if entries else None
+    entries, vocabulary = _token_embedding(layers, checker)
     attentions, attention_paths = _attention(layers, checker)
     entries += attentions
     entries += _feedforward(layers, attention_paths, checker)
-    entries += _lm_head(layers, vocabulary, entries, checker)
+    entries += _lm_head(layers, vocabulary, [e.path for e in entries] + attention_paths,
+                        checker)
     if not entries:
         raise ValueError(f"plan='auto' finds nothing to split in model {model.name!r}: no token "
                          "Embedding, attention layer, feed-forward pair or LM head it splits "
@@ -108,6 +108,8 @@ class _Checker:
 
 
 def _token_embedding(layers, checker):
+    """([its entry, if it splits], the vocabulary size: its rows; None: no token
+    embedding found)."""
     embeddings = [(path, layer) for path, layer, _ in layers
                   if isinstance(layer, keras.layers.Embedding)]
     named = [(p, layer) for p, layer in embeddings if layer.name == "token_embedding"]
@@ -115,12 +117,13 @@ def _token_embedding(layers, checker):
         most = max(layer.input_dim for _, layer in embeddings)
         named = [(p, layer) for p, layer in embeddings if layer.input_dim == most]
     if len(named) != 1:  # none, or several of the most rows: which one is the vocabulary?
-        return []
+        return [], None
     path, layer = named[0]
     tied = isinstance(layer, keras.layers.ReversibleEmbedding) and layer.tie_weights
     rule = "the token embedding by vocabulary rows" + (
         " (tied: its reverse projection, an LM head, too)" if tied else "")
-    return [Entry(path, layer, "vocab", rule)] if checker.fits(path, layer, "vocab") else []
+    fits = checker.fits(path, layer, "vocab")
+    return ([Entry(path, layer, "vocab", rule)] if fits else []), layer.input_dim
 
 
 def _attention(layers, checker):
@@ -131,10 +134,10 @@ def _attention(layers, checker):
         if any(path.startswith(d + "/") for d in done):
             continue
         if isinstance(layer, keras.layers.MultiHeadAttention):
-            done.append(path)
             refused = checker.refusal(path, layer, "heads")
             if refused is None:
                 entries.append(Entry(path, layer, "heads", f"{type(layer).__name__} by heads"))
+                done.append(path)
                 continue
             checker.whole.append(f"{path!r} is not split by heads ({refused}); its "
                                  "projections are split where they can be.")
@@ -227,11 +230,11 @@ def _feedforward(layers, attention_paths, checker):
     return entries
 
 
-def _lm_head(layers, vocabulary, entries, checker):
-    """An untied LM head: a Dense or EinsumDense to the vocabulary, by "column"."""
+def _lm_head(layers, vocabulary, taken, checker):
+    """An untied LM head: a Dense or EinsumDense to the vocabulary, by "column", outside
+    the layers `taken` (paths: those split, the attention layers)."""
     if vocabulary is None:
         return []
-    taken = {entry.path for entry in entries}
     heads = [(path, layer) for path, layer, _ in layers
              if isinstance(layer, _DENSE) and path not in taken
              and not any(path.startswith(p + "/") for p in taken)

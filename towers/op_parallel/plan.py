@@ -237,8 +237,8 @@ def _check_arguments(model, plan, devices):
         raise ValueError(f"model {model.name!r} is not built; call it on a batch (or build "
                          "it) before split_layers.")
     if not isinstance(plan, dict) or not plan:
-        raise ValueError(f"plan must be a non-empty dict {{layer path: how}} or a "
-                         f"keras.distribution.LayoutMap, got {plan!r}.")
+        raise ValueError(f"plan must be a non-empty dict {{layer path: how}}, a "
+                         f"keras.distribution.LayoutMap or \"auto\", got {plan!r}.")
     if not devices:
         raise ValueError("devices must name at least one device, one per part.")
 
