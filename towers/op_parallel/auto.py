@@ -142,7 +142,8 @@ def _attention(layers, checker):
             checker.whole.append(f"{path!r} is not split by heads ({refused}); its "
                                  "projections are split where they can be.")
         elif "attention" not in type(layer).__name__.lower() or any(
-                isinstance(sub, keras.layers.MultiHeadAttention) for _, sub, _ in paths.walk(layer)):
+                isinstance(sub, keras.layers.MultiHeadAttention)
+                for _, sub, _ in paths.walk(layer)):
             continue  # not an attention layer, or a block holding one
         done.append(path)
         entries += _projections(path, layer, checker)
