@@ -42,6 +42,7 @@ from towers.engine.step import tower_gradients
 from towers.devices import configure_devices
 from towers.errors import DeviceConfigError, NonFiniteError, Preempted, WorkerLostError
 from towers.model_parallel.stages import split_model
+from towers.op_parallel.auto import auto_plan
 from towers.op_parallel.plan import join_layers, split_layers
 from towers.multi_worker.cluster import Cluster, cluster_from_tf_config
 from towers.multi_worker.cluster import join as join_cluster
@@ -108,6 +109,7 @@ __all__ = [
     "TowerOptions",
     "TowerTrainer",
     "WorkerLostError",
+    "auto_plan",
     "average_gradients",
     "cluster_from_tf_config",
     "configure_devices",

@@ -228,7 +228,9 @@ def _split(job, model, part_devices):
     flag = ("--split_plan" if job.split_plan else
             f"--num_parts={job.num_parts} (alias --{NUM_PARTS_ALIAS})")
     try:
-        if job.split_plan:
+        if job.split_plan == ["auto"]:  # Megatron's plan for a transformer, logged
+            plan = towers.auto_plan(model, len(part_devices))
+        elif job.split_plan:
             plan = plans.parse(job.split_plan)
         else:
             plan = plans.default(model, job.model) if job.num_parts > 1 else {}

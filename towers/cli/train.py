@@ -120,7 +120,9 @@ SPLIT_PLAN = flags.DEFINE_list(
     "(Embedding), heads (MultiHeadAttention) or a part index (the whole layer on that part's "
     "device). An EinsumDense may be split along another letter of its equation: "
     "PATH:column:LETTER (output-only) or PATH:row:LETTER (contracted), e.g. "
-    "'*/self_attention/attention_output:row:u'.")
+    "'*/self_attention/attention_output:row:u'. Or auto: Megatron's plan for a transformer "
+    "(towers.auto_plan: token embedding by vocab, attention by heads, feed-forward pairs "
+    "column then row, an untied LM head by column), logged one line per rule.")
 MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_POLICIES,
                                     "Keras dtype policy; mixed_float16 adds dynamic loss "
                                     "scaling shared by all towers.")

@@ -5,7 +5,7 @@ and dense (the parallel forms: VocabEmbedding, HeadsAttention, Placed; ColumnDen
 RowDense), plan (`split_layers`, checking a plan and rebuilding a model with its
 layers replaced; `join_layers`, the way back), paths (plan keys as layer paths,
 nested layers replaced inside their parents), layouts (a keras LayoutMap read as a
-plan), exactness (what a split would silently change, refused), vocab_loss (a sparse
+plan), auto (plan="auto": Megatron's plan found in a transformer), exactness (what a split would silently change, refused), vocab_loss (a sparse
 cross-entropy of logits kept in parts: Megatron's vocab-parallel loss), grid (training a
 split model on towers x (stages x) parts: where each part lives and each tower runs
 it), tables (embedding look-ups where the table lives); training/checkpoint_twin.py

@@ -43,6 +43,7 @@ def split_layers(model, plan, devices, *, model_axis="model"):
         a shell wildcard ("block_*/ffn/dense_?").
         Or a keras.distribution.LayoutMap: each weight sharded along the mesh axis
         `model_axis` gets the exact split for that axis (layouts.plan_of).
+        Or "auto": Megatron's plan for a transformer (auto.auto_plan), logged.
       devices: one tower's T device names, e.g. ["/device:CPU:0", "/device:CPU:1"].
 
     Raises:
@@ -53,6 +54,9 @@ def split_layers(model, plan, devices, *, model_axis="model"):
         raise ValueError(f"devices must be a list of device names, one per part, e.g. "
                          f"['/device:CPU:0', '/device:CPU:1'], got {devices!r}.")
     devices = [devices_lib.canonical_name(d) for d in devices]
+    if isinstance(plan, str) and plan == "auto":
+        from towers.op_parallel import auto  # auto.py builds on this module's checks
+        plan = auto.auto_plan(model, len(devices))
     if isinstance(plan, keras.distribution.LayoutMap) and isinstance(model, keras.Model):
         plan = layouts.plan_of(model, plan, len(devices), model_axis)
     _check_arguments(model, plan, devices)
@@ -233,8 +237,8 @@ def _check_arguments(model, plan, devices):
         raise ValueError(f"model {model.name!r} is not built; call it on a batch (or build "
                          "it) before split_layers.")
     if not isinstance(plan, dict) or not plan:
-        raise ValueError(f"plan must be a non-empty dict {{layer path: how}} or a "
-                         f"keras.distribution.LayoutMap, got {plan!r}.")
+        raise ValueError(f"plan must be a non-empty dict {{layer path: how}}, a "
+                         f"keras.distribution.LayoutMap or \"auto\", got {plan!r}.")
     if not devices:
         raise ValueError("devices must name at least one device, one per part.")
 
