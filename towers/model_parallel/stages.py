@@ -1,7 +1,8 @@
 """Model parallelism: a Keras model cut into pipeline stages, each on its own device.
 
-`split_model` cuts a functional or Sequential model after named layers into
-stage models that share the original layers and weights. `Stages` adds what
+`split_model` cuts a functional or Sequential model after named layers (or layers
+named by path inside nested functional models: cut_paths.py) into stage models that
+share the original layers and weights. `Stages` adds what
 the tower step needs to run them: which of the model's variables each stage
 owns, and which tensors cross each cut (skip connections are carried along to
 the stage that uses them). placement/variables.py moves each stage's variables
@@ -13,10 +14,11 @@ import collections
 import keras
 
 from towers import compat
+from towers.model_parallel import cut_paths
 
 
 def split_model(model, cuts):
-    """Cuts `model` after each layer named in `cuts`; returns len(cuts) + 1 stage models.
+    """Cuts `model` after each layer `cuts` names; returns len(cuts) + 1 stage models.
 
     Chaining the stages computes the model: stage 0 takes the model's inputs,
     each later stage takes the list the stage before it returns, and the last
@@ -26,31 +28,38 @@ def split_model(model, cuts):
     order of `model.layers` (model.summary's order): a cut after layer L puts
     L and every layer listed before it in the earlier stages.
 
+    A cut is a top-level layer's name, or a layer path with shell wildcards
+    ("bert_backbone*/transformer_layer_0"), as plans name layers: a keras_hub task
+    model is cut inside its backbone. The functional models that hold a cut layer
+    are then flattened into one graph of the same layers (cut_paths.py) and cut as
+    one; the layers' order is that graph's.
+
     The stages share the model's layers, so they share its weights. (Like any
     keras.Model built on intermediate tensors, they add call nodes to those
     layers, so a layer's `.output` afterwards names several calls.)
 
     Args:
       model: a functional or Sequential keras.Model, built.
-      cuts: names of layers of `model`, in model.layers order, each once.
+      cuts: names or paths of layers of `model`, in the order they run, each once.
 
     Returns:
       list of keras.Model, one per stage.
 
     Raises:
       ValueError: `model` not a keras.Model, `cuts` not a list of names, a
-        subclassed model, an unknown or repeated cut, a cut after an input,
-        cuts out of order, a cut that leaves a stage empty, or a layer called
-        in two stages.
+        subclassed model, an unknown or repeated cut, a path that matches several
+        layers or reaches inside a layer that is not a functional model, a cut
+        after an input, cuts out of order, a cut that leaves a stage empty, or a
+        layer called in two stages.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"model must be a functional or Sequential keras.Model, got "
                          f"{type(model).__name__}.")
     if isinstance(cuts, str) or not isinstance(cuts, (list, tuple)):
         raise ValueError(f"cuts must be a list of layer names, got {cuts!r}.")
-    graph = graph_of(model)
-    nodes = _nodes_in_order(model, graph)
-    stage_of_node = _assign_stages(model, nodes, list(cuts))
+    graph, cut_layers = cut_paths.graph_to_cut(model, graph_of(model), list(cuts))
+    nodes = _nodes_in_order(graph)
+    stage_of_node = _assign_stages(graph, nodes, list(cuts), cut_layers)
     num_stages = len(cuts) + 1
     produced_in = {id(t): -1 for t in graph.inputs}  # tensor id -> stage (-1: an input)
     tensors = {id(t): t for t in graph.inputs}
@@ -159,13 +168,14 @@ class Stages(VariableGroups):
 
 
 def check_pipeline(pipeline_cuts, main_device, variable_placement):
-    """pipeline_cuts as a list of layer names, or None for no pipeline (None or an
+    """pipeline_cuts as a list of layer names or paths, or None for no pipeline (None or an
     empty list: one stage), after refusing, up front, what pipeline stages cannot
     be combined with."""
     if pipeline_cuts is None:
         return None
     if isinstance(pipeline_cuts, str) or not isinstance(pipeline_cuts, (list, tuple)):
-        raise ValueError(f"pipeline_cuts must be a list of layer names, got {pipeline_cuts!r}.")
+        raise ValueError(f"pipeline_cuts must be a list of layer names (or layer paths), got "
+                         f"{pipeline_cuts!r}.")
     if not pipeline_cuts:
         return None
     refused = {
@@ -198,14 +208,14 @@ def graph_of(model):
     return graph
 
 
-def _nodes_in_order(model, graph):
-    """The model's layer calls (Keras nodes) in execution order, inputs excluded.
+def _nodes_in_order(graph):
+    """The graph's layer calls (Keras nodes) in execution order, inputs excluded.
 
     Keras 3 has no public walk of a functional graph; its nodes by depth are
     the walk Functional itself runs (deepest first), ordered within a depth by
-    model.layers.
+    the graph's layers.
     """
-    position = {id(layer): i for i, layer in enumerate(model.layers)}
+    position = {id(layer): i for i, layer in enumerate(graph.layers)}
     nodes, by_depth = [], compat.nodes_by_depth(graph)
     for depth in sorted(by_depth, reverse=True):
         nodes += sorted((n for n in by_depth[depth] if not n.is_input),
@@ -213,41 +223,37 @@ def _nodes_in_order(model, graph):
     return nodes
 
 
-def _assign_stages(model, nodes, cuts):
+def _assign_stages(graph, nodes, cuts, cut_layers):
     """The stage of each node: the number of cut layers run before it."""
-    names = [layer.name for layer in model.layers]
-    inputs = [layer.name for layer in model.layers if isinstance(layer, keras.layers.InputLayer)]
-    for cut in cuts:
-        if cut in inputs:
-            raise ValueError(
-                f"pipeline cut {cut!r} is an input of model {model.name!r}, which computes "
-                "nothing; cut after a layer that does.")
-        if not isinstance(cut, str) or cut not in names:
-            raise ValueError(
-                f"pipeline cut {cut!r} is not the name of a layer of model {model.name!r}; "
-                f"its layers are {names}.")
-    if len(set(cuts)) != len(cuts):
+    position = {id(layer): i for i, layer in enumerate(graph.layers)}
+    for cut, layer in zip(cuts, cut_layers):
+        if id(layer) not in position:
+            raise ValueError(f"pipeline cut {cut!r} names layer {layer.name!r}, which model "
+                             f"{graph.name!r} never calls; cut after a layer it calls.")
+    if len({id(layer) for layer in cut_layers}) != len(cuts):
         raise ValueError(f"pipeline cuts {cuts} name a layer twice; cut after each layer once.")
-    if [names.index(c) for c in cuts] != sorted(names.index(c) for c in cuts):
+    order = sorted(range(len(cuts)), key=lambda i: position[id(cut_layers[i])])
+    if order != list(range(len(cuts))):
         raise ValueError(
             f"pipeline cuts {cuts} are not in the order of the model's layers; list them "
-            f"as model.layers does: {[n for n in names if n in cuts]}.")
+            f"as model.layers does: {[cuts[i] for i in order]}.")
+    cut_index = {id(layer): i for i, layer in enumerate(cut_layers)}
     stage, stages, stage_of_layer = 0, [], {}
     for node in nodes:
-        name = node.operation.name
-        if stage_of_layer.setdefault(name, stage) != stage:
+        layer = node.operation
+        if stage_of_layer.setdefault(id(layer), stage) != stage:
             raise ValueError(
-                f"layer {name!r} is called in stages {stage_of_layer[name]} and {stage}; a "
-                "layer's weights live on one stage's device. Cut before its first call or "
-                "after its last.")
+                f"layer {layer.name!r} is called in stages {stage_of_layer[id(layer)]} and "
+                f"{stage}; a layer's weights live on one stage's device. Cut before its "
+                "first call or after its last.")
         stages.append(stage)
-        if name in cuts and stage == cuts.index(name):
+        if cut_index.get(id(layer)) == stage:
             stage += 1
     counts = collections.Counter(stages)
     empty = [k for k in range(len(cuts) + 1) if not counts[k]]
     if empty:
         raise ValueError(
-            f"pipeline cuts {cuts} leave stage {empty[0]} of model {model.name!r} without "
+            f"pipeline cuts {cuts} leave stage {empty[0]} of model {graph.name!r} without "
             "layers; every stage needs at least one layer (the first cut must come after "
             "a layer, the last before the model's final layer).")
     return stages
