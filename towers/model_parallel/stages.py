@@ -12,8 +12,9 @@ to its stage device, as torchgpipe moves each partition to its device.
 import collections
 
 import keras
+import tensorflow as tf
 
-from towers import compat
+from towers import compat, gradients
 from towers.model_parallel import cut_paths
 
 
@@ -34,6 +35,10 @@ def split_model(model, cuts):
     are then flattened into one graph of the same layers (cut_paths.py) and cut as
     one; the layers' order is that graph's.
 
+    A layer called in several stages (a tied embedding and LM head, ALBERT's
+    shared block) is in each of their models; Stages gives its weights to the
+    first, and the later ones read them.
+
     The stages share the model's layers, so they share its weights. (Like any
     keras.Model built on intermediate tensors, they add call nodes to those
     layers, so a layer's `.output` afterwards names several calls.)
@@ -50,7 +55,8 @@ def split_model(model, cuts):
         subclassed model, an unknown or repeated cut, a path that matches several
         layers or reaches inside a layer that is not a functional model, a cut
         after an input, cuts out of order, a cut that leaves a stage empty, or a
-        layer called in two stages.
+        layer with state (non-trainable variables) or a weight regularizer called
+        in two stages.
     """
     if not isinstance(model, keras.Model):
         raise ValueError(f"model must be a functional or Sequential keras.Model, got "
@@ -135,36 +141,97 @@ class Stages(VariableGroups):
     """A model cut into pipeline stages, with the bookkeeping the tower step needs.
 
     With cuts=None there is one stage, the model itself. The groups are the
-    stages: trainable_index[k] and state_index[k] are stage k's variables, in
-    the order of the stage model's own lists.
+    stages: trainable_index[k] and state_index[k] are the variables stage k owns,
+    in the order of the stage model's own lists. A layer called in several stages
+    (a tied embedding and LM head) has its variables owned by the first: they live
+    on its device, and their gradients meet there.
 
     Attributes:
       models: one keras.Model per stage (split_model's).
+      read_index, read_state_index: per stage, the positions of every variable its
+        model reads (its own and those an earlier stage owns), in its model's order.
     """
 
     def __init__(self, model, cuts=None):
         self.models = split_model(model, cuts) if cuts else [model]
         super().__init__(model)
 
-    def _positions(self, variables, trainable):
+    def reindex(self):
+        self.read_index = self._reads(self.model.trainable_variables, True)
+        self.read_state_index = self._reads(self.model.non_trainable_variables, False)
+        super().reindex()
+
+    def _reads(self, variables, trainable):
         where = {id(v): i for i, v in enumerate(variables)}
         index = [[where.get(id(v), -1) for v in (
             m.trainable_variables if trainable else m.non_trainable_variables)]
             for m in self.models]
-        if sorted(i for stage in index for i in stage) != list(range(len(variables))):
+        if sorted({i for stage in index for i in stage}) != list(range(len(variables))):
             raise ValueError(
-                f"model {self.model.name!r} has variables that belong to no stage or to "
-                "several (a layer outside the model's graph, or one called in two stages); cut "
-                "so that every layer runs in exactly one stage.")
+                f"model {self.model.name!r} has variables that belong to no stage (a layer "
+                "outside the model's graph); cut so that every layer runs in a stage.")
         return index
+
+    def _positions(self, variables, trainable):
+        owned, seen = [], set()  # each variable with the first stage that reads it
+        for reads in (self.read_index if trainable else self.read_state_index):
+            owned.append([i for i in reads if i not in seen])
+            seen.update(reads)
+        return owned
+
+    def select(self, values, group, trainable=True):
+        """The entries of `values` (one per model variable) that stage `group`'s model
+        reads, in its order: those it owns and those an earlier stage owns."""
+        index = self.read_index if trainable else self.read_state_index
+        return [values[i] for i in index[group]]
+
+    def merge(self, per_group, trainable=True, devices=None):
+        """Inverse of `select`: per-stage lists back into one list in model order. A
+        variable several stages read gets their gradients' sum (trainable), or the first
+        value given (state; None where none is), summed on devices[its owner] where
+        `devices` (one per stage) is given: where its weights live."""
+        reads = self.read_index if trainable else self.read_state_index
+        owner = {i: k for k, owned in enumerate(
+            self.trainable_index if trainable else self.state_index) for i in owned}
+        given = collections.defaultdict(list)
+        for positions, values in zip(reads, per_group):
+            for i, value in zip(positions, values):
+                given[i].append(value)
+        merged = [None] * len(owner)
+        for i, values in given.items():
+            if len(values) == 1:
+                merged[i] = values[0]
+            elif not trainable:
+                merged[i] = next((v for v in values if v is not None), None)
+            else:
+                with tf.device(devices[owner[i]] if devices else None):
+                    merged[i] = gradients.add(values)
+        return merged
 
     @property
     def num_stages(self):
         return len(self.models)
 
     def variables(self, stage):
-        """Every variable (trainable and not) of `stage`."""
-        return self.models[stage].variables
+        """Every variable (trainable and not) `stage` owns: its model's, less those an
+        earlier stage's model reads too."""
+        earlier = {id(v) for model in self.models[:stage] for v in model.variables}
+        return [v for v in self.models[stage].variables if id(v) not in earlier]
+
+
+def _unshareable(layer):
+    """Why `layer`, called in two stages, cannot keep its weights with the first: state
+    (each call would update it on another device), or a weight regularizer (each
+    stage's model would add it to the loss); None where it can."""
+    state = getattr(layer, "non_trainable_variables", None)
+    if state:
+        return f"holds state ({state[0].path!r}) that its calls update"
+    regularized = [v for v in getattr(layer, "trainable_variables", [])
+                   if v.regularizer is not None]
+    if regularized:
+        return (f"has a regularizer on {regularized[0].path!r}, which each stage's model "
+                "would add to the loss")
+    return None
 
 
 def check_pipeline(pipeline_cuts, main_device, variable_placement):
@@ -241,11 +308,14 @@ def _assign_stages(graph, nodes, cuts, cut_layers):
     stage, stages, stage_of_layer = 0, [], {}
     for node in nodes:
         layer = node.operation
-        if stage_of_layer.setdefault(id(layer), stage) != stage:
+        first = stage_of_layer.setdefault(id(layer), stage)
+        why = _unshareable(layer) if first != stage else None
+        if why:
             raise ValueError(
-                f"layer {layer.name!r} is called in stages {stage_of_layer[id(layer)]} and "
-                f"{stage}; a layer's weights live on one stage's device. Cut before its "
-                "first call or after its last.")
+                f"layer {layer.name!r} is called in stages {first} and {stage} and {why}; a "
+                "layer called in several stages may hold unregularized trainable weights "
+                f"only (they live with stage {first}; the later stages read them). Cut "
+                "before its first call or after its last.")
         stages.append(stage)
         if cut_index.get(id(layer)) == stage:
             stage += 1
