@@ -179,12 +179,14 @@ class SharedAcrossStagesTest(tf.test.TestCase):
         expected.compile(keras.optimizers.Adam(1e-3), _loss(), weighted_metrics=[])
         for x, y, weights in batches:
             expected.train_on_batch(x, y, sample_weight=weights)
-        # Largest difference measured: 8.4e-8 with 1 micro-batch, 5.3e-8 with 2 (without
-        # the LM head's gradient the embedding would be off by about Adam's rate, 1e-3).
-        for micro_batches in (1, 2):
+        # Largest difference measured: 8.4e-8 with 1 micro-batch, 5.3e-8 with 2 under
+        # 1F1B, each stage recomputed (without the LM head's gradient the embedding
+        # would be off by about Adam's rate, 1e-3).
+        for options in ({}, {"micro_batches": 2, "pipeline_schedule": "1f1b",
+                             "recompute": "stages"}):
             lm = _gpt2_lm()
             trainer = towers.TowerTrainer(lm, _loss(), keras.optimizers.Adam(1e-3),
-                                          devices=GRID, micro_batches=micro_batches,
+                                          devices=GRID, **options,
                                           pipeline_cuts=["gpt2_backbone*/transformer_layer_0"])
             for batch in batches:
                 trainer.train_step(batch)
