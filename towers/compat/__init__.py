@@ -8,9 +8,10 @@ object's underscored attribute (tests/test_structure.py); the benchmarks' own su
 names are in benchmarks/harness/compat.py.
 
 Kept apart by what they lean on, so that an upgrade of one library is read in
-one place: `keras_layers` (models, layers, variables, losses), `keras_optimizers`
-(optimizers, Keras's configuration), `tensorflow_runtime` (tf.data, the eager
-runtime, checkpoints), `keras_data` (fit's arrays batched as Keras batches them).
+one place: `keras_layers` (models, layers, variables, losses), `keras_graphs` (the
+graph of layers a functional model runs), `keras_optimizers` (optimizers, Keras's
+configuration), `tensorflow_runtime` (tf.data, the eager runtime, checkpoints),
+`keras_data` (fit's arrays batched as Keras batches them).
 Everything is used as `compat.<name>`.
 
 Private behaviours elsewhere (no private name; they lean on how Keras works inside):
@@ -26,9 +27,11 @@ Private behaviours elsewhere (no private name; they lean on how Keras works insi
 from towers.compat.keras_layers import (  # noqa: F401
     keras_mask, set_keras_mask, same_rank, CompileLoss, CompileMetrics, stateless_value,
     keras_call_state, loss_adders, nested_layers, batch_norm_moments,
-    every_batch_norm_moments, sublayers, own_weights, replace_sublayer, functional_graph,
-    nodes_by_depth, move_variable, can_hold_in_slabs, hold_in_slabs, held_slabs,
-    drop_weight, is_seed_state,
+    every_batch_norm_moments, sublayers, own_weights, replace_sublayer, move_variable,
+    can_hold_in_slabs, hold_in_slabs, held_slabs, drop_weight, is_seed_state,
+)
+from towers.compat.keras_graphs import (  # noqa: F401
+    functional_graph, nodes_by_depth, runs_its_graph, run_graph,
 )
 from towers.compat.keras_data import (  # noqa: F401
     can_batch_arrays, array_batches, train_validation_split,

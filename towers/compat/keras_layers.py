@@ -11,6 +11,8 @@ from keras.src.backend.common import global_state, masking, stateless_scope
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import compile_utils
 
+from towers.compat.keras_graphs import functional_graph
+
 # ---------------------------------------------------------------------------------------
 # Keras: models and layers
 
@@ -289,27 +291,6 @@ def _replace_in_graph(graph, old, new):
             for i, tensor in enumerate(node.outputs):
                 tensor._keras_history = type(tensor._keras_history)(
                     new, len(new._inbound_nodes) - 1, i)
-
-
-def functional_graph(model):
-    """The keras.Model whose graph of layers `model` runs: a built Sequential's inner
-    Functional, else `model` itself (None for a subclassed model, which has none).
-
-    Public alternative: none; `keras.Model(model.inputs, model.outputs)` builds a
-    new graph on the same layers, adding call nodes to each.
-    """
-    if isinstance(model, keras.Sequential):
-        model = model._functional
-    return model if hasattr(model, "_nodes_by_depth") else None
-
-
-def nodes_by_depth(graph):
-    """{depth: [keras Node]} of a functional graph (functional_graph's), the walk
-    Functional itself runs (deepest first).
-
-    Public alternative: none.
-    """
-    return graph._nodes_by_depth
 
 
 def move_variable(variable, device):

@@ -162,7 +162,9 @@ class Flight:
         for k, device in enumerate(self.devices):
             with tf.device(device):
                 per_stage.append(self._stage_gradients(k))
-        grads = [self.stages.merge(per_pass) for per_pass in zip(*per_stage)]  # per pass
+        # per pass; a variable several stages read: their sum, where it lives
+        grads = [self.stages.merge(per_pass, devices=self.devices)
+                 for per_pass in zip(*per_stage)]
         if densify is not None:
             grads = [[gradients.to_dense(g) if dense else g
                       for g, dense in zip(per_pass, densify)] for per_pass in grads]

@@ -21,7 +21,7 @@ in one line.
 import keras
 from absl import logging
 
-from towers.op_parallel import paths
+from towers import layer_paths
 from towers.op_parallel.dense import equation_of, kind_of_kernel_axis, split_axes, split_kind
 
 
@@ -48,7 +48,7 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
         raise ValueError(f"the layout map's mesh has {size} devices along {model_axis!r} but "
                          f"split_layers was given {num_parts}; give one device per part.")
     plan, covered, other_axes = {}, set(), set()
-    for path, layer, _ in paths.walk(model):
+    for path, layer, _ in layer_paths.walk(model):
         if any(path.startswith(done + "/") for done in plan):
             continue  # inside a layer already split (an attention's projections)
         sharded = {}
@@ -62,7 +62,7 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
         if kind is not None:
             plan[path] = kind
             covered.update(v.path for v in layer.weights)
-    for path, layer, _ in paths.walk(model):
+    for path, layer, _ in layer_paths.walk(model):
         for variable in layer.weights:
             axes = _axes(layout_map, variable)
             if model_axis in axes and variable.path not in covered:

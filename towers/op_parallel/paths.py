@@ -1,10 +1,8 @@
 """Plans by layer path: plan keys resolved to the layers they name, nested ones too, and
 a layer replaced inside its parent, on a copy of the model.
 
-A layer's path is the "/"-joined names from the model down to it, as Keras writes
-`layer.path` ("transformer_block/att/query"; for a subclassed model without the
-model's own name in front). A plan key is a path whose levels are shell wildcards
-("block_*/ffn/*"), each matched against one level's names (fnmatch, case-sensitive).
+A plan key is a layer path whose levels may be shell wildcards ("block_*/ffn/*"),
+matched level by level as towers/layer_paths.py matches every pattern.
 
 A replaced layer's parent keeps running its own `call`: the parallel form takes the
 layer's place in the parent's attributes, in its tracked sublayers (so its weights
@@ -14,18 +12,15 @@ Functional or Sequential parent, in its graph's nodes (compat.replace_sublayer).
 
 import collections
 import contextlib
-import fnmatch
 
 import keras
 
-from towers import compat
+from towers import compat, layer_paths
 
 Target = collections.namedtuple("Target", ["key", "path", "how", "position"])
 Target.__doc__ = """A layer a plan names: the plan key that names it, its path, the key's
 value, and its position (the index of each level's layer among its parent's sublayers,
 compat.sublayers: the same in a copy of the model, whose layers' names may differ)."""
-
-_WILDCARDS = frozenset("*?[")
 
 
 def is_graph_model(model):
@@ -38,42 +33,18 @@ def reaches_inside(model, plan):
     """Whether `plan` needs paths: a key with "/" or a wildcard, or a model that is not a
     plain functional or Sequential one (whose top-level layers clone_model replaces)."""
     return not is_graph_model(model) or any(
-        "/" in key or _WILDCARDS & set(key) for key in plan if isinstance(key, str))
-
-
-def walk(model, repeats=False):
-    """(path, layer, position) of every layer inside `model`, parents before their
-    sublayers; InputLayers left out. A layer held twice (a keras_hub task model calls
-    its backbone's token embedding again as its LM head) is listed once, at its first
-    path; with `repeats`, at each path that holds it (its sublayers at the first)."""
-    seen, found = set(), []
-
-    def visit(layer, prefix, position):
-        for index, sublayer in enumerate(compat.sublayers(layer)):
-            if isinstance(sublayer, keras.layers.InputLayer):
-                continue
-            path = f"{prefix}{sublayer.name}"
-            if id(sublayer) in seen:
-                if repeats:
-                    found.append((path, sublayer, position + (index,)))
-                continue
-            seen.add(id(sublayer))
-            found.append((path, sublayer, position + (index,)))
-            visit(sublayer, path + "/", position + (index,))
-
-    visit(model, "", ())
-    return found
+        layer_paths.is_pattern(key) for key in plan if isinstance(key, str))
 
 
 def resolve(model, plan):
-    """The Targets `plan` names in `model`, one per layer, in `walk`'s order.
+    """The Targets `plan` names in `model`, one per layer, in `layer_paths.walk`'s order.
 
     Raises:
       ValueError: one line for a key that is not a string or matches no layer, for a
         layer two keys give different values, or for a layer inside another one the
         plan names.
     """
-    layers = walk(model, repeats=True)  # a layer held twice is named by either path
+    layers = layer_paths.walk(model, repeats=True)  # a layer held twice is named by either path
     first = {}  # id(layer) -> (its first path, its first position)
     for path, layer, position in layers:
         first.setdefault(id(layer), (path, position))
@@ -82,14 +53,12 @@ def resolve(model, plan):
         if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
             raise ValueError(f"plan keys must be layer paths such as 'block_0/ffn/dense' "
                              f"(levels '/'-separated, shell wildcards allowed), got {key!r}.")
-        levels = key.split("/")
         matches = [first[id(layer)] for path, layer, _ in layers
-                   if _matches(path.split("/"), levels)]
+                   if layer_paths.matches(path, key)]
         if not matches:
-            depth = [path for path, _, _ in layers if path.count("/") == len(levels) - 1]
             raise ValueError(f"plan key {key!r} matches no layer of model {model.name!r}; its "
-                             f"layer paths at that depth are {depth[:12]}"
-                             f"{' ...' if len(depth) > 12 else ''}.")
+                             f"layer paths at that depth are "
+                             f"{layer_paths.paths_at_depth(layers, key)}.")
         for path, position in matches:
             other = named.get(position)
             if other is not None and other.how != how:
@@ -104,11 +73,6 @@ def resolve(model, plan):
                                  f"{outer.path!r}, which plan key {outer.key!r} already "
                                  f"replaces as a whole; give one of them.")
     return targets
-
-
-def _matches(names, levels):
-    return len(names) == len(levels) and all(
-        fnmatch.fnmatchcase(name, level) for name, level in zip(names, levels))
 
 
 def locate(model, position, like=None):
@@ -201,7 +165,7 @@ def install(model, layer, form):
         for name in (layer.path or "").split("/")[:-1]:  # Keras takes one level at a time
             scopes.enter_context(keras.name_scope(name))
         form.build_from_config(layer.get_build_config())
-    holders = [model] + [held for _, held, _ in walk(model)]
+    holders = [model] + [held for _, held, _ in layer_paths.walk(model)]
     for parent in holders:
         if any(sublayer is layer for sublayer in compat.sublayers(parent)):
             compat.replace_sublayer(parent, layer, form)
