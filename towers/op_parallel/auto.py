@@ -27,8 +27,8 @@ import re
 import keras
 from absl import logging
 
-from towers.op_parallel import paths
-from towers.op_parallel import plan as plan_lib
+from towers import layer_paths
+from towers.op_parallel import paths, plan as plan_lib
 from towers.op_parallel.dense import equation_of, split_axes, split_kind
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
@@ -60,7 +60,7 @@ def auto_plan(model, num_parts=None):
         raise ValueError(f"auto_plan needs a built keras.Model (call it on a batch first), "
                          f"got {type(model).__name__} {getattr(model, 'name', '')!r}.")
     checker = _Checker(num_parts)
-    layers = paths.walk(model)
+    layers = layer_paths.walk(model)
     entries, vocabulary = _token_embedding(layers, checker)
     attentions, attention_paths = _attention(layers, checker)
     entries += attentions
@@ -143,7 +143,7 @@ def _attention(layers, checker):
                                  "projections are split where they can be.")
         elif "attention" not in type(layer).__name__.lower() or any(
                 isinstance(sub, keras.layers.MultiHeadAttention)
-                for _, sub, _ in paths.walk(layer)):
+                for _, sub, _ in layer_paths.walk(layer)):
             continue  # not an attention layer, or a block holding one
         done.append(path)
         entries += _projections(path, layer, checker)
@@ -154,7 +154,7 @@ def _projections(path, layer, checker):
     """The query, key and value projections by "column" along their heads letter and the
     output projection by "row" along it; none where one of the four is missing."""
     found = {}
-    for sub_path, sublayer, _ in paths.walk(layer):
+    for sub_path, sublayer, _ in layer_paths.walk(layer):
         if "/" not in sub_path and isinstance(sublayer, _DENSE):
             for role, names in _PROJECTIONS.items():
                 if sublayer.name in names:
