@@ -34,7 +34,7 @@ class TowerTrainer:
         split layers, each tower's first part's device).
       main_device: where the variables live and the gradients are averaged
         (with pipeline stages: stage 0's; stage k's is devices[0][k]).
-      pipeline_cuts: None, or the names of the layers the model is cut after
+      pipeline_cuts: None, or the names or paths of the layers the model is cut after
         (towers.split_model); stage k's variables and optimizer slots then
         live on devices[0][k], and its update is applied there.
       options: a TowerOptions (engine/options.py), the one given as options= or built
