@@ -9,7 +9,8 @@ through fit and evaluate), and against it Keras's compile + train_on_batch on on
 device; writes, as JSON, the largest weight differences, where every variable and
 its optimizer slot lives, and the evaluation's loss against Keras's; and the same with
 variable_placement="spread". Its checkpoint
-is restored into the unsplit model on 2 plain towers, which trains one more step.
+is restored into the unsplit model on 2 plain towers, which trains one more step. And a
+causal LM on the same grid: GPT-2 split by plan="auto", cut inside its backbone.
 """
 
 import json
@@ -67,6 +68,25 @@ def largest_difference(values, wanted):
 
 def device_of(variable):
     return towers.devices.canonical_name(variable.value.device)
+
+
+def causal_lm():
+    """GPT2CausalLM (tests/test_cut_paths.py's) split by plan="auto" over the grid's parts
+    and cut inside its backbone, its tied token embedding looked up in stage 0 and the LM
+    head in stage 1: the largest weight difference from Keras after 2 Adam steps."""
+    from tests import test_cut_paths as lm_test  # needs keras_hub, as scripts/test installs
+    batches = lm_test._lm_batches()
+    expected = lm_test._gpt2_lm()
+    expected.compile(keras.optimizers.Adam(1e-3), loss(), weighted_metrics=[])
+    for x, y, weights in batches:
+        expected.train_on_batch(x, y, sample_weight=weights)
+    parted = towers.split_layers(lm_test._gpt2_lm(), "auto", GRID[0][0])
+    trainer = towers.TowerTrainer(parted, loss(), keras.optimizers.Adam(1e-3), devices=GRID,
+                                  pipeline_cuts=["gpt2_backbone*/transformer_layer_0"])
+    for batch in batches:
+        trainer.train_step(batch)
+    return largest_difference(towers.join_layers(parted).get_weights(),
+                              expected.get_weights())
 
 
 def main(output):
@@ -129,7 +149,7 @@ def main(output):
     results["evaluate"] = [fitted.evaluate((x, y))["loss"],
                            float(keras_model.evaluate(x, y, verbose=0))]
     with open(output, "w") as f:
-        json.dump(results, f)
+        json.dump({**results, "causal_lm": causal_lm()}, f)
 
 
 if __name__ == "__main__":
