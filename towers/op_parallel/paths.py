@@ -112,12 +112,23 @@ def copy_model(model):
         ) from None
     if [w.shape for w in copy.weights] != [w.shape for w in model.weights]:
         raise ValueError(
-            f"a copy of model {model.name!r} rebuilt from its config has weights of shapes "
-            f"{[tuple(w.shape) for w in copy.weights]}, not the model's "
-            f"{[tuple(w.shape) for w in model.weights]}; give {type(model).__name__} a "
-            "get_config() that rebuilds it as it is.")
+            f"a copy of model {model.name!r} rebuilt from its config does not hold its "
+            f"weights: {_first_difference(model.weights, copy.weights)}; give "
+            f"{type(model).__name__} a get_config() that rebuilds it as it is (a layer "
+            "shared by two others, a tied table, must be one layer in the copy too).")
     copy.set_weights(model.get_weights())
     return copy
+
+
+def _first_difference(weights, copied):
+    """Where `copied` first differs from `weights` in shape, in a few words."""
+    counts = f"{len(copied)} weights where the model has {len(weights)}"
+    for index, (weight, copy) in enumerate(zip(weights, copied)):
+        if weight.shape != copy.shape:
+            return (f"{counts}; its weight {index} is {copy.path!r} {tuple(copy.shape)}, the "
+                    f"model's {weight.path!r} {tuple(weight.shape)}")
+    extra = (copied if len(copied) > len(weights) else weights)[min(len(weights), len(copied))]
+    return f"{counts}, the first one past the shorter list {extra.path!r}"
 
 
 def copy_layer(layer):
