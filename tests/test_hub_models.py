@@ -171,3 +171,25 @@ class CommandLineTest(tf.test.TestCase):
         self.assertEqual(list(parted["split_plan"].values()), ["vocab", "heads", "column", "row"])
         self.assertAllClose(parted["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
         self.assertAllClose(parted["train_loss"], whole["train_loss"], atol=1e-5, rtol=0)
+
+    def test_pipeline_stages_cut_a_causal_lm_inside_its_backbone(self):
+        # examples/hub_transformer.py's causal_lm: a GPT2CausalLM (its tied embedding in
+        # both stages) inside a functional model, cut two levels deep by estimated
+        # compute. Measured: eval loss 3.2e-8 from one device's, train loss equal.
+        from absl.testing import flagsaver
+
+        from towers import layer_paths
+        from towers.cli import train
+        quick = dict(model="examples.hub_transformer:causal_lm", global_batch_size=16,
+                     steps=2, optimizer="adam")
+        with flagsaver.flagsaver(**quick, num_towers=1):
+            whole = train.train()
+        with flagsaver.flagsaver(**quick, num_towers=2, pipeline_stages=2):
+            staged = train.train()
+        self.assertLen(staged["pipeline_cuts"], 1)
+        self.assertTrue(layer_paths.matches(staged["pipeline_cuts"][0],
+                                            "gpt2_causal_lm*/gpt2_backbone*/transformer_layer_0"),
+                        staged["pipeline_cuts"])
+        self.assertEqual(staged["devices"], [DEVICES[:2], DEVICES[2:]])
+        self.assertAllClose(staged["eval_loss"], whole["eval_loss"], atol=1e-5, rtol=0)
+        self.assertAllClose(staged["train_loss"], whole["train_loss"], atol=1e-5, rtol=0)

@@ -13,6 +13,7 @@ with model.stateless_call on each tower.
             the embedding gradient is a tf.IndexedSlices (sparse), not a Tensor.
 """
 
+import collections
 import math
 
 import keras
@@ -20,7 +21,7 @@ import numpy as np
 from absl import logging
 from keras import layers, ops
 
-from towers.model_parallel import stages
+from towers.model_parallel import cut_paths, stages
 
 MODELS = ("mlp", "cnn", "resnet", "text")
 
@@ -201,12 +202,17 @@ def _is_int(value):
 
 
 def pipeline_cuts(model, num_stages):
-    """Layer names to cut `model` after, for `num_stages` stages of about equal compute.
+    """Layers to cut `model` after, for `num_stages` stages of about equal compute.
 
     A layer's compute is estimated as its multiply-adds per example: its
     weights times the positions of its output (a Dense layer once, a Conv2D
-    once per output pixel), or its output size for a layer without weights
-    and for an Embedding (a lookup, not a product).
+    once per output pixel; a length unknown until run, a sequence's, counts
+    one), or its output size for a layer without weights and for an Embedding's
+    lookup (not a product; its reverse, a tied LM head, is one).
+    A nested functional model (a keras_hub task model's backbone) counts as its
+    layers, so the cuts may fall among them: at their paths
+    ("gpt2_backbone/transformer_layer_0"); a layer called in two places (a tied
+    embedding) is not cut after.
     The cuts split the running total, in model.layers order, nearest to
     1/K, 2/K, ... of the whole.
 
@@ -215,7 +221,7 @@ def pipeline_cuts(model, num_stages):
       num_stages: int >= 1, at most the number of layers with inputs.
 
     Returns:
-      list of num_stages - 1 layer names (empty for one stage).
+      list of num_stages - 1 layer names or paths (empty for one stage).
 
     Raises:
       ValueError: a subclassed model (no graph of layers to cut), or a bad num_stages.
@@ -223,30 +229,51 @@ def pipeline_cuts(model, num_stages):
     # The same refusal split_model gives, before layer.output fails on a layer
     # that a subclassed model called eagerly.
     stages.graph_of(model)
-    layers_ = [layer for layer in model.layers if not isinstance(layer, layers.InputLayer)]
+    calls = cut_paths.layer_calls(model)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or \
-            not 1 <= num_stages <= len(layers_):
-        raise ValueError(f"num_stages must be an int from 1 to {len(layers_)} (the layers of "
+            not 1 <= num_stages <= len(calls):
+        raise ValueError(f"num_stages must be an int from 1 to {len(calls)} (the layers of "
                          f"model {model.name!r}), got {num_stages!r}.")
-    costs = np.cumsum([layer_compute(layer) for layer in layers_])
+    costs = np.cumsum([_calls_compute(layer, outputs) for _, layer, outputs in calls])
+    held = collections.Counter(id(layer) for _, layer, _ in calls)
     cuts, previous = [], -1
     for k in range(1, num_stages):
         # Nearest to k/K of the total, leaving a layer for each stage before and after.
-        candidates = range(previous + 1, len(layers_) - (num_stages - k))
+        candidates = [i for i in range(previous + 1, len(calls) - (num_stages - k))
+                      if held[id(calls[i][1])] == 1 and len(calls[i][2]) == 1]
+        if not candidates:
+            raise ValueError(f"model {model.name!r} has no layer to cut after for stage "
+                             f"{k + 1} of {num_stages}.")
         previous = min(candidates, key=lambda i: abs(costs[i] - costs[-1] * k / num_stages))
-        cuts.append(layers_[previous].name)
+        cuts.append(calls[previous][0])
     return cuts
 
 
 def layer_compute(layer):
     """Multiply-adds per example of one layer, estimated from its weights and output shape."""
-    output_shape = layer.output.shape[1:]
-    if isinstance(layer, layers.Embedding):
-        # A lookup copies one row per token: its output, whatever the vocabulary size.
-        return math.prod(output_shape)
-    positions = math.prod(output_shape[:-1]) if len(output_shape) > 1 else 1
-    weights = sum(math.prod(w.shape) for w in layer.weights)
-    return weights * positions if weights else math.prod(output_shape)
+    return _call_compute(layer, layer.output)
+
+
+def _calls_compute(layer, outputs):
+    """Multiply-adds per example of `layer`'s calls, given each call's outputs."""
+    return sum(_call_compute(layer, output) for output in outputs)
+
+
+def _call_compute(layer, outputs):
+    total = 0
+    for output in keras.tree.flatten(outputs):
+        shape = [d or 1 for d in output.shape[1:]]  # an unknown length counts one
+        if isinstance(layer, layers.Embedding):
+            # A lookup copies one row per token: its output, whatever the vocabulary
+            # size; its reverse (keras_hub's tied LM head) multiplies by the table.
+            lookup = shape[-1:] == [layer.output_dim]
+            total += (math.prod(shape) if lookup else
+                      math.prod(layer.embeddings.shape) * math.prod(shape[:-1]))
+            continue
+        positions = math.prod(shape[:-1]) if len(shape) > 1 else 1
+        weights = sum(math.prod(w.shape) for w in layer.weights)
+        total += weights * positions if weights else math.prod(shape)
+    return total
 
 
 def cuts_for_stages(model, num_stages):
@@ -258,10 +285,10 @@ def cuts_for_stages(model, num_stages):
     except ValueError as error:
         raise ValueError(f"--pipeline_stages={num_stages} cannot cut this model: {error}"
                          ) from None
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-    names = [layer.name for layer in layers]
-    ends = [names.index(cut) + 1 for cut in cuts] + [len(layers)]
-    compute = [sum(layer_compute(layer) for layer in layers[start:end])
+    calls = cut_paths.layer_calls(model)
+    paths = [path for path, _, _ in calls]
+    ends = [paths.index(cut) + 1 for cut in cuts] + [len(calls)]
+    compute = [sum(_calls_compute(layer, outputs) for _, layer, outputs in calls[start:end])
                for start, end in zip([0] + ends[:-1], ends)]
     logging.info("Pipeline: model %r cut after %s into %d stages, balanced by estimated "
                  "compute (multiply-adds per example, per stage: %s).", model.name, cuts,

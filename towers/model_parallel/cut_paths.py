@@ -98,3 +98,29 @@ def flatten(graph, inside):
 
     outputs = compat.run_graph(graph, graph.input, operation_fn)
     return keras.Model(graph.input, outputs, name=graph.name)
+
+
+def layer_calls(model, prefix=""):
+    """[(path, layer, outputs of each of its calls)] of `model`'s layers in its layers'
+    order, inputs left out; a nested functional model called once (a keras_hub task
+    model's backbone) gives its own layers' calls in its place, at their paths
+    ("gpt2_backbone/transformer_layer_0"), which split_model takes as cuts.
+
+    `model`: a functional or built Sequential model (stages.graph_of's check); a nested
+    model that is neither is one layer.
+    """
+    graph = compat.functional_graph(model)
+    outputs = {}  # id(layer) -> [the outputs of each of its calls in `graph`]
+    for nodes in compat.nodes_by_depth(graph).values():
+        for node in nodes:
+            outputs.setdefault(id(node.operation), []).append(node.outputs)
+    calls = []
+    for layer in graph.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        path = f"{prefix}{layer.name}"
+        if compat.runs_its_graph(layer) and len(outputs.get(id(layer), ())) == 1:
+            calls += layer_calls(layer, f"{path}/")
+        else:
+            calls.append((path, layer, outputs.get(id(layer), [])))
+    return calls
