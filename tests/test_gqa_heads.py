@@ -1,0 +1,115 @@
+""""heads" for keras_hub's grouped-query attention (issue 37): Mistral's
+CachedMistralAttention split by key/value groups, each part the layer's own class with
+fewer heads on its device (towers/op_parallel/grouped.py). 4 query heads, 2 key/value
+heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy generation through
+the split cache gives its tokens, one step on 1 tower x 2 parts equals Keras's on one
+device; classes it does not split are refused in one line."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import towers
+from tests import test_hub_models as hub
+from towers.op_parallel.grouped import GroupedHeadsAttention
+from towers.op_parallel.plan import parallel_forms
+
+keras_hub = pytest.importorskip("keras_hub")  # the [hub] extra (scripts/test installs it)
+
+PARTS = ["/device:CPU:0", "/device:CPU:1"]
+SPARSE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+PLAN = {"*/transformer_layer_*/self_attention": "heads"}
+
+
+def _mistral(seed=0):
+    """MistralCausalLM: 2 layers of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.MistralCausalLM(keras_hub.models.MistralBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=2, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+def _llama(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+def _batch():
+    x, _ = hub._batches(rows=(5,))[0]
+    y = np.random.default_rng(3).integers(0, hub.VOCABULARY, x["token_ids"].shape)
+    return x, y.astype("int32"), x["padding_mask"].astype("float32")
+
+
+class MistralHeadsTest(tf.test.TestCase):
+
+    def test_outputs_equal_the_unsplit_models(self):
+        lm = _mistral()
+        parted = towers.split_layers(lm, PLAN, PARTS)
+        forms = parallel_forms(parted)
+        self.assertLen(forms, 2)
+        for form in forms:
+            self.assertIsInstance(form, GroupedHeadsAttention)
+            self.assertEqual([type(p).__name__ for p in form.parts], ["CachedMistralAttention"] * 2)
+            self.assertEqual([p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
+            self.assertEqual([p.get_config()["num_key_value_heads"] for p in form.parts], [1, 1])
+            for device, part in zip(PARTS, form.parts):
+                for weight in part.weights:
+                    self.assertEqual(towers.devices.canonical_name(weight.value.device), device)
+        x, _, _ = _batch()
+        self.assertAllClose(parted(x), lm(x), atol=1e-6, rtol=0)
+        joined = towers.join_layers(parted)  # the original class, the weights as they were
+        for got, want in zip(joined.get_weights(), lm.get_weights(), strict=True):
+            self.assertAllEqual(got, want)
+
+    def test_generates_with_its_cache_split_by_key_value_heads(self):
+        lm = _mistral()
+        parted = towers.split_layers(lm, PLAN, PARTS)
+        prompt = {"token_ids": np.array([[5, 7, 9, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32"),
+                  "padding_mask": np.array([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]], "int32")}
+        for model in (lm, parted):
+            model.compile(sampler="greedy")
+        want = lm.generate(prompt, stop_token_ids=None)["token_ids"]
+        self.assertAllEqual(parted.generate(prompt, stop_token_ids=None)["token_ids"], want)
+        self.assertFalse(np.all(want[:, 3:] == 0))  # it generated tokens
+
+    def test_one_step_equals_keras_on_one_device(self):
+        x, y, weights = _batch()
+        expected = _mistral()
+        expected.compile(keras.optimizers.SGD(0.5), SPARSE, weighted_metrics=[])
+        expected.train_on_batch(x, y, sample_weight=weights)
+        lm = _mistral()
+        parted = towers.split_layers(lm, PLAN, PARTS)
+        trainer = towers.TowerTrainer(parted, SPARSE, keras.optimizers.SGD(0.5),
+                                      devices=[PARTS])  # 1 tower x 2 parts
+        trainer.train_step((x, y, weights))
+        moved = 0.0
+        for got, want, before in zip(towers.join_layers(parted).get_weights(),
+                                     expected.get_weights(), lm.get_weights(), strict=True):
+            self.assertAllClose(got, want, atol=1e-5, rtol=0)
+            moved = max(moved, float(np.max(np.abs(want - before), initial=0.0)))
+        self.assertGreater(moved, 1e-3)  # the step changed the weights
+
+    def test_fewer_key_value_heads_than_parts_is_refused_in_one_line(self):
+        with self.assertRaisesRegex(ValueError, "CachedMistralAttention has 2 key/value "
+                                    "heads, and each of 3 parts needs a whole group; give "
+                                    "at most 2 devices, or split its query by 'column:u'"):
+            towers.split_layers(_mistral(), PLAN, PARTS + ["/device:CPU:2"])
+
+
+class RefusedTest(tf.test.TestCase):
+
+    def test_llama_attention_is_refused_in_one_line(self):
+        with self.assertRaises(ValueError) as caught:
+            towers.split_layers(_llama(), PLAN, PARTS)
+        said = str(caught.exception)
+        self.assertNotIn("\n", said)
+        self.assertIn("LlamaAttention is not split by heads: its build computes head_dim",
+                      said)
+        self.assertIn("'row:u'", said)
+
+
+if __name__ == "__main__":
+    tf.test.main()
