@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from absl.testing import parameterized
 
 import towers
 from tests import test_hub_models as hub
@@ -31,10 +32,22 @@ def _mistral(seed=0):
 
 
 def _llama(seed=0):
+    """LlamaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
     keras.utils.set_random_seed(seed)
     return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
         vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
         hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+def _qwen3(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        head_dim=4, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
+          "llama": (_llama, "LlamaAttention", 1)}
 
 
 def _batch():
@@ -43,18 +56,22 @@ def _batch():
     return x, y.astype("int32"), x["padding_mask"].astype("float32")
 
 
-class MistralHeadsTest(tf.test.TestCase):
+class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
 
-    def test_outputs_equal_the_unsplit_models(self):
-        lm = _mistral()
+    @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
+    def test_outputs_equal_the_unsplit_models(self, build, class_name, layers):
+        lm = build()
         parted = towers.split_layers(lm, PLAN, PARTS)
         forms = parallel_forms(parted)
-        self.assertLen(forms, 2)
+        self.assertLen(forms, layers)
         for form in forms:
             self.assertIsInstance(form, GroupedHeadsAttention)
-            self.assertEqual([type(p).__name__ for p in form.parts], ["CachedMistralAttention"] * 2)
-            self.assertEqual([p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
-            self.assertEqual([p.get_config()["num_key_value_heads"] for p in form.parts], [1, 1])
+            self.assertEqual([type(p).__name__ for p in form.parts], [class_name] * 2)
+            # each part's query heads as wide as the layer's (Llama's build would widen them)
+            self.assertEqual([p.weights[0].shape for p in form.parts], [(16, 2, 4)] * 2)
+            self.assertEqual([p.num_query_heads if hasattr(p, "num_query_heads") else
+                              p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
+            self.assertEqual([p.weights[1].shape for p in form.parts], [(16, 1, 4)] * 2)  # key
             for device, part in zip(PARTS, form.parts):
                 for weight in part.weights:
                     self.assertEqual(towers.devices.canonical_name(weight.value.device), device)
@@ -64,8 +81,9 @@ class MistralHeadsTest(tf.test.TestCase):
         for got, want in zip(joined.get_weights(), lm.get_weights(), strict=True):
             self.assertAllEqual(got, want)
 
-    def test_generates_with_its_cache_split_by_key_value_heads(self):
-        lm = _mistral()
+    @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
+    def test_generates_with_its_cache_split_by_key_value_heads(self, build, *_):
+        lm = build()
         parted = towers.split_layers(lm, PLAN, PARTS)
         prompt = {"token_ids": np.array([[5, 7, 9, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32"),
                   "padding_mask": np.array([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]], "int32")}
@@ -75,12 +93,13 @@ class MistralHeadsTest(tf.test.TestCase):
         self.assertAllEqual(parted.generate(prompt, stop_token_ids=None)["token_ids"], want)
         self.assertFalse(np.all(want[:, 3:] == 0))  # it generated tokens
 
-    def test_one_step_equals_keras_on_one_device(self):
+    @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
+    def test_one_step_equals_keras_on_one_device(self, build, *_):
         x, y, weights = _batch()
-        expected = _mistral()
+        expected = build()
         expected.compile(keras.optimizers.SGD(0.5), SPARSE, weighted_metrics=[])
         expected.train_on_batch(x, y, sample_weight=weights)
-        lm = _mistral()
+        lm = build()
         parted = towers.split_layers(lm, PLAN, PARTS)
         trainer = towers.TowerTrainer(parted, SPARSE, keras.optimizers.SGD(0.5),
                                       devices=[PARTS])  # 1 tower x 2 parts
@@ -99,15 +118,18 @@ class MistralHeadsTest(tf.test.TestCase):
             towers.split_layers(_mistral(), PLAN, PARTS + ["/device:CPU:2"])
 
 
-class RefusedTest(tf.test.TestCase):
+    def test_auto_plan_splits_them_by_heads(self):
+        for build, *_ in BUILDS.values():
+            plan = towers.auto_plan(build(), 2)
+            attention = [how for key, how in plan.items() if "self_attention" in key]
+            self.assertEqual(attention, ["heads"])  # one key, not its projections
 
-    def test_llama_attention_is_refused_in_one_line(self):
+    def test_qwen3_attention_is_refused_in_one_line(self):
         with self.assertRaises(ValueError) as caught:
-            towers.split_layers(_llama(), PLAN, PARTS)
+            towers.split_layers(_qwen3(), PLAN, PARTS)
         said = str(caught.exception)
         self.assertNotIn("\n", said)
-        self.assertIn("LlamaAttention is not split by heads: its build computes head_dim",
-                      said)
+        self.assertIn("Qwen3Attention is not split by heads: its query and key norms", said)
         self.assertIn("'row:u'", said)
 
 

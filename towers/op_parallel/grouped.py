@@ -10,10 +10,12 @@ their slice (B, 2, S, kv_j, head_dim) of the cache. Each query head's attention 
 own projections and its group's key and value only, rotary embeddings act per head, and
 the output projection is a sum over heads, so the parts' outputs add up to the layer's.
 
-A class is split only where building it with fewer heads changes nothing else: its config
-names head_dim (else it would be recomputed as hidden_dim // num_query_heads), and every
-weight it has is a projection along the heads (a weight shared by every head, as Qwen3's
-query and key norms, would be one per part). `_CLASSES` lists those checked.
+A class is split only where building it with fewer heads changes nothing else: head_dim
+is given (Mistral's config), or, for a class that computes it as hidden_dim //
+num_query_heads (Llama's), each part's projections are rebuilt for the layer's head
+width; and every weight it has is a projection along the heads (a weight shared by every
+head, as Qwen3's query and key norms, would be one per part). `_CLASSES` lists those
+checked.
 """
 
 import importlib
@@ -22,23 +24,30 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from towers import compat
 from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 # The classes split this way, by module and name (naming keras_hub's classes here keeps
-# it an optional extra), each checked against its source: its config rebuilds it with
-# head_dim given, its weights are its query, key, value and output kernels (no bias, no
-# norm), its call(hidden_states, attention_mask, cache, cache_update_index, training)
-# returns the output, and the cache (B, 2, S, kv_heads, head_dim) where given.
-_CLASSES = frozenset({
-    "keras_hub.src.models.mistral.mistral_attention.CachedMistralAttention"})
+# it an optional extra), each checked against its source: its weights are its query, key,
+# value and output kernels (no norm shared by the heads), its call(hidden_states,
+# attention_mask, cache, cache_update_index, training) returns the output, and the cache
+# (B, 2, S, kv_heads, head_dim) where given. Per class: the constructor arguments its
+# config lacks or gets wrong, read from its attributes (LlamaAttention's get_config reads
+# an attribute it does not have), or None where its config rebuilds it; a class that
+# takes no head_dim computes it as hidden_dim // num_query_heads, so each part's
+# projections are rebuilt for the layer's head width (compat.rebuild_for_head_dim).
+_CLASSES = {
+    "keras_hub.src.models.mistral.mistral_attention.CachedMistralAttention": None,
+    "keras_hub.src.models.llama.llama_attention.LlamaAttention": (
+        "num_query_heads", "num_key_value_heads", "rope_max_wavelength",
+        "rope_position_scaling_factor", "rope_frequency_adjustment_factor",
+        "rope_low_freq_factor", "rope_high_freq_factor", "rope_pretraining_sequence_length",
+        "dropout"),
+}
 # Why the other attention classes keras_hub ships are not, by class name.
 _WHY_NOT = {
-    "LlamaAttention": "its build computes head_dim as hidden_dim // num_query_heads, which "
-                      "fewer heads would change (its config has no head_dim)",
-    "QwenAttention": "its build computes head_dim as hidden_dim // num_query_heads, which "
-                     "fewer heads would change (its config has no head_dim)",
-    "Phi3Attention": "its build computes head_dim as hidden_dim // num_query_heads, which "
-                     "fewer heads would change (its config has no head_dim)",
+    "QwenAttention": "not yet checked (its biases and sliding window)",
+    "Phi3Attention": "not yet checked (its su/longrope rotary scaling)",
     "Qwen3Attention": "its query and key norms are weights shared by every head, which "
                       "each part would hold and train apart",
 }
@@ -62,11 +71,16 @@ def refusal(layer, num_parts):
     if not splits(layer):
         why = _WHY_NOT.get(name, "it is not a class towers has checked a split by heads of")
         return f"{name} is not split by heads: {why}; {projections}"
-    kv_heads = layer.get_config()["num_key_value_heads"]
+    kv_heads = key_value_heads(layer)
     if kv_heads < num_parts:
         return (f"{name} has {kv_heads} key/value heads, and each of {num_parts} parts needs "
                 f"a whole group; give at most {kv_heads} devices, or {projections}")
     return None
+
+
+def key_value_heads(layer):
+    """How many key/value heads a class of _CLASSES has: its key kernel's (m, v, h) v."""
+    return int(layer.weights[1].shape[1])
 
 
 def _class_named(path):
@@ -76,11 +90,19 @@ def _class_named(path):
 
 def form_of(layer, devices):
     """The GroupedHeadsAttention of `layer` (refusal(layer) None), not built."""
-    config = layer.get_config()
-    if config.get("head_dim") is None:  # a built layer's config has it; pass it on
-        config["head_dim"] = int(layer.weights[0].shape[-1])  # the query kernel (m, u, h)
+    names = _CLASSES[class_path(type(layer))]
+    head_dim = int(layer.weights[0].shape[-1])  # the query kernel (m, u, h)
+    if names is None:  # its config rebuilds it; head_dim given, not recomputed
+        config, own_head_dim = {**layer.get_config(), "head_dim": head_dim}, None
+    else:
+        config = {**keras.layers.Layer.get_config(layer),
+                  **{name: getattr(layer, name) for name in names},
+                  "kernel_initializer": keras.initializers.serialize(
+                      layer.kernel_initializer)}
+        own_head_dim = head_dim
     return GroupedHeadsAttention(config, devices, class_path(type(layer)),
-                                 [list(weight.shape) for weight in layer.weights])
+                                 [list(weight.shape) for weight in layer.weights],
+                                 head_dim=own_head_dim)
 
 
 class GroupedHeadsAttention(keras.layers.Layer):
@@ -91,14 +113,18 @@ class GroupedHeadsAttention(keras.layers.Layer):
     cache is split along its key/value heads axis into the parts and their updated
     caches joined. Each part draws its own dropout stream, as the layer's heads do."""
 
-    def __init__(self, attention_config, devices, part_class, weight_shapes, **kwargs):
-        """attention_config: the layer's get_config(), head_dim given. part_class: its
-        class's module and name. weight_shapes: the layer's weights' shapes, in order
-        (each part's weights are joined along the axis where theirs differ)."""
+    def __init__(self, attention_config, devices, part_class, weight_shapes, head_dim=None,
+                 **kwargs):
+        """attention_config: the layer's constructor arguments (its get_config(), head_dim
+        given where it takes one). part_class: its class's module and name. weight_shapes:
+        the layer's weights' shapes, in order (each part's weights are joined along the
+        axis where theirs differ). head_dim: the head width of a class that takes none
+        (each part's projections rebuilt for it), else None."""
         super().__init__(name=attention_config["name"], dtype=attention_config.get("dtype"),
                          trainable=attention_config.get("trainable", True), **kwargs)
         self.attention_config, self.devices = dict(attention_config), list(devices)
         self.part_class, self.weight_shapes = part_class, [list(s) for s in weight_shapes]
+        self.head_dim = head_dim
         kv_heads = attention_config["num_key_value_heads"]
         groups = attention_config["num_query_heads"] // kv_heads
         self.sizes = part_sizes(kv_heads, len(self.devices))  # key/value heads per part
@@ -112,6 +138,8 @@ class GroupedHeadsAttention(keras.layers.Layer):
         shape = hidden_states_shape or shapes.get("input_shape") or shapes.get("inputs_shape")
         for device, part in zip(self.devices, self.parts):
             build_part(part, device, shape)
+            if self.head_dim is not None:
+                compat.rebuild_for_head_dim(part, self.head_dim, shape, device)
 
     def call(self, hidden_states, attention_mask=None, cache=None, cache_update_index=None,
              training=None):
@@ -159,4 +187,4 @@ class GroupedHeadsAttention(keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "attention_config": self.attention_config,
                 "devices": self.devices, "part_class": self.part_class,
-                "weight_shapes": self.weight_shapes}
+                "weight_shapes": self.weight_shapes, "head_dim": self.head_dim}

@@ -230,7 +230,7 @@ def _split_size(layer, how):
         axis = split_axes(equation_of(layer)[0], None, kind, letter).kernel_axis
         return int(layer.kernel.shape[axis]), "output units" if kind == "column" else "input units"
     if how == "heads" and grouped.splits(layer):
-        return layer.get_config()["num_key_value_heads"], "key/value heads"
+        return grouped.key_value_heads(layer), "key/value heads"
     if how == "heads":
         return layer.num_heads, "heads"
     return layer.input_dim, "rows"

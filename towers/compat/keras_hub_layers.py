@@ -1,0 +1,38 @@
+"""keras_hub layers' private attributes: an attention layer's projections rebuilt for a
+head width its class computes itself."""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from towers.compat.keras_layers import replace_sublayer
+
+# The projections of keras_hub's grouped-query attention classes (LlamaAttention's,
+# QwenAttention's, ...), by attribute, each EinsumDense's heads letters last but one.
+_PROJECTIONS = ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
+
+
+def rebuild_for_head_dim(attention, head_dim, input_shape, device):
+    """Rebuilds a built attention layer whose build derives its head width as
+    hidden_dim // num_query_heads (LlamaAttention) for heads `head_dim` wide: its query,
+    key and value projections (…, heads, head_dim) and its output projection from
+    (…, num_query_heads, head_dim) anew, on `device` under the layer's name, in their
+    places, and its scores' scale 1 / sqrt(head_dim).
+
+    Public alternative: none: the class takes no head_dim, and building it for fewer
+    query heads (a part of a heads split) would widen its heads.
+    """
+    for name in _PROJECTIONS:
+        old = getattr(attention, name)
+        config = old.get_config()
+        if name == "_output_dense":
+            shape = (None, None, attention.num_query_heads, head_dim)
+        else:
+            config["output_shape"] = (*config["output_shape"][:-1], head_dim)
+            shape = input_shape
+        new = keras.layers.EinsumDense.from_config(config)
+        with tf.device(device), keras.name_scope(attention.name):
+            new.build(shape)
+        replace_sublayer(attention, old, new)
+    attention._inv_norm_factor = 1.0 / math.sqrt(head_dim)
