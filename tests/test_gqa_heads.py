@@ -1,6 +1,7 @@
 """"heads" for keras_hub's grouped-query attention (issue 37): Mistral's
-CachedMistralAttention split by key/value groups, each part the layer's own class with
-fewer heads on its device (towers/op_parallel/grouped.py). 4 query heads, 2 key/value
+CachedMistralAttention, Llama's LlamaAttention and Qwen's QwenAttention split by key/value
+groups, each part the layer's own class with fewer heads on its device
+(towers/op_parallel/grouped.py). 4 query heads, 2 key/value
 heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy generation through
 the split cache gives its tokens, one step on 1 tower x 2 parts equals Keras's on one
 device; classes it does not split are refused in one line."""
@@ -39,6 +40,15 @@ def _llama(seed=0):
         hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
+def _qwen(seed=0):
+    """QwenCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; query,
+    key and value biases."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.QwenCausalLM(keras_hub.models.QwenBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
 def _qwen3(seed=0):
     keras.utils.set_random_seed(seed)
     return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
@@ -47,7 +57,8 @@ def _qwen3(seed=0):
 
 
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
-          "llama": (_llama, "LlamaAttention", 1)}
+          "llama": (_llama, "LlamaAttention", 1),
+          "qwen": (_qwen, "QwenAttention", 1)}
 
 
 def _batch():
@@ -71,7 +82,9 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual([p.weights[0].shape for p in form.parts], [(16, 2, 4)] * 2)
             self.assertEqual([p.num_query_heads if hasattr(p, "num_query_heads") else
                               p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
-            self.assertEqual([p.weights[1].shape for p in form.parts], [(16, 1, 4)] * 2)  # key
+            self.assertEqual([[
+                w.shape for w in p.weights if w.path.endswith("/key/kernel")]
+                for p in form.parts], [[(16, 1, 4)]] * 2)
             for device, part in zip(PARTS, form.parts):
                 for weight in part.weights:
                     self.assertEqual(towers.devices.canonical_name(weight.value.device), device)

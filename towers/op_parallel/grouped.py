@@ -1,6 +1,6 @@
-""""heads" for keras_hub's grouped-query attention classes (Mistral's, ...): the layer's
-key/value heads split by whole groups, each part an instance of the layer's own class
-with fewer heads, on its own device; the parts' outputs summed.
+""""heads" for keras_hub's grouped-query attention classes (Mistral's, Llama's, Qwen's):
+the layer's key/value heads split by whole groups, each part an instance of the layer's
+own class with fewer heads, on its own device; the parts' outputs summed.
 
 Grouped-query attention gives each key/value head a group of num_query_heads //
 num_key_value_heads query heads, which read that head only. Part j holds key/value heads
@@ -29,24 +29,26 @@ from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 # The classes split this way, by module and name (naming keras_hub's classes here keeps
 # it an optional extra), each checked against its source: its weights are its query, key,
-# value and output kernels (no norm shared by the heads), its call(hidden_states,
+# value and output projections (no norm shared by the heads), its call(hidden_states,
 # attention_mask, cache, cache_update_index, training) returns the output, and the cache
-# (B, 2, S, kv_heads, head_dim) where given. Per class: the constructor arguments its
-# config lacks or gets wrong, read from its attributes (LlamaAttention's get_config reads
-# an attribute it does not have), or None where its config rebuilds it; a class that
-# takes no head_dim computes it as hidden_dim // num_query_heads, so each part's
-# projections are rebuilt for the layer's head width (compat.rebuild_for_head_dim).
+# (B, 2, S, kv_heads, head_dim) where given. Per class: (the constructor arguments read
+# from its attributes where its get_config is wrong (LlamaAttention's reads an attribute
+# it does not have), else None: its config; whether it takes head_dim). A class that takes
+# none computes it as hidden_dim // num_query_heads, so each part's projections are
+# rebuilt for the layer's head width (compat.rebuild_for_head_dim).
 _CLASSES = {
-    "keras_hub.src.models.mistral.mistral_attention.CachedMistralAttention": None,
-    "keras_hub.src.models.llama.llama_attention.LlamaAttention": (
+    "keras_hub.src.models.mistral.mistral_attention.CachedMistralAttention": (None, True),
+    "keras_hub.src.models.llama.llama_attention.LlamaAttention": ((
         "num_query_heads", "num_key_value_heads", "rope_max_wavelength",
         "rope_position_scaling_factor", "rope_frequency_adjustment_factor",
         "rope_low_freq_factor", "rope_high_freq_factor", "rope_pretraining_sequence_length",
-        "dropout"),
+        "dropout"), False),
+    # Its query, key and value biases (u, h) and (v, h) split with their heads; its
+    # sliding window masks each head alike.
+    "keras_hub.src.models.qwen.qwen_attention.QwenAttention": (None, False),
 }
 # Why the other attention classes keras_hub ships are not, by class name.
 _WHY_NOT = {
-    "QwenAttention": "not yet checked (its biases and sliding window)",
     "Phi3Attention": "not yet checked (its su/longrope rotary scaling)",
     "Qwen3Attention": "its query and key norms are weights shared by every head, which "
                       "each part would hold and train apart",
@@ -80,7 +82,8 @@ def refusal(layer, num_parts):
 
 def key_value_heads(layer):
     """How many key/value heads a class of _CLASSES has: its key kernel's (m, v, h) v."""
-    return int(layer.weights[1].shape[1])
+    return int(next(weight for weight in layer.weights
+                    if weight.path.endswith("/key/kernel")).shape[1])
 
 
 def _class_named(path):
@@ -90,19 +93,20 @@ def _class_named(path):
 
 def form_of(layer, devices):
     """The GroupedHeadsAttention of `layer` (refusal(layer) None), not built."""
-    names = _CLASSES[class_path(type(layer))]
+    names, takes_head_dim = _CLASSES[class_path(type(layer))]
     head_dim = int(layer.weights[0].shape[-1])  # the query kernel (m, u, h)
-    if names is None:  # its config rebuilds it; head_dim given, not recomputed
-        config, own_head_dim = {**layer.get_config(), "head_dim": head_dim}, None
+    if names is None:
+        config = layer.get_config()
     else:
         config = {**keras.layers.Layer.get_config(layer),
                   **{name: getattr(layer, name) for name in names},
                   "kernel_initializer": keras.initializers.serialize(
                       layer.kernel_initializer)}
-        own_head_dim = head_dim
+    if takes_head_dim:  # given, not recomputed from the part's fewer heads
+        config["head_dim"] = head_dim
     return GroupedHeadsAttention(config, devices, class_path(type(layer)),
                                  [list(weight.shape) for weight in layer.weights],
-                                 head_dim=own_head_dim)
+                                 head_dim=None if takes_head_dim else head_dim)
 
 
 class GroupedHeadsAttention(keras.layers.Layer):
