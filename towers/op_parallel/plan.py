@@ -3,9 +3,9 @@ join_layers: the model back with the original layer types and the full weights.
 
 A plan is {layer path: how}: "column" or "row" (Dense, EinsumDense; "column:n" / "row:u"
 name the equation's letter to split along), "vocab" (Embedding, ReversibleEmbedding), "heads"
-(MultiHeadAttention; keras_hub's grouped-query attention by key/value groups, grouped.py), or an int j (the whole layer on devices[j]). A path is a
-top-level layer's name, or names down to a nested layer ("block_0/ffn/dense"), each
-level a shell wildcard (paths.py).
+(MultiHeadAttention; keras_hub's grouped-query attention by key/value groups, grouped.py),
+or an int j (the whole layer on devices[j]). A path is a top-level layer's name, or names
+down to a nested layer ("block_0/ffn/dense"), each level a shell wildcard (paths.py).
 """
 
 import keras
