@@ -21,7 +21,7 @@ keras_hub = pytest.importorskip("keras_hub")  # the [hub] extra (scripts/test in
 
 PARTS = ["/device:CPU:0", "/device:CPU:1"]
 SPARSE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-PLAN = {"*/transformer_layer_*/self_attention": "heads"}
+PLAN = {"*/transformer_layer_*/*attention": "heads"}  # Phi-3 calls it "attention"
 
 
 def _mistral(seed=0):
@@ -49,6 +49,14 @@ def _qwen(seed=0):
         hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
+def _phi3(seed=0, **rope):
+    """Phi3CausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.Phi3CausalLM(keras_hub.models.Phi3Backbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, **rope), preprocessor=None)
+
+
 def _qwen3(seed=0):
     keras.utils.set_random_seed(seed)
     return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
@@ -58,7 +66,8 @@ def _qwen3(seed=0):
 
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
           "llama": (_llama, "LlamaAttention", 1),
-          "qwen": (_qwen, "QwenAttention", 1)}
+          "qwen": (_qwen, "QwenAttention", 1),
+          "phi3": (_phi3, "Phi3Attention", 1)}
 
 
 def _batch():
@@ -134,7 +143,7 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
     def test_auto_plan_splits_them_by_heads(self):
         for build, *_ in BUILDS.values():
             plan = towers.auto_plan(build(), 2)
-            attention = [how for key, how in plan.items() if "self_attention" in key]
+            attention = [how for key, how in plan.items() if key.endswith("attention")]
             self.assertEqual(attention, ["heads"])  # one key, not its projections
 
     def test_qwen3_attention_is_refused_in_one_line(self):
@@ -144,6 +153,13 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertNotIn("\n", said)
         self.assertIn("Qwen3Attention is not split by heads: its query and key norms", said)
         self.assertIn("'row:u'", said)
+
+    def test_phi3_with_su_rope_scaling_is_refused_in_one_line(self):
+        su = _phi3(rope_scaling_type="su", rope_scaling_short_factor=[1.0, 1.5],
+                   rope_scaling_long_factor=[2.0, 3.0])
+        with self.assertRaisesRegex(ValueError, r"^plan\[.*\] = 'heads': Phi3Attention is not "
+                                    "split by heads: with rope_scaling_type='su'"):
+            towers.split_layers(su, PLAN, PARTS)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ import tensorflow as tf
 
 from towers.compat.keras_layers import replace_sublayer
 
-# The projections of keras_hub's grouped-query attention classes (LlamaAttention's,
-# QwenAttention's, ...), by attribute, each EinsumDense's heads letters last but one.
-_PROJECTIONS = ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
+# The projections of keras_hub's grouped-query attention classes, by attribute
+# (LlamaAttention's and QwenAttention's private, Phi3Attention's public), each
+# EinsumDense's heads letter last but one.
+_PROJECTIONS = (("_query_dense", "query_dense"), ("_key_dense", "key_dense"),
+                ("_value_dense", "value_dense"), ("_output_dense", "output_dense"))
 
 
 def rebuild_for_head_dim(attention, head_dim, input_shape, device):
@@ -23,10 +25,10 @@ def rebuild_for_head_dim(attention, head_dim, input_shape, device):
     Public alternative: none: the class takes no head_dim, and building it for fewer
     query heads (a part of a heads split) would widen its heads.
     """
-    for name in _PROJECTIONS:
-        old = getattr(attention, name)
+    for names in _PROJECTIONS:
+        old = next(getattr(attention, name) for name in names if hasattr(attention, name))
         config = old.get_config()
-        if name == "_output_dense":
+        if names[0] == "_output_dense":
             shape = (None, None, attention.num_query_heads, head_dim)
         else:
             config["output_shape"] = (*config["output_shape"][:-1], head_dim)

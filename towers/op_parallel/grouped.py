@@ -1,6 +1,6 @@
-""""heads" for keras_hub's grouped-query attention classes (Mistral's, Llama's, Qwen's):
-the layer's key/value heads split by whole groups, each part an instance of the layer's
-own class with fewer heads, on its own device; the parts' outputs summed.
+""""heads" for keras_hub's grouped-query attention classes (Mistral's, Llama's, Qwen's,
+Phi-3's): the layer's key/value heads split by whole groups, each part an instance of the
+layer's own class with fewer heads, on its own device; the parts' outputs summed.
 
 Grouped-query attention gives each key/value head a group of num_query_heads //
 num_key_value_heads query heads, which read that head only. Part j holds key/value heads
@@ -12,8 +12,8 @@ the output projection is a sum over heads, so the parts' outputs add up to the l
 
 A class is split only where building it with fewer heads changes nothing else: head_dim
 is given (Mistral's config), or, for a class that computes it as hidden_dim //
-num_query_heads (Llama's), each part's projections are rebuilt for the layer's head
-width; and every weight it has is a projection along the heads (a weight shared by every
+num_query_heads (Llama's, Qwen's, Phi-3's), each part's projections are rebuilt for the
+layer's head width; and every weight it has is a projection along the heads (a weight shared by every
 head, as Qwen3's query and key norms, would be one per part). `_CLASSES` lists those
 checked.
 """
@@ -46,10 +46,18 @@ _CLASSES = {
     # Its query, key and value biases (u, h) and (v, h) split with their heads; its
     # sliding window masks each head alike.
     "keras_hub.src.models.qwen.qwen_attention.QwenAttention": (None, False),
+    # Without rope scaling (below): its rotary embedding acts per head.
+    "keras_hub.src.models.phi3.phi3_attention.Phi3Attention": (None, False),
+}
+# Per class name: (whether a layer of it is refused all the same, why).
+_REFUSED_WHEN = {
+    "Phi3Attention": (lambda layer: layer.rope_scaling_type is not None,
+                      "with rope_scaling_type='su' its build checks the scaling factors "
+                      "against hidden_dim // num_query_heads, which a part's fewer heads "
+                      "would change"),
 }
 # Why the other attention classes keras_hub ships are not, by class name.
 _WHY_NOT = {
-    "Phi3Attention": "not yet checked (its su/longrope rotary scaling)",
     "Qwen3Attention": "its query and key norms are weights shared by every head, which "
                       "each part would hold and train apart",
 }
@@ -72,6 +80,9 @@ def refusal(layer, num_parts):
                    "attention_output by 'row:u' instead (plan='auto' does)")
     if not splits(layer):
         why = _WHY_NOT.get(name, "it is not a class towers has checked a split by heads of")
+        return f"{name} is not split by heads: {why}; {projections}"
+    refused, why = _REFUSED_WHEN.get(name, (lambda layer: False, None))
+    if refused(layer):
         return f"{name} is not split by heads: {why}; {projections}"
     kv_heads = key_value_heads(layer)
     if kv_heads < num_parts:
