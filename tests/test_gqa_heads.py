@@ -1,10 +1,10 @@
 """"heads" for keras_hub's grouped-query attention (issue 37): Mistral's
-CachedMistralAttention, Llama's LlamaAttention and Qwen's QwenAttention split by key/value
-groups, each part the layer's own class with fewer heads on its device
-(towers/op_parallel/grouped.py). 4 query heads, 2 key/value
-heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy generation through
-the split cache gives its tokens, one step on 1 tower x 2 parts equals Keras's on one
-device; classes it does not split are refused in one line."""
+CachedMistralAttention, Llama's LlamaAttention, Qwen's QwenAttention, Phi-3's
+Phi3Attention and Gemma's CachedGemmaAttention split by key/value groups, each part the
+layer's own class with fewer heads on its device (towers/op_parallel/grouped.py). 4 query
+heads, 2 key/value heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy
+generation through the split cache gives its tokens, one step on 1 tower x 2 parts equals
+Keras's on one device; classes it does not split are refused in one line."""
 
 import keras
 import numpy as np
@@ -21,7 +21,8 @@ keras_hub = pytest.importorskip("keras_hub")  # the [hub] extra (scripts/test in
 
 PARTS = ["/device:CPU:0", "/device:CPU:1"]
 SPARSE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-PLAN = {"*/transformer_layer_*/*attention": "heads"}  # Phi-3 calls it "attention"
+# transformer_layer_0/self_attention; Phi-3's .../attention, Gemma's decoder_block_0/attention
+PLAN = {"*/*_*/*attention": "heads"}
 
 
 def _mistral(seed=0):
@@ -57,6 +58,14 @@ def _phi3(seed=0, **rope):
         hidden_dim=hub.WIDTH, intermediate_dim=32, **rope), preprocessor=None)
 
 
+def _gemma(seed=0):
+    """GemmaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, head_dim=4), preprocessor=None)
+
+
 def _qwen3(seed=0):
     keras.utils.set_random_seed(seed)
     return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
@@ -67,7 +76,8 @@ def _qwen3(seed=0):
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
           "llama": (_llama, "LlamaAttention", 1),
           "qwen": (_qwen, "QwenAttention", 1),
-          "phi3": (_phi3, "Phi3Attention", 1)}
+          "phi3": (_phi3, "Phi3Attention", 1),
+          "gemma": (_gemma, "CachedGemmaAttention", 1)}
 
 
 def _batch():
@@ -87,13 +97,14 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
         for form in forms:
             self.assertIsInstance(form, GroupedHeadsAttention)
             self.assertEqual([type(p).__name__ for p in form.parts], [class_name] * 2)
-            # each part's query heads as wide as the layer's (Llama's build would widen them)
-            self.assertEqual([p.weights[0].shape for p in form.parts], [(16, 2, 4)] * 2)
+            # each part's 2 query heads as wide as the layer's (Llama's build would widen them)
+            self.assertEqual([(p.weights[0].shape[-1], p.weights[0].shape.num_elements())
+                              for p in form.parts], [(4, 16 * 2 * 4)] * 2)
             self.assertEqual([p.num_query_heads if hasattr(p, "num_query_heads") else
                               p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
-            self.assertEqual([[
-                w.shape for w in p.weights if w.path.endswith("/key/kernel")]
-                for p in form.parts], [[(16, 1, 4)]] * 2)
+            self.assertEqual([[w.shape.num_elements() for w in p.weights
+                               if w.path.endswith("/key/kernel")]
+                              for p in form.parts], [[16 * 1 * 4]] * 2)  # 1 key head each
             for device, part in zip(PARTS, form.parts):
                 for weight in part.weights:
                     self.assertEqual(towers.devices.canonical_name(weight.value.device), device)

@@ -31,7 +31,9 @@ from towers.compat.keras_layers import (  # noqa: F401
     every_batch_norm_moments, sublayers, own_weights, replace_sublayer, move_variable,
     can_hold_in_slabs, hold_in_slabs, held_slabs, drop_weight, is_seed_state,
 )
-from towers.compat.keras_hub_layers import rebuild_for_head_dim  # noqa: F401
+from towers.compat.keras_hub_layers import (  # noqa: F401
+    rebuild_for_head_dim, kernel_initializer_of,
+)
 from towers.compat.keras_graphs import (  # noqa: F401
     functional_graph, nodes_by_depth, runs_its_graph, run_graph,
 )

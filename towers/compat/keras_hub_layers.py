@@ -38,3 +38,13 @@ def rebuild_for_head_dim(attention, head_dim, input_shape, device):
             new.build(shape)
         replace_sublayer(attention, old, new)
     attention._inv_norm_factor = 1.0 / math.sqrt(head_dim)
+
+
+def kernel_initializer_of(attention):
+    """A keras_hub attention layer's kernel initializer: its `kernel_initializer`, or
+    CachedGemmaAttention's `_kernel_initializer`.
+
+    Public alternative: get_config()'s, which CachedGemmaAttention does not define.
+    """
+    found = getattr(attention, "kernel_initializer", None)
+    return found if found is not None else attention._kernel_initializer

@@ -6,11 +6,10 @@ The rules, each a plan entry split_layers already computes exactly:
 - an attention layer by "heads" where HeadsAttention splits its class (Keras's
   MultiHeadAttention and the subclasses whose call it keeps, keras_hub's
   CachedMultiHeadAttention) or grouped.py does (keras_hub's grouped-query attention:
-  Mistral's, Llama's, Qwen's, Phi-3's, by key/value groups); another attention class
-  (Gemma's, Qwen3's, ...)
-  has its query, key and value projections split by "column" along their heads letter
-  and its output projection by "row" along it, its own attention core running on the
-  joined heads; without those four projections it stays whole;
+  Mistral's, Llama's, Qwen's, Phi-3's, Gemma's, by key/value groups); another attention
+  class (Qwen3's, Gemma3's, ...) has its query, key and value projections split by
+  "column" along their heads letter and its output projection by "row" along it, its own
+  attention core running on the joined heads; without those four projections it stays whole;
 - each feed-forward pair inside a transformer block (a parent holding an attention
   layer, or its child): the layers widening the width D to F ("column"; a gate too),
   then the one narrowing F back to D ("row");

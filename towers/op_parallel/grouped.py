@@ -1,6 +1,7 @@
 """"heads" for keras_hub's grouped-query attention classes (Mistral's, Llama's, Qwen's,
-Phi-3's): the layer's key/value heads split by whole groups, each part an instance of the
-layer's own class with fewer heads, on its own device; the parts' outputs summed.
+Phi-3's, Gemma's): the layer's key/value heads split by whole groups, each part an
+instance of the layer's own class with fewer heads, on its own device; the parts' outputs
+summed.
 
 Grouped-query attention gives each key/value head a group of num_query_heads //
 num_key_value_heads query heads, which read that head only. Part j holds key/value heads
@@ -11,14 +12,15 @@ own projections and its group's key and value only, rotary embeddings act per he
 the output projection is a sum over heads, so the parts' outputs add up to the layer's.
 
 A class is split only where building it with fewer heads changes nothing else: head_dim
-is given (Mistral's config), or, for a class that computes it as hidden_dim //
-num_query_heads (Llama's, Qwen's, Phi-3's), each part's projections are rebuilt for the
-layer's head width; and every weight it has is a projection along the heads (a weight shared by every
-head, as Qwen3's query and key norms, would be one per part). `_CLASSES` lists those
-checked.
+is given (Mistral's and Gemma's config), or, for a class that computes it as
+hidden_dim // num_query_heads (Llama's, Qwen's, Phi-3's), each part's projections are
+rebuilt for the layer's head width; and every weight it has is a projection along the
+heads (a weight shared by every head, as Qwen3's query and key norms, would be one per
+part). `_CLASSES` lists those checked.
 """
 
 import importlib
+import inspect
 
 import keras
 import tensorflow as tf
@@ -48,6 +50,12 @@ _CLASSES = {
     "keras_hub.src.models.qwen.qwen_attention.QwenAttention": (None, False),
     # Without rope scaling (below): its rotary embedding acts per head.
     "keras_hub.src.models.phi3.phi3_attention.Phi3Attention": (None, False),
+    # Its config is Layer's only; its soft cap, sliding window and query scaling act per
+    # head, its projections "btd,ndh->btnh" hold the heads on the kernel's first axis.
+    "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention": ((
+        "head_dim", "num_query_heads", "num_key_value_heads", "logit_soft_cap",
+        "use_sliding_window_attention", "sliding_window_size", "query_head_dim_normalize",
+        "dropout"), True),
 }
 # Per class name: (whether a layer of it is refused all the same, why).
 _REFUSED_WHEN = {
@@ -92,9 +100,9 @@ def refusal(layer, num_parts):
 
 
 def key_value_heads(layer):
-    """How many key/value heads a class of _CLASSES has: its key kernel's (m, v, h) v."""
-    return int(next(weight for weight in layer.weights
-                    if weight.path.endswith("/key/kernel")).shape[1])
+    """How many key/value heads a class of _CLASSES has."""
+    found = getattr(layer, "num_key_value_heads", None)  # CachedMistralAttention's is private
+    return int(found if found is not None else layer.get_config()["num_key_value_heads"])
 
 
 def _class_named(path):
@@ -109,10 +117,11 @@ def form_of(layer, devices):
     if names is None:
         config = layer.get_config()
     else:
-        config = {**keras.layers.Layer.get_config(layer),
+        config = {"name": layer.name, "trainable": layer.trainable,  # Layer's config
+                  "dtype": keras.dtype_policies.serialize(layer.dtype_policy),
                   **{name: getattr(layer, name) for name in names},
                   "kernel_initializer": keras.initializers.serialize(
-                      layer.kernel_initializer)}
+                      compat.kernel_initializer_of(layer))}
     if takes_head_dim:  # given, not recomputed from the part's fewer heads
         config["head_dim"] = head_dim
     return GroupedHeadsAttention(config, devices, class_path(type(layer)),
@@ -144,6 +153,7 @@ class GroupedHeadsAttention(keras.layers.Layer):
         groups = attention_config["num_query_heads"] // kv_heads
         self.sizes = part_sizes(kv_heads, len(self.devices))  # key/value heads per part
         cls = _class_named(part_class)
+        self.input_name = list(inspect.signature(cls.call).parameters)[1]  # x, hidden_states
         self.parts = [cls.from_config({
             **attention_config, "num_query_heads": size * groups,
             "num_key_value_heads": size, "name": f"part_{j}"})
@@ -164,13 +174,15 @@ class GroupedHeadsAttention(keras.layers.Layer):
                   tf.split(cache, self.sizes, axis=3))  # (B, 2, S, kv_j, head_dim) each
         outputs, new_caches = [], []
         for j, (part, part_cache) in enumerate(zip(self.parts, caches)):
-            inputs = {"hidden_states": hidden_states}
+            inputs = {self.input_name: hidden_states}
             if part_cache is not None:
                 inputs["cache"] = part_cache
+            given = {name: value for name, value in (("cache_update_index", cache_update_index),
+                                                     ("training", training))
+                     if value is not None}  # else the class's defaults, as unsplit
 
-            def work(inputs, part=part):
-                return part(**inputs, attention_mask=attention_mask,
-                            cache_update_index=cache_update_index, training=training)
+            def work(inputs, part=part, given=given):
+                return part(**inputs, attention_mask=attention_mask, **given)
 
             result = run_part(self.devices, j, part, work, inputs)
             if cache is None:
