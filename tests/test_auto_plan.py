@@ -1,6 +1,6 @@
 """plan="auto" (issue 37): Megatron's plan found by walking a transformer's layers, for
 keras_hub's GPT-2, BERT and Mistral (grouped-query attention, its own attention class:
-projections split around its core) and a plain functional transformer with an untied LM
+split by key/value groups) and a plain functional transformer with an untied LM
 head. Each plan is the one written by hand; the split model computes the unsplit one's
 outputs, and one step on 1 tower x 2 parts equals Keras's on one device."""
 
@@ -78,13 +78,10 @@ GPT2_PLAN = {"{}/token_embedding": "vocab",
              "{}/transformer_layer_*/self_attention": "heads",
              "{}/transformer_layer_*/feedforward_intermediate_dense": "column",
              "{}/transformer_layer_*/feedforward_output_dense": "row"}
-# Mistral's attention is its own class: its projections split by heads ("bqm,muh->bquh":
-# u the query heads, v the key/value heads), its core running on the joined heads.
+# Mistral's attention is its own class, grouped-query: split by heads, each part whole
+# key/value groups with their query heads (op_parallel/grouped.py).
 MISTRAL_PLAN = {"{}/token_embedding": "vocab",
-                "{}/transformer_layer_*/self_attention/query": "column:u",
-                "{}/transformer_layer_*/self_attention/key": "column:v",
-                "{}/transformer_layer_*/self_attention/value": "column:v",
-                "{}/transformer_layer_*/self_attention/attention_output": "row:u",
+                "{}/transformer_layer_*/self_attention": "heads",
                 "{}/transformer_layer_*/feedforward_intermediate_dense": "column",
                 "{}/transformer_layer_*/feedforward_gate_dense": "column",
                 "{}/transformer_layer_*/feedforward_output_dense": "row"}

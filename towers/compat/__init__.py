@@ -11,7 +11,8 @@ Kept apart by what they lean on, so that an upgrade of one library is read in
 one place: `keras_layers` (models, layers, variables, losses), `keras_graphs` (the
 graph of layers a functional model runs), `keras_optimizers` (optimizers, Keras's
 configuration), `tensorflow_runtime` (tf.data, the eager runtime, checkpoints),
-`keras_data` (fit's arrays batched as Keras batches them).
+`keras_data` (fit's arrays batched as Keras batches them), `keras_hub_layers`
+(keras_hub's attention layers' projections).
 Everything is used as `compat.<name>`.
 
 Private behaviours elsewhere (no private name; they lean on how Keras works inside):
@@ -29,6 +30,9 @@ from towers.compat.keras_layers import (  # noqa: F401
     keras_call_state, loss_adders, nested_layers, batch_norm_moments,
     every_batch_norm_moments, sublayers, own_weights, replace_sublayer, move_variable,
     can_hold_in_slabs, hold_in_slabs, held_slabs, drop_weight, is_seed_state,
+)
+from towers.compat.keras_hub_layers import (  # noqa: F401
+    rebuild_for_head_dim, kernel_initializer_of,
 )
 from towers.compat.keras_graphs import (  # noqa: F401
     functional_graph, nodes_by_depth, runs_its_graph, run_graph,

@@ -5,10 +5,11 @@ The rules, each a plan entry split_layers already computes exactly:
   rows) by "vocab": a tied ReversibleEmbedding serves the look-up and the LM head;
 - an attention layer by "heads" where HeadsAttention splits its class (Keras's
   MultiHeadAttention and the subclasses whose call it keeps, keras_hub's
-  CachedMultiHeadAttention); another attention class (Llama's, Mistral's, Gemma's, ...)
-  has its query, key and value projections split by "column" along their heads letter
-  and its output projection by "row" along it, its own attention core running on the
-  joined heads; without those four projections it stays whole;
+  CachedMultiHeadAttention) or grouped.py does (keras_hub's grouped-query attention:
+  Mistral's, Llama's, Qwen's, Phi-3's, Gemma's, by key/value groups); another attention
+  class (Qwen3's, Gemma3's, ...) has its query, key and value projections split by
+  "column" along their heads letter and its output projection by "row" along it, its own
+  attention core running on the joined heads; without those four projections it stays whole;
 - each feed-forward pair inside a transformer block (a parent holding an attention
   layer, or its child): the layers widening the width D to F ("column"; a gate too),
   then the one narrowing F back to D ("row");
@@ -28,7 +29,7 @@ import keras
 from absl import logging
 
 from towers import layer_paths
-from towers.op_parallel import paths, plan as plan_lib
+from towers.op_parallel import grouped, paths, plan as plan_lib
 from towers.op_parallel.dense import equation_of, split_axes, split_kind
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
@@ -145,6 +146,17 @@ def _attention(layers, checker):
                 isinstance(sub, keras.layers.MultiHeadAttention)
                 for _, sub, _ in layer_paths.walk(layer)):
             continue  # not an attention layer, or a block holding one
+        elif grouped.splits(layer):  # grouped-query attention split by key/value groups
+            done.append(path)
+            refused = checker.refusal(path, layer, "heads")
+            if refused is None:
+                entries.append(Entry(path, layer, "heads", f"{type(layer).__name__} by "
+                                     "key/value groups with their query heads"))
+                continue
+            checker.whole.append(f"{path!r} is not split by heads ({refused}); its "
+                                 "projections are split where they can be.")
+            entries += _projections(path, layer, checker)
+            continue
         done.append(path)
         entries += _projections(path, layer, checker)
     return entries, done

@@ -3,9 +3,9 @@ join_layers: the model back with the original layer types and the full weights.
 
 A plan is {layer path: how}: "column" or "row" (Dense, EinsumDense; "column:n" / "row:u"
 name the equation's letter to split along), "vocab" (Embedding, ReversibleEmbedding), "heads"
-(MultiHeadAttention), or an int j (the whole layer on devices[j]). A path is a
-top-level layer's name, or names down to a nested layer ("block_0/ffn/dense"), each
-level a shell wildcard (paths.py).
+(MultiHeadAttention; keras_hub's grouped-query attention by key/value groups, grouped.py),
+or an int j (the whole layer on devices[j]). A path is a top-level layer's name, or names
+down to a nested layer ("block_0/ffn/dense"), each level a shell wildcard (paths.py).
 """
 
 import keras
@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import compat, devices as devices_lib
-from towers.op_parallel import exactness, layouts, paths
+from towers.op_parallel import exactness, grouped, layouts, paths
 from towers.op_parallel.dense import ColumnDense, RowDense, equation_of, split_axes, split_kind
 from towers.op_parallel.forms import HeadsAttention, Placed, VocabEmbedding
 from towers.op_parallel.layers import part_sizes
@@ -23,7 +23,8 @@ _DENSE_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense)
 KINDS = {"column": _DENSE_LAYERS, "row": _DENSE_LAYERS,
          "vocab": (keras.layers.ReversibleEmbedding, keras.layers.Embedding),
          "heads": (keras.layers.MultiHeadAttention,)}
-PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, HeadsAttention, Placed)
+PARALLEL_FORMS = (ColumnDense, RowDense, VocabEmbedding, HeadsAttention,
+                  grouped.GroupedHeadsAttention, Placed)
 
 
 def split_layers(model, plan, devices, *, model_axis="model"):
@@ -113,6 +114,8 @@ def parallel_form(layer, how, devices):
             activity_regularizer=layer.activity_regularizer)
     elif how == "vocab":
         form = VocabEmbedding(layer.get_config(), devices)
+    elif grouped.splits(layer):  # grouped-query attention: by key/value groups
+        form = grouped.form_of(layer, devices)
     else:
         config = layer.get_config()
         if config["output_shape"] is None:  # the query's width, which the parts cannot see
@@ -146,6 +149,8 @@ def join_layers(model):
         if isinstance(layer, VocabEmbedding):
             cls = getattr(layer, "original_class", keras.layers.Embedding)
             return cls.from_config(layer.embedding_config)
+        if isinstance(layer, grouped.GroupedHeadsAttention):
+            return layer.original_class.from_config(layer.attention_config)
         if isinstance(layer, HeadsAttention):
             cls = getattr(layer, "original_class", keras.layers.MultiHeadAttention)
             return cls.from_config(layer.attention_config)
@@ -224,6 +229,8 @@ def _split_size(layer, how):
     if kind in ("column", "row"):
         axis = split_axes(equation_of(layer)[0], None, kind, letter).kernel_axis
         return int(layer.kernel.shape[axis]), "output units" if kind == "column" else "input units"
+    if how == "heads" and grouped.splits(layer):
+        return grouped.key_value_heads(layer), "key/value heads"
     if how == "heads":
         return layer.num_heads, "heads"
     return layer.input_dim, "rows"
@@ -269,6 +276,10 @@ def check_layer(key, layer, how, devices):
         raise ValueError(f"plan[{key!r}] = {how!r} is not a kind; use one of "
                          f"{sorted(KINDS)} (column and row may name the letter to split along, "
                          "'row:u'), or a device index.")
+    if kind == "heads" and not isinstance(layer, keras.layers.MultiHeadAttention) and (
+            grouped.splits(layer) or "attention" in type(layer).__name__.lower()):
+        _check_grouped(key, layer, devices)
+        return
     base = _base_class(layer, kind)
     if base is None:
         kinds = " or ".join(cls.__name__ for cls in KINDS[kind]  # not ReversibleEmbedding
@@ -301,6 +312,20 @@ def check_layer(key, layer, how, devices):
     except ValueError:
         raise ValueError(f"plan[{key!r}] = {how!r} splits {units} {what} into "
                          f"{len(devices)} parts; give at most {units} devices.") from None
+
+
+def _check_grouped(key, layer, devices):
+    """check_layer for "heads" on an attention class that is not a MultiHeadAttention:
+    keras_hub's grouped-query attention (grouped.py), split by key/value groups."""
+    refused = grouped.refusal(layer, len(devices))
+    if refused is not None:
+        raise ValueError(f"plan[{key!r}] = 'heads': {refused}.")
+    if any(getattr(sub, "lora_enabled", False) or getattr(sub, "quantization_mode", None)
+           for sub in [layer, *compat.nested_layers(layer)]):
+        raise ValueError(f"plan[{key!r}] = 'heads': layer {layer.name!r} has LoRA or is "
+                         "quantized, which split layers do not carry; split the layer "
+                         "before enabling LoRA or quantizing, or place it whole.")
+    exactness.check_weights_split_exactly(key, layer, "heads")
 
 
 def _base_class(layer, how):

@@ -1,0 +1,177 @@
+""""heads" for keras_hub's grouped-query attention (issue 37): Mistral's
+CachedMistralAttention, Llama's LlamaAttention, Qwen's QwenAttention, Phi-3's
+Phi3Attention and Gemma's CachedGemmaAttention split by key/value groups, each part the
+layer's own class with fewer heads on its device (towers/op_parallel/grouped.py). 4 query
+heads, 2 key/value heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy
+generation through the split cache gives its tokens, one step on 1 tower x 2 parts equals
+Keras's on one device; classes it does not split are refused in one line."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl.testing import parameterized
+
+import towers
+from tests import test_hub_models as hub
+from towers.op_parallel.grouped import GroupedHeadsAttention
+from towers.op_parallel.plan import parallel_forms
+
+keras_hub = pytest.importorskip("keras_hub")  # the [hub] extra (scripts/test installs it)
+
+PARTS = ["/device:CPU:0", "/device:CPU:1"]
+SPARSE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# transformer_layer_0/self_attention; Phi-3's .../attention, Gemma's decoder_block_0/attention
+PLAN = {"*/*_*/*attention": "heads"}
+
+
+def _mistral(seed=0):
+    """MistralCausalLM: 2 layers of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.MistralCausalLM(keras_hub.models.MistralBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=2, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+def _llama(seed=0):
+    """LlamaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+def _qwen(seed=0):
+    """QwenCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; query,
+    key and value biases."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.QwenCausalLM(keras_hub.models.QwenBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+def _phi3(seed=0, **rope):
+    """Phi3CausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.Phi3CausalLM(keras_hub.models.Phi3Backbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, **rope), preprocessor=None)
+
+
+def _gemma(seed=0):
+    """GemmaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, head_dim=4), preprocessor=None)
+
+
+def _qwen3(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        head_dim=4, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+
+
+BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
+          "llama": (_llama, "LlamaAttention", 1),
+          "qwen": (_qwen, "QwenAttention", 1),
+          "phi3": (_phi3, "Phi3Attention", 1),
+          "gemma": (_gemma, "CachedGemmaAttention", 1)}
+
+
+def _batch():
+    x, _ = hub._batches(rows=(5,))[0]
+    y = np.random.default_rng(3).integers(0, hub.VOCABULARY, x["token_ids"].shape)
+    return x, y.astype("int32"), x["padding_mask"].astype("float32")
+
+
+class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
+    def test_outputs_equal_the_unsplit_models(self, build, class_name, layers):
+        lm = build()
+        parted = towers.split_layers(lm, PLAN, PARTS)
+        forms = parallel_forms(parted)
+        self.assertLen(forms, layers)
+        for form in forms:
+            self.assertIsInstance(form, GroupedHeadsAttention)
+            self.assertEqual([type(p).__name__ for p in form.parts], [class_name] * 2)
+            # each part's 2 query heads as wide as the layer's (Llama's build would widen them)
+            self.assertEqual([(p.weights[0].shape[-1], p.weights[0].shape.num_elements())
+                              for p in form.parts], [(4, 16 * 2 * 4)] * 2)
+            self.assertEqual([p.num_query_heads if hasattr(p, "num_query_heads") else
+                              p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
+            self.assertEqual([[w.shape.num_elements() for w in p.weights
+                               if w.path.endswith("/key/kernel")]
+                              for p in form.parts], [[16 * 1 * 4]] * 2)  # 1 key head each
+            for device, part in zip(PARTS, form.parts):
+                for weight in part.weights:
+                    self.assertEqual(towers.devices.canonical_name(weight.value.device), device)
+        x, _, _ = _batch()
+        self.assertAllClose(parted(x), lm(x), atol=1e-6, rtol=0)
+        joined = towers.join_layers(parted)  # the original class, the weights as they were
+        for got, want in zip(joined.get_weights(), lm.get_weights(), strict=True):
+            self.assertAllEqual(got, want)
+
+    @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
+    def test_generates_with_its_cache_split_by_key_value_heads(self, build, *_):
+        lm = build()
+        parted = towers.split_layers(lm, PLAN, PARTS)
+        prompt = {"token_ids": np.array([[5, 7, 9, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32"),
+                  "padding_mask": np.array([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]], "int32")}
+        for model in (lm, parted):
+            model.compile(sampler="greedy")
+        want = lm.generate(prompt, stop_token_ids=None)["token_ids"]
+        self.assertAllEqual(parted.generate(prompt, stop_token_ids=None)["token_ids"], want)
+        self.assertFalse(np.all(want[:, 3:] == 0))  # it generated tokens
+
+    @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
+    def test_one_step_equals_keras_on_one_device(self, build, *_):
+        x, y, weights = _batch()
+        expected = build()
+        expected.compile(keras.optimizers.SGD(0.5), SPARSE, weighted_metrics=[])
+        expected.train_on_batch(x, y, sample_weight=weights)
+        lm = build()
+        parted = towers.split_layers(lm, PLAN, PARTS)
+        trainer = towers.TowerTrainer(parted, SPARSE, keras.optimizers.SGD(0.5),
+                                      devices=[PARTS])  # 1 tower x 2 parts
+        trainer.train_step((x, y, weights))
+        moved = 0.0
+        for got, want, before in zip(towers.join_layers(parted).get_weights(),
+                                     expected.get_weights(), lm.get_weights(), strict=True):
+            self.assertAllClose(got, want, atol=1e-5, rtol=0)
+            moved = max(moved, float(np.max(np.abs(want - before), initial=0.0)))
+        self.assertGreater(moved, 1e-3)  # the step changed the weights
+
+    def test_fewer_key_value_heads_than_parts_is_refused_in_one_line(self):
+        with self.assertRaisesRegex(ValueError, "CachedMistralAttention has 2 key/value "
+                                    "heads, and each of 3 parts needs a whole group; give "
+                                    "at most 2 devices, or split its query by 'column:u'"):
+            towers.split_layers(_mistral(), PLAN, PARTS + ["/device:CPU:2"])
+
+
+    def test_auto_plan_splits_them_by_heads(self):
+        for build, *_ in BUILDS.values():
+            plan = towers.auto_plan(build(), 2)
+            attention = [how for key, how in plan.items() if key.endswith("attention")]
+            self.assertEqual(attention, ["heads"])  # one key, not its projections
+
+    def test_qwen3_attention_is_refused_in_one_line(self):
+        with self.assertRaises(ValueError) as caught:
+            towers.split_layers(_qwen3(), PLAN, PARTS)
+        said = str(caught.exception)
+        self.assertNotIn("\n", said)
+        self.assertIn("Qwen3Attention is not split by heads: its query and key norms", said)
+        self.assertIn("'row:u'", said)
+
+    def test_phi3_with_su_rope_scaling_is_refused_in_one_line(self):
+        su = _phi3(rope_scaling_type="su", rope_scaling_short_factor=[1.0, 1.5],
+                   rope_scaling_long_factor=[2.0, 3.0])
+        with self.assertRaisesRegex(ValueError, r"^plan\[.*\] = 'heads': Phi3Attention is not "
+                                    "split by heads: with rope_scaling_type='su'"):
+            towers.split_layers(su, PLAN, PARTS)
+
+
+if __name__ == "__main__":
+    tf.test.main()
