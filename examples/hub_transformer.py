@@ -36,19 +36,25 @@ import towers
 LEVELS = 16  # intensity bins: the vocabulary
 
 
+def _pixel_tokens(input_shape):
+    """(images input (B, H, W, C), their tokens (B, T = H*W*C)): each intensity in [0, 1]
+    binned into one of LEVELS tokens."""
+    images = keras.Input(input_shape, name="images")
+    pixels = layers.Reshape((-1,))(images)
+    return images, layers.Discretization(
+        bin_boundaries=list(np.linspace(0, 1, LEVELS + 1)[1:-1]), name="tokens")(pixels)
+
+
 def gpt2_classifier(input_shape, num_classes):
     """pixels -> tokens (B, T), T = H*W*C -> GPT2Backbone (B, T, 32) -> mean -> logits.
 
     input_shape: (H, W, C) of one example, intensities in [0, 1]; num_classes: the
     width of the logits. Keras's global seed (towers-train's --seed) draws the weights.
     """
-    images = keras.Input(input_shape, name="images")
-    pixels = layers.Reshape((-1,))(images)                                   # (B, T)
-    tokens = layers.Discretization(
-        bin_boundaries=list(np.linspace(0, 1, LEVELS + 1)[1:-1]), name="tokens")(pixels)
+    images, tokens = _pixel_tokens(input_shape)                              # (B, T)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=LEVELS, num_layers=2, num_heads=4, hidden_dim=32,
-        intermediate_dim=64, max_sequence_length=pixels.shape[-1], dropout=0.0)
+        intermediate_dim=64, max_sequence_length=tokens.shape[-1], dropout=0.0)
     sequence = backbone({"token_ids": tokens,
                          "padding_mask": ops.ones_like(tokens)})              # (B, T, 32)
     pooled = layers.GlobalAveragePooling1D()(sequence)                        # (B, 32)
@@ -65,11 +71,8 @@ def causal_lm(input_shape, num_classes):
     input_shape: (H, W, C) of one example, intensities in [0, 1]; num_classes: the
     width of the logits. Keras's global seed (towers-train's --seed) draws the weights.
     """
-    images = keras.Input(input_shape, name="images")
-    pixels = layers.Reshape((-1,))(images)                                   # (B, T)
-    tokens = layers.Discretization(
-        bin_boundaries=list(np.linspace(0, 1, LEVELS + 1)[1:-1]), name="tokens")(pixels)
-    lm = tiny_gpt2_lm(LEVELS + num_classes, pixels.shape[-1])
+    images, tokens = _pixel_tokens(input_shape)                              # (B, T)
+    lm = tiny_gpt2_lm(LEVELS + num_classes, tokens.shape[-1])
     next_token = lm({"token_ids": tokens, "padding_mask": ops.ones_like(tokens)})
     logits = next_token[:, -1, LEVELS:]                                       # (B, classes)
     return keras.Model(images, logits, name="pixel_lm")

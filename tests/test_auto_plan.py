@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import towers
-from tests import test_hub_models as hub
+from tests import test_gqa_heads as gqa, test_hub_models as hub
 from tests import test_nested_plans as nested
 from towers.op_parallel import auto
 from towers.op_parallel.plan import parallel_forms
@@ -25,14 +25,6 @@ VOCAB, WIDTH, FFN = 30, 8, 20
 
 def _gpt2_lm(seed=0):
     return hub._lm(seed)
-
-
-def _mistral_lm(seed=0):
-    """MistralCausalLM: 2 layers of 4 query heads (2 key/value heads) of 4, width 16."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.MistralCausalLM(keras_hub.models.MistralBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=2, num_query_heads=4,
-        num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
 def _bert_classifier(seed=0):
@@ -135,7 +127,7 @@ class AutoPlanTest(tf.test.TestCase):
         self._splits_and_trains_as_keras(_gpt2_lm, GPT2_PLAN, _lm_batch())
 
     def test_mistral_causal_lm_with_grouped_query_attention(self):
-        self._splits_and_trains_as_keras(_mistral_lm, MISTRAL_PLAN, _lm_batch())
+        self._splits_and_trains_as_keras(gqa._mistral, MISTRAL_PLAN, _lm_batch())
 
     def test_bert_classifier(self):
         self._splits_and_trains_as_keras(_bert_classifier, BERT_PLAN, _bert_batch())
