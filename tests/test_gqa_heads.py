@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
-from tests import test_hub_models as hub
+from tests import test_hub_layouts as layouts, test_hub_models as hub
 from towers.op_parallel.grouped import GroupedHeadsAttention
 from towers.op_parallel.plan import parallel_forms
 
@@ -33,14 +33,6 @@ def _mistral(seed=0):
         num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
-def _llama(seed=0):
-    """LlamaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
-
-
 def _qwen(seed=0):
     """QwenCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; query,
     key and value biases."""
@@ -58,14 +50,6 @@ def _phi3(seed=0, **rope):
         hidden_dim=hub.WIDTH, intermediate_dim=32, **rope), preprocessor=None)
 
 
-def _gemma(seed=0):
-    """GemmaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, head_dim=4), preprocessor=None)
-
-
 def _qwen3(seed=0):
     keras.utils.set_random_seed(seed)
     return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
@@ -74,10 +58,10 @@ def _qwen3(seed=0):
 
 
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
-          "llama": (_llama, "LlamaAttention", 1),
+          "llama": (layouts._llama, "LlamaAttention", 1),
           "qwen": (_qwen, "QwenAttention", 1),
           "phi3": (_phi3, "Phi3Attention", 1),
-          "gemma": (_gemma, "CachedGemmaAttention", 1)}
+          "gemma": (layouts._gemma, "CachedGemmaAttention", 1)}
 
 
 def _batch():
