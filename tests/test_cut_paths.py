@@ -236,6 +236,27 @@ class SharedAcrossStagesTest(tf.test.TestCase):
         x = np.ones((2, 4), "float32")
         self.assertAllClose(model(x), second(first(x)), atol=1e-6, rtol=0)
 
+    def test_a_sublayer_with_state_shared_by_two_stages_layers_is_refused(self):
+        # Two layers, one per stage, that hold one BatchNormalization between them: its
+        # statistics would be updated in both stages. Refused where the stages are set up.
+        class Wrapped(keras.layers.Layer):
+            def __init__(self, inner, **kwargs):
+                super().__init__(**kwargs)
+                self.inner = inner
+
+            def call(self, x, training=None):
+                return self.inner(x, training=training)
+
+        norm = keras.layers.BatchNormalization(name="norm")
+        x = keras.Input((4,))
+        first = Wrapped(norm, name="first")(keras.layers.Dense(4, name="middle")(x))
+        model = keras.Model(x, keras.layers.Dense(1, name="out")(Wrapped(norm, name="second")(
+            keras.layers.Dense(4, name="cut")(first))))
+        with self.assertRaisesRegex(ValueError, r"^variable 'first/norm/moving_mean' is read "
+                                                r"by 2 stages of model .* holds state") as caught:
+            towers.TowerTrainer(model, "mse", "sgd", devices=GRID, pipeline_cuts=["cut"])
+        self.assertNotIn("\n", str(caught.exception))
+
 
 class AutomaticCutsTest(tf.test.TestCase):
     """towers.models.pipeline_cuts (--pipeline_stages=K) on keras_hub task models: their

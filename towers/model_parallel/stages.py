@@ -159,7 +159,27 @@ class Stages(VariableGroups):
     def reindex(self):
         self.read_index = self._reads(self.model.trainable_variables, True)
         self.read_state_index = self._reads(self.model.non_trainable_variables, False)
+        self._check_shared_reads()
         super().reindex()
+
+    def _check_shared_reads(self):
+        """Refuses, in one line, a variable that several stages read and that holds state
+        or has a regularizer: reached through a sublayer that layers of two stages share
+        (split_model refuses a layer called in two stages with such weights itself)."""
+        for variables, index in ((self.model.non_trainable_variables, self.read_state_index),
+                                 (self.model.trainable_variables, self.read_index)):
+            readers = collections.Counter(i for reads in index for i in set(reads))
+            for i, count in readers.items():
+                variable = variables[i]
+                if count > 1 and (index is self.read_state_index
+                                  or variable.regularizer is not None):
+                    what = ("holds state that each stage's call would update"
+                            if index is self.read_state_index else "has a regularizer, "
+                            "which each stage's model would add to the loss")
+                    raise ValueError(
+                        f"variable {variable.path!r} is read by {count} stages of model "
+                        f"{self.model.name!r} (a layer their layers share) and {what}; cut "
+                        "so that the layers sharing it run in one stage.")
 
     def _reads(self, variables, trainable):
         where = {id(v): i for i, v in enumerate(variables)}
