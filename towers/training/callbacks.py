@@ -20,14 +20,7 @@ def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
       ValueError: not a list, something in it that is not a keras.callbacks.Callback, or a
         BackupAndRestore (fit's checkpointer does that job, exactly).
     """
-    if isinstance(callbacks, keras.callbacks.Callback):
-        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
-                         f"one {type(callbacks).__name__}: pass callbacks=[it].")
-    try:
-        callbacks = list(callbacks or [])
-    except TypeError:
-        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
-                         f"a {type(callbacks).__name__}.") from None
+    callbacks = checked(callbacks)
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             raise ValueError(
@@ -35,9 +28,6 @@ def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
                 "interrupted epoch from its first batch. Pass "
                 "checkpointer=towers.Checkpointer(directory, model, optimizer, every_steps=N) "
                 "to fit instead: it resumes at the exact batch, no step lost or repeated.")
-        if not isinstance(callback, keras.callbacks.Callback):
-            raise ValueError(f"callbacks must be keras.callbacks.Callback objects, got "
-                             f"{type(callback).__name__}.")
     history = next((c for c in callbacks if isinstance(c, keras.callbacks.History)), None)
     if history is None:
         history = keras.callbacks.History()
@@ -50,6 +40,24 @@ def callback_list(trainer, callbacks, epochs, steps_per_epoch, verbose):
     return history, keras.callbacks.CallbackList(
         callbacks, model=model, verbose=1 if verbose else 0, epochs=epochs,
         steps=steps_per_epoch), own_progress
+
+
+def checked(callbacks):
+    """`callbacks` (None or a list of keras.callbacks.Callback objects) as a new list;
+    ValueError, in one line, for one Callback alone, not a list, or what is not one."""
+    if isinstance(callbacks, keras.callbacks.Callback):
+        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
+                         f"one {type(callbacks).__name__}: pass callbacks=[it].")
+    try:
+        callbacks = list(callbacks or [])
+    except TypeError:
+        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
+                         f"a {type(callbacks).__name__}.") from None
+    for callback in callbacks:
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise ValueError(f"callbacks must be keras.callbacks.Callback objects, got "
+                             f"{type(callback).__name__}.")
+    return callbacks
 
 
 def evaluate_list(trainer, callbacks, verbose, steps):

@@ -40,8 +40,7 @@ def data(name, x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
 
     shuffle: as keras.Model.fit takes it (False, True, "batch"); arrays only.
     """
-    if y is None and sample_weight is None and _is_batch_of_arrays(x):
-        x, y, sample_weight = (tuple(x) + (None,))[:3]
+    x, y, sample_weight = _unpacked(x, y, sample_weight)
     if not _carries_batches(x):
         return _arrays(name, x, y, sample_weight, batch_size, shuffle, forms)
     for argument, value in (("y", y), ("sample_weight", sample_weight),
@@ -83,8 +82,7 @@ def split_for_validation(x, y, sample_weight, validation_split):
     if not 0 < validation_split < 1:
         raise ValueError(f"validation_split must be a fraction between 0 and 1, got "
                          f"{validation_split!r}.")
-    if y is None and sample_weight is None and _is_batch_of_arrays(x):
-        x, y, sample_weight = (tuple(x) + (None,))[:3]
+    x, y, sample_weight = _unpacked(x, y, sample_weight)
     if y is None or not compat.can_batch_arrays((x, y, sample_weight)):
         raise ValueError(
             f"validation_split holds out the last rows of arrays, and x is a "
@@ -133,6 +131,14 @@ def _carries_batches(x):
     fit's callable) rather than arrays of rows."""
     return (isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(x)
             or hasattr(x, "__next__") or isinstance(x, list) and all(isinstance(item, (tuple, dict)) for item in x))
+
+
+def _unpacked(x, y, sample_weight):
+    """(x, y, sample_weight), a tuple x of arrays given alone, (x, y[, sample_weight]) as
+    Keras's validation_data is, unpacked into them."""
+    if y is None and sample_weight is None and _is_batch_of_arrays(x):
+        return (tuple(x) + (None,))[:3]
+    return x, y, sample_weight
 
 
 def _is_batch_of_arrays(x):

@@ -49,13 +49,14 @@ def evaluate(trainer, data, steps=None, callbacks=None):
     return logs
 
 
-def keras_list(trainer, logs):
-    """evaluate's logs as keras.Model.evaluate(return_dict=False) lists them: "loss",
-    each loss term's, the metrics, then the other logs by name; one number alone as it."""
+def keras_logs(trainer, logs, return_dict):
+    """What keras.Model.evaluate and *_on_batch return: "loss", each loss term's and the
+    metrics (not towers' own "examples", "skipped_steps", ...), by name, or without
+    return_dict as a list in that order (one number alone as it)."""
     names = ["loss", *trainer.objective.names, *trainer.metrics.names]
-    values = [logs[name] for name in names] + [logs[name] for name in sorted(logs)
-                                                if name not in names]
-    return values[0] if len(values) == 1 else values
+    if return_dict:
+        return {name: logs[name] for name in names}
+    return logs[names[0]] if len(names) == 1 else [logs[name] for name in names]
 
 
 def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,

@@ -16,22 +16,16 @@ def train_on_batch(trainer, x, y=None, sample_weight=None, class_weight=None,
     batch = _batch(x, y, sample_weight)
     batch = next(iter(class_weights.weighted([batch], class_weight)))
     trainer.metrics.reset()
-    return _keras_logs(trainer, trainer.train_step(batch), return_dict)
+    return loop.keras_logs(trainer, trainer.train_step(batch), return_dict)
 
 
 def test_on_batch(trainer, x, y=None, sample_weight=None, return_dict=False):
     """The batch's loss and metrics, as keras.Model.test_on_batch computes them."""
     trainer.metrics.reset()
-    return _keras_logs(trainer, trainer.eval_step(_batch(x, y, sample_weight)), return_dict)
+    return loop.keras_logs(trainer, trainer.eval_step(_batch(x, y, sample_weight)),
+                           return_dict)
 
 
 def _batch(x, y, sample_weight):
     return (x, y) if sample_weight is None else (x, y, sample_weight)
 
-
-def _keras_logs(trainer, logs, return_dict):
-    """The logs Keras returns: "loss", each loss term's and the metrics (not towers' own
-    "examples", "skipped_steps", ...), by name or as loop.keras_list lists them."""
-    names = ["loss", *trainer.objective.names, *trainer.metrics.names]
-    logs = {name: logs[name] for name in names}
-    return logs if return_dict else loop.keras_list(trainer, logs)

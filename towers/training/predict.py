@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import errors
-from towers.training import inputs, overrides, py_datasets
+from towers.training import callbacks as callbacks_lib, inputs, overrides, py_datasets
 
 
 def predict(trainer, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -98,12 +98,8 @@ def _callback_list(trainer, callbacks, verbose, num_batches):
     verbose is 0), or `callbacks` itself where it is one."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
-    if isinstance(callbacks, keras.callbacks.Callback) or not isinstance(
-            callbacks, (list, tuple, type(None))) or not all(
-            isinstance(c, keras.callbacks.Callback) for c in callbacks or []):
-        raise ValueError(f"callbacks must be a list of keras.callbacks.Callback objects, got "
-                         f"{callbacks!r}.")
-    return keras.callbacks.CallbackList(list(callbacks or []), add_progbar=verbose != 0,
+    return keras.callbacks.CallbackList(callbacks_lib.checked(callbacks),
+                                        add_progbar=verbose != 0,
                                         verbose=verbose, epochs=1, steps=num_batches,
                                         model=trainer.model)
 

@@ -277,7 +277,7 @@ class TowerTrainer:
         steps = None if steps is None else errors.positive_integer("steps", steps)
         logs = loop.evaluate(self, data, steps, callbacks_lib.evaluate_list(
             self, callbacks, verbose, steps or data.num_batches))
-        return logs if return_dict else loop.keras_list(self, logs)
+        return loop.keras_logs(self, logs, return_dict)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
