@@ -226,10 +226,11 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(re.findall(said, stderrs[1]), [])
 
 
-def _run_jobs(test, configs, timeout_s=300):
+def _run_jobs(test, configs, timeout_s=300, returncode=0):
     """Runs tests.multi_worker_job as a cluster, one worker per config (each gets the
     cluster, its index, a shared checkpoint_dir and its output added); returns
-    each worker's saved .npz and stderr. A worker that hangs fails the test."""
+    each worker's saved .npz (returncode 0) and stderr. A worker that hangs, or exits
+    with another code than `returncode`, fails the test."""
     hosts, directory = _hosts(len(configs)), test.create_tempdir().full_path
     paths = [os.path.join(directory, f"worker{i}") for i in range(len(configs))]
     workers = []
@@ -248,8 +249,8 @@ def _run_jobs(test, configs, timeout_s=300):
             test.fail(f"worker {i} still runs after {timeout_s} s: it hangs")
         with open(f"{path}.stderr") as stderr:
             stderrs.append(stderr.read())
-        test.assertEqual(worker.returncode, 0, stderrs[-1][-3000:])
-    return [np.load(f"{path}.npz") for path in paths], stderrs
+        test.assertEqual(worker.returncode, returncode, stderrs[-1][-3000:])
+    return [np.load(f"{path}.npz") for path in paths if not returncode], stderrs
 
 
 class InstanceKeyTest(tf.test.TestCase):
@@ -423,8 +424,11 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
             self.assertRegex(_error_line(stderr), message)
 
     @parameterized.named_parameters(
-        ("learning_rate", ["--learning_rate=0.01", "--learning_rate=0.02"], "the optimizer"),
+        ("learning_rate", ["--learning_rate=0.01", "--learning_rate=0.02"], "--learning_rate"),
         ("seed", ["--seed=1", "--seed=2"], "--seed"),
+        # Steps of other shapes: these once hung both workers with no line.
+        ("steps_per_execution", ["--steps_per_execution=1", "--steps_per_execution=3"],
+         "--steps_per_execution"),
     )
     def test_workers_with_different_flags_both_refuse(self, flag_per_worker, what):
         hosts = _hosts(2)
@@ -434,6 +438,25 @@ class BadClusterTest(tf.test.TestCase, parameterized.TestCase):
             _, stderr = worker.communicate(timeout=120)
             self.assertEqual(worker.returncode, 1)
             self.assertIn(f"the workers disagree on: {what}", _error_line(stderr))
+
+    def test_trainers_whose_steps_differ_in_shape_both_refuse(self):
+        # From Python, where towers-train's flags are not there to compare.
+        _, stderrs = _run_jobs(self, [{"num_towers": 1, "model": "dense", "options": {
+            "steps_per_execution": count}} for count in (1, 3)], returncode=1)
+        for stderr in stderrs:
+            self.assertIn("the workers disagree on: the trainer's steps_per_execution.",
+                          stderr)
+
+    def test_a_call_past_the_step_timeout_ends_on_every_worker(self):
+        # One call of all 120 steps, its tracing included, takes far longer than 1 s.
+        hosts = _hosts(2)
+        workers = [_start_worker(self, hosts, i, *CLI_ARGS, "--steps_per_execution=120",
+                                 "--step_timeout_s=1") for i in range(2)]
+        for worker in workers:
+            _, stderr = worker.communicate(timeout=120)
+            self.assertEqual(worker.returncode, 1)
+            self.assertRegex(_error_line(stderr), r"step 1: no worker finished it within "
+                             r"step_timeout_s=1 s, every worker answering")
 
     def test_missing_worker_times_out_at_startup(self):
         worker = _start_worker(self, _hosts(2), 0, *CLI_ARGS, "--startup_timeout_s=2")

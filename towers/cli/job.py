@@ -26,6 +26,12 @@ DEFAULT_EPOCHS = 10
 # --num_parts's name before issue 35's glossary, kept as its alias for a release
 # (cli/train.py); the refusals that name --num_parts name it too.
 NUM_PARTS_ALIAS = "tensor_parallel"
+# The flags each worker of a cluster may set for itself: where it writes, its own towers
+# and threads, how long it waits, its place in the cluster (whose addresses join checks).
+# Every other flag shapes the data or the step, and the workers must agree on it.
+PER_WORKER_FLAGS = ("num_towers", "intra_op_threads", "inter_op_threads", "checkpoint_dir",
+                    "log_dir", "output_json", "worker_hosts", "task_index", "peer_timeout_s",
+                    "startup_timeout_s", "step_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,7 @@ class Job:
     task_index: Optional[int]
     peer_timeout_s: float
     startup_timeout_s: float
+    step_timeout_s: float
 
     @classmethod
     def field_names(cls):
@@ -118,9 +125,11 @@ def run(job):
                          for row in tower_devices]
     if cluster is not None:
         towers.join_cluster(cluster)
-        # What decides which examples each step reads; the trainer checks the rest.
-        data_flags = ("dataset", "data_npz", "global_batch_size", "epochs", "steps", "seed")
-        cluster_lib.check_same(cluster, {f"--{name}": getattr(job, name) for name in data_flags})
+        # Before any step: workers whose steps differ in shape would wait on each other's
+        # collectives for ever.
+        cluster_lib.check_same(cluster, {f"--{name}": value for name, value in
+                                         dataclasses.asdict(job).items()
+                                         if name not in PER_WORKER_FLAGS})
     is_chief = cluster is None or cluster.is_chief
     worker_index, num_workers = (0, 1) if cluster is None else (cluster.task_index,
                                                                 cluster.num_workers)
@@ -304,7 +313,7 @@ def _check_can_write_in(flag, folder):
 def _cluster(job):
     """The Cluster from --worker_hosts/--task_index, else from TF_CONFIG; None for one process."""
     timeouts = {"peer_timeout_s": job.peer_timeout_s,
-                "startup_timeout_s": job.startup_timeout_s}
+                "startup_timeout_s": job.startup_timeout_s, "step_timeout_s": job.step_timeout_s}
     if job.worker_hosts is None:
         if job.task_index is not None:
             raise ValueError("--task_index needs --worker_hosts (or use TF_CONFIG alone).")

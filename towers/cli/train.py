@@ -168,6 +168,10 @@ STARTUP_TIMEOUT_S = flags.DEFINE_float("startup_timeout_s",
                                        cluster_lib.DEFAULT_STARTUP_TIMEOUT_S,
                                        "How long each worker waits for all the others to start.",
                                        lower_bound=1.0)
+STEP_TIMEOUT_S = flags.DEFINE_float("step_timeout_s", cluster_lib.DEFAULT_STEP_TIMEOUT_S,
+                                    "A call of the step (the first one's tracing included) "
+                                    "that no worker finishes for this many seconds stops every "
+                                    "worker with an error.", lower_bound=1.0)
 flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
 
 

@@ -28,6 +28,7 @@ from towers.multi_worker.watchdog import Watchdog
 JOB = "worker"
 DEFAULT_PEER_TIMEOUT_S = 30.0
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
+DEFAULT_STEP_TIMEOUT_S = 1800.0
 HOST_DEVICE = "/device:CPU:0"  # every worker has one: control messages go there
 _JOBS_IN_ORDER = ("chief", "worker")  # TF_CONFIG jobs, in task-index order
 # The Watchdog of the cluster this process joined; a process joins at most one.
@@ -44,11 +45,15 @@ class Cluster:
       peer_timeout_s: a worker that does not answer for this long during a
         step ends the step on every other worker (WorkerLostError).
       startup_timeout_s: how long `join` waits for every worker to join.
+      step_timeout_s: a call of the step (its first one's tracing included) that no
+        worker finishes for this long ends on every worker (WorkerLostError): workers
+        that all answer but wait on each other for ever.
     """
     workers: tuple
     task_index: int
     peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
 
     def __post_init__(self):
         object.__setattr__(self, "workers", tuple(self.workers))
@@ -64,7 +69,7 @@ class Cluster:
                 or not 0 <= self.task_index < len(self.workers)):
             raise ValueError(f"task index {self.task_index!r} is not a worker of this cluster "
                              f"of {len(self.workers)}; use 0..{len(self.workers) - 1}.")
-        for name in ("peer_timeout_s", "startup_timeout_s"):
+        for name in ("peer_timeout_s", "startup_timeout_s", "step_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
@@ -93,7 +98,7 @@ def cluster_from_tf_config(tf_config=None, **timeouts):
 
     Args:
       tf_config: the JSON text; None = the TF_CONFIG environment variable.
-      **timeouts: peer_timeout_s, startup_timeout_s as in Cluster.
+      **timeouts: peer_timeout_s, startup_timeout_s, step_timeout_s as in Cluster.
     """
     text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
     if not text.strip():
@@ -214,7 +219,7 @@ def check_same(cluster, values, timeout_s=None):
 
 
 def start_together(cluster, model, optimizer, options, main_device, num_towers,
-                   own_slots=False):
+                   own_slots=False, step_shape=None):
     """Before the first step: checks that every worker trains alike, then gives each
     the chief's weights and optimizer state (models built without a common seed
     would start apart).
@@ -224,6 +229,9 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers,
       num_towers: this worker's towers; own_slots: each worker's optimizer holds
         the slots of its own share of the variables (spread placement,
         placement/worker_owners.py): only its step count is the chief's.
+      step_shape: {what: value} of the trainer's own settings that shape each call's
+        collectives (steps per call, stages and parts per tower, ...): workers that
+        differ in one would wait on each other for ever, so each is checked by name.
 
     Returns:
       (first_tower, total_towers): the global index of this worker's first
@@ -237,6 +245,7 @@ def start_together(cluster, model, optimizer, options, main_device, num_towers,
         "the main device type": tf.DeviceSpec.from_string(main_device).device_type,
         "the optimizer steps taken (every worker must restore the same checkpoint)":
             int(optimizer.iterations.numpy()),
+        **(step_shape or {}),
     })
     variables = model.variables + ([optimizer.iterations] if own_slots else optimizer.variables)
     with collectives.instance_keys(("start_together", signature)):

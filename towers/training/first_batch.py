@@ -47,8 +47,20 @@ def set_up(trainer, batch):
         setup = trainer.setup
         first_tower, trainer.num_towers = cluster_lib.start_together(
             trainer.cluster, trainer.model, trainer.optimizer, setup.options,
-            setup.main_device, setup.mesh.num_towers, own_slots=setup.columns.cluster is not None)
+            setup.main_device, setup.mesh.num_towers, own_slots=setup.columns.cluster is not None,
+            step_shape=_step_shape(trainer))
         trainer.setup = dataclasses.replace(setup, first_tower=first_tower)
+
+
+def _step_shape(trainer):
+    """The trainer's own settings that shape each call's collectives, by what a worker
+    that differs is told: every worker of a cluster must have the same."""
+    return {"the trainer's steps_per_execution": trainer.steps_per_execution,
+            "the trainer's prefetch_to_devices": trainer.prefetch_to_devices,
+            "the trainer's jit_compile": trainer.jit_compile,
+            "the trainer's pipeline_cuts": trainer.pipeline_cuts,
+            "the stages and parts of a tower": {
+                name: size for name, size in trainer.setup.mesh.shape.items() if name != "tower"}}
 
 
 def _inputs(shards, first_shard):
