@@ -40,7 +40,8 @@ from towers.engine.options import TowerOptions
 from towers.placement.slabs import whole_variables
 from towers.engine.step import tower_gradients
 from towers.devices import configure_devices
-from towers.errors import DeviceConfigError, NonFiniteError, Preempted, WorkerLostError
+from towers.errors import (CheckpointWriteError, DeviceConfigError, NonFiniteError, Preempted,
+                           WorkerLostError)
 from towers.model_parallel.stages import split_model
 from towers.op_parallel.auto import auto_plan
 from towers.op_parallel.plan import join_layers, split_layers
@@ -100,6 +101,7 @@ class _MovedModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
 _sys.meta_path.append(_MovedModules())
 
 __all__ = [
+    "CheckpointWriteError",
     "Checkpointer",
     "Cluster",
     "DeviceConfigError",

@@ -30,6 +30,11 @@ class WorkerLostError(RuntimeError):
     """Another worker of the cluster stopped answering during a step; nothing was applied."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the disk full, the folder read-only): the
+    newest complete checkpoint is kept, nothing unfinished is left, training stopped."""
+
+
 class Preempted(RuntimeError):
     """fit stopped on SIGTERM or SIGINT after a whole step, having saved a checkpoint
     (if it had a checkpointer). Fitting again with the same checkpointer resumes.

@@ -204,7 +204,7 @@ def main(argv):
     try:
         results = train()
     except (ValueError, ImportError, towers.DeviceConfigError, towers.NonFiniteError,
-            towers.WorkerLostError) as error:
+            towers.WorkerLostError, towers.CheckpointWriteError) as error:
         print(f"towers-train: error: {error}", file=sys.stderr)
         return 1
     except towers.Preempted as stopped:

@@ -8,6 +8,7 @@ checkpoint: a half-written checkpoint is never loaded.
 
 import contextlib
 import os
+import shutil
 import tempfile
 
 import keras
@@ -186,10 +187,46 @@ class Checkpointer:
         if self._twin is not None:
             self._twin.join()
         with self._as_saved():
-            path = self._manager.save()
+            path = self._save_or_keep_the_newest()
         self._batches_since_save = 0
         logging.info("saved checkpoint %s", path)
         return path
+
+
+    def _save_or_keep_the_newest(self):
+        """The new checkpoint's path; where it cannot be written, CheckpointWriteError
+        in one line, its unfinished files removed and the index still on the newest
+        complete checkpoint (CheckpointManager writes the index last)."""
+        try:
+            return self._manager.save()
+        except (tf.errors.OpError, OSError) as error:
+            _remove_unfinished(self.directory)
+            kept = self._manager.latest_checkpoint
+            raise errors.CheckpointWriteError(
+                f"cannot save the checkpoint of step {int(self.optimizer.iterations)} in "
+                f"{os.fspath(self.directory)!r} ({_why(error)}): "
+                + (f"the newest complete one, {os.path.basename(kept)}, is kept" if kept else
+                   "no checkpoint was complete yet") +
+                "; free space or make the folder writable (or give another checkpoint "
+                "directory), then run again to resume.") from None
+
+
+def _why(error):
+    """What went wrong in a failed write, without the file's path: TensorFlow's file
+    errors read "<path>; No space left on device"."""
+    return errors.root_cause(error).rpartition("; ")[2]
+
+
+def _remove_unfinished(directory):
+    """Removes what a failed save leaves in `directory`: TensorFlow's `<prefix>_temp`
+    folder of the unmerged shards, and a `checkpoint.tmp*` index never renamed."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith("_temp") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith("checkpoint.tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def optimizer_class(optimizer):
