@@ -4,6 +4,7 @@ Nothing here imports towers: the expected weights come from a plain
 single-device GradientTape loop and from tf.distribute.MirroredStrategy.
 """
 
+import copy
 import keras
 import numpy as np
 import tensorflow as tf
@@ -180,14 +181,33 @@ def plain_keras_steps(model, optimizer, loss, batch):
 
 
 def traced_nodes(trainer):
-    """The NodeDefs of every function a TowerTrainer has traced, nested ones (a tf.cond's
-    branches) included."""
+    """The NodeDefs of every function a TowerTrainer has traced, a nested function's (a
+    tf.cond's branches, the tower's work traced once and called on each tower) once per
+    call, each node's device set to its caller's where it names none (as the runtime
+    places it)."""
     nodes = []
     for function in trainer._compiled.functions():
         for concrete in function._list_all_concrete_functions():
             graph = concrete.graph.as_graph_def()
-            nodes += list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+            library = {f.signature.name: f for f in graph.library.function}
+            nodes += _called_nodes(graph.node, library, "")
     return nodes
+
+
+def _called_nodes(nodes, library, device):
+    """`nodes` and those of the library functions they call, each on `device` where it
+    names none."""
+    called = []
+    for node in nodes:
+        if not node.device and device:
+            node = copy.deepcopy(node)
+            node.device = device
+        called.append(node)
+        for value in node.attr.values():
+            for name in [value.func.name] + [f.name for f in value.list.func]:
+                if name in library:
+                    called += _called_nodes(library[name].node_def, library, node.device)
+    return called
 
 
 def keras_step_logs(model, batches, learning_rate, **compile_args):

@@ -12,6 +12,7 @@ the recorded ops after it ran.
 """
 
 import collections
+import dataclasses
 import math
 import tempfile
 
@@ -89,10 +90,18 @@ def trainer_step_bytes(trainer, batch):
     """bytes_between_devices of one step of `trainer` (set up by a first train_step) on
     `batch`: steps 1-6 (run_towers) and the update, as its compiled step runs them
     (traced with the trainer's hooks: updates and table reads placed as there; the
-    layers recompute names recomputed)."""
+    layers recompute names recomputed).
+
+    Without XLA, each tower is traced into the step on its own here: tfdbg records no op
+    inside the one tf.function the trainer's step calls on every tower's device
+    (tower.traced_once), and what crosses devices is the same either way, that
+    function's inputs and outputs and what its ops name a device for."""
+    setup = (trainer.setup if trainer.jit_compile else
+             dataclasses.replace(trainer.setup, compiled_tower=None))
+
     @tf.function
     def step(batch):
-        result = step_lib.run_towers(trainer.setup, trainer.objective, batch)
+        result = step_lib.run_towers(setup, trainer.objective, batch)
         step_lib.apply_update(trainer.optimizer, result.grads,
                               trainer.model.trainable_variables, trainer.setup.main_device)
         return result.loss

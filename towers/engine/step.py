@@ -152,8 +152,9 @@ class StepSetup:
         densifies its sparse gradient (tower.choose_dense_gradients, on the first batch).
       densify: None, or dense_choices per trainable variable.
       replicas: a replicas.Replicas with variable_placement="replicated", else None.
-      compiled_tower: None, or tower.compiled_tower's function (jit_compile),
-        which then runs steps 3-4 of each tower with XLA.
+      compiled_tower: None, or tower.compiled_tower's function, which then runs
+        steps 3-4 of each tower, traced once for all of them (with XLA where
+        jit_compile; else where tower.traced_once).
       route: steps 4-5, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
       parts: None, or an op_parallel.grid.Parts for a model with split layers:
@@ -305,13 +306,13 @@ class SplitBatch:
 
 def start_tower(setup, step, this_tower):
     """Steps 3-4 on one tower (a tower.TowerWork; its index is this worker's) up to where
-    the batch's counts are needed: tower.start_flight's flight, or its XLA-compiled form
-    run whole (jit_compile)."""
+    the batch's counts are needed: tower.start_flight's flight, or that of the work
+    traced once for every tower (setup.compiled_tower)."""
     i = this_tower.index
     this_tower = dataclasses.replace(this_tower, index=setup.first_tower + i)
-    if setup.compiled_tower is not None:
-        return tower.Finished(setup.compiled_tower(step, this_tower))
     with setup.tower_scope(i):
+        if setup.compiled_tower is not None:
+            return setup.compiled_tower(step, this_tower)
         return tower.start_flight(step, this_tower)
 
 

@@ -181,20 +181,35 @@ class Finished:
         return self.output
 
 
-def compiled_tower(stages, objective, micro_batches, schedule, densify):
-    """run_tower with XLA: fn(step, tower) -> TowerOutput, for a StepWork of these
-    stages, objective, micro_batches and schedule.
+def traced_once(setup, objective):
+    """Whether one trace of a tower's work (compiled_tower) serves every tower of
+    `setup` (a step.StepSetup, set up for the model's trainable variables) without
+    XLA: no split layers and no BatchNormalization meeting across the towers (each
+    names its tower's devices, or meets the others, inside the tower's work); with one
+    stage, also no loss term whose denominator is counted across the batch (the
+    tower's backward would wait for the count inside the trace: start_flight's
+    count_first)."""
+    return (setup.parts is None and not setup.statistics.layers
+            and (setup.stages.num_stages > 1 or objective.counted == []))
+
+
+def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_compile=True):
+    """A tower's work traced once for every tower: fn(step, tower) -> a started flight
+    (start_flight's, or a Finished one), for a StepWork of these stages, objective,
+    micro_batches and schedule; compiled by XLA where jit_compile, else plain
+    tf.functions (traced_once's set-ups), so that the time to trace the first step does
+    not grow with the towers.
 
     One stage: the tower's forward and backward, all its micro-batches, are one
-    XLA computation on tower.devices[0]. With pipeline stages a tower spans several
-    devices and XLA compiles for one, so each stage's forward on a micro-batch
-    is one XLA computation on the tower's device for it, and so is its backward
-    (the gradient of a compiled function is compiled too); the copies between
-    stages stay outside.
+    function (one XLA computation) on tower.devices[0]. With pipeline stages a tower
+    spans several devices and XLA compiles for one, so each stage's forward on a
+    micro-batch is one function on the tower's device for it, and so is its backward
+    (the gradient of a tf.function is one too); the flight between the stages stays
+    outside.
 
-    One tf.function(jit_compile=True) (per stage) serves every tower: the tower
-    index is an argument and no device is named inside, so a call runs on the
-    device it is called on. XLA compiles once per shape and may_be_empty:
+    One tf.function (per stage) serves every tower: the tower index is an argument
+    and no device is named inside, so a call runs on the device it is called on, as
+    its ops without a device take their caller's. XLA compiles once per shape and may_be_empty:
     split_batch gives at most two shard (and micro-batch) sizes per global
     batch size, so uneven and last batches add a few compilations, not one
     per step. Nothing is padded, since padding rows would change BatchNorm's
@@ -202,12 +217,12 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify):
     """
     if stages.num_stages > 1:
         forwards = tuple(tf.function(functools.partial(forward, model, training=True),
-                                     jit_compile=True, autograph=False)
+                                     jit_compile=jit_compile, autograph=False)
                          for model in stages.models)
-        return lambda step, tower: run_tower(dataclasses.replace(step, forwards=forwards),
-                                             tower, densify)
+        return lambda step, tower: start_flight(dataclasses.replace(step, forwards=forwards),
+                                                tower)
 
-    @tf.function(jit_compile=True, autograph=False)
+    @tf.function(jit_compile=jit_compile, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
                            may_be_empty, sum_scale):
         # The rows from the shard's shape, which XLA knows: it needs split sizes it can
@@ -220,9 +235,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify):
 
     def run_on_its_device(step, tower):
         with tf.device(tower.devices[0]):
-            return run_compiled_tower(tower.shard, step.batch_rows, tower.weights, tower.state,
-                                      tf.constant(tower.index), step.loss_scale,
-                                      step.may_be_empty, step.sum_scale)
+            return Finished(run_compiled_tower(
+                tower.shard, step.batch_rows, tower.weights, tower.state,
+                tf.constant(tower.index), step.loss_scale, step.may_be_empty, step.sum_scale))
 
     return run_on_its_device
 

@@ -51,13 +51,14 @@ def set_up_for_trainable(trainer):
         elif setup.options.embedding_lookup == "table" and not trainer.jit_compile:
             tables = op_tables.tables_of(model, setup.columns.held_variables())
         densify = [setup.dense_choices[id(v)] for v in model.trainable_variables]
-        if trainer.jit_compile:
-            compiled_tower = tower.compiled_tower(
-                setup.stages, trainer.objective, setup.options.micro_batches,
-                setup.options.pipeline_schedule, densify)
-    trainer.setup = dataclasses.replace(
+    setup = dataclasses.replace(
         setup, replicas=replicas, tables=tables if tables and any(tables) else None,
-        densify=densify, compiled_tower=compiled_tower, trainable_ids=_trainable_ids(model))
+        densify=densify, trainable_ids=_trainable_ids(model))
+    if trainer.jit_compile or tower.traced_once(setup, trainer.objective):
+        compiled_tower = tower.compiled_tower(
+            setup.stages, trainer.objective, setup.options.micro_batches,
+            setup.options.pipeline_schedule, densify, trainer.jit_compile)
+    trainer.setup = dataclasses.replace(setup, compiled_tower=compiled_tower)
 
 
 def check_trainable(model):
