@@ -135,6 +135,8 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
         resume.check_binding(trainer, checkpointer)
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
+    if saver is not None:  # one live writer per folder: a second run refused before any step
+        saver.lock()
     summaries = _Summaries(log_dir if chief else None)  # a log_dir refused before any work
     epoch, skip = initial_epoch, 0
     if checkpointer is not None:
