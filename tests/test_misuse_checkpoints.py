@@ -356,6 +356,50 @@ class OneRunTest(_Refusals):
             self.assertEqual(json.load(f)["settings"]["steps"], 6)
         self.assertEqual([name for name in os.listdir(directory) if "tmp" in name], [])
 
+    def test_python_resume_with_another_data_order_is_refused_naming_it(self):
+        directory = self.create_tempdir().full_path
+
+        def fit(seed, epochs):
+            trainer = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1))
+            checkpointer = towers.Checkpointer(
+                directory, trainer.model, trainer.optimizer,
+                run=towers.RunIdentity(data_order={"seed": seed}))
+            trainer.fit(_dataset(), epochs=epochs, steps_per_epoch=STEPS_PER_EPOCH,
+                        checkpointer=checkpointer, verbose=False)
+            return trainer
+
+        fit(0, 1)
+        self.assertEqual(fit(0, 2).step, 2 * STEPS_PER_EPOCH)  # the same order resumes
+        other = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1))
+        self._assert_refused(lambda: fit(1, 3), "it read its data with seed=0, and this run "
+                             "with seed=1 .*; rerun with seed=0, or delete", other, directory)
+        for run, message in ((dict(data_order=[0]), "data_order must be a dict with str keys"),
+                             (dict(settings={"log": print}), "settings must hold JSON values")):
+            with self.assertRaisesRegex(ValueError, message):
+                towers.RunIdentity(**run)
+        with self.assertRaisesRegex(ValueError, "run must be a towers.RunIdentity"):
+            towers.Checkpointer(directory, other.model, other.optimizer, run={"seed": 0})
+
+    def test_a_learning_rate_given_again_stays_as_restored_and_a_new_one_is_applied(self):
+        # A callback lowered the rate; a resume given the rate the run was given keeps the
+        # lowered one the checkpoint holds, a resume given another rate takes it.
+        directory = self.create_tempdir().full_path
+        lower = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: setattr(trainer.model.optimizer,
+                                                     "learning_rate", 0.003))
+        trainer = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.Adam(0.01))
+        trainer.fit(_dataset(), epochs=1, steps_per_epoch=STEPS_PER_EPOCH, verbose=False,
+                    callbacks=[lower], checkpointer=towers.Checkpointer(
+                        directory, trainer.model, trainer.optimizer))
+        for given, epochs, expected in ((0.01, 2, 0.003), (0.005, 3, 0.005)):
+            resumed = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.Adam(given))
+            with self.assertLogs("absl", "INFO") as logs:
+                _fit(resumed, epochs, directory)
+            self.assertAllClose(float(resumed.optimizer.learning_rate), expected)
+            changed = [line for line in logs.output if "changed settings" in line]
+            self.assertEqual(bool(changed), given != 0.01)
+        self.assertRegex(changed[0], r"with changed settings: learning_rate 0.01 -> 0.005\.$")
+
     def test_a_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_stay(self):
         directory = self.create_tempdir().full_path
         holder = subprocess.Popen(  # a run's lock, held by a bare process: no TensorFlow
