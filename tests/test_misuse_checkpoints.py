@@ -280,6 +280,21 @@ class FolderTest(_Refusals, parameterized.TestCase):
         for want, got in zip(with_index.model.weights, resumed.model.weights):
             self.assertAllClose(want, got, atol=1e-6, msg=got.path)
 
+    def test_command_line_without_an_index_keeps_the_folders_model(self):
+        # The case: with the index gone, --model=cnn was accepted into an mlp's
+        # folder and model_spec.json rewritten.
+        directory = self.create_tempdir().full_path
+        quick = dict(num_towers=2, global_batch_size=64, steps=3, checkpoint_dir=directory)
+        with flagsaver.flagsaver(**quick, model="mlp"):
+            train.train()
+        os.remove(os.path.join(directory, "checkpoint"))
+        files = _files(directory)
+        with flagsaver.flagsaver(**quick, model="cnn"):
+            with self.assertRaisesRegex(ValueError, r"the checkpoint \S+ckpt-1 does not match "
+                                        "this model: it holds model 'mlp', not 'cnn'"):
+                train.train()
+        self.assertEqual(_files(directory), files)
+
     @parameterized.named_parameters(("index_files", ".index"), ("data_files", ".data"))
     def test_a_folder_of_unreadable_checkpoints_is_refused(self, kind):
         directory = self._written()
