@@ -69,9 +69,7 @@ def given_settings(optimizer, identity):
     restore sets the learning rate and callbacks change it."""
     config = _innermost(optimizer).get_config()
     config.pop("name", None)
-    settings = json.loads(json.dumps(config, default=str))
-    settings.update(identity.settings)
-    return settings
+    return _as_json({**config, **identity.settings})
 
 
 def describe(model, optimizer_class, identity, settings):
@@ -81,7 +79,7 @@ def describe(model, optimizer_class, identity, settings):
                       "variables": [[_unnumbered(v.path), list(v.shape)]
                                     for v in model.weights]},
             "optimizer": optimizer_class,
-            "data_order": dict(identity.data_order),
+            "data_order": _as_json(identity.data_order),
             "settings": settings}
 
 
@@ -170,6 +168,12 @@ def _is_number(value):
 def log_changes(path, changed):
     if changed:
         logging.info("resumed from %s with changed settings: %s.", path, ", ".join(changed))
+
+
+def _as_json(values):
+    """`values` as they read back from JSON (a tuple as a list), so that a record compares
+    equal to itself."""
+    return json.loads(json.dumps(values, default=str))
 
 
 def _innermost(optimizer):
