@@ -280,6 +280,16 @@ class FolderTest(_Refusals, parameterized.TestCase):
         for want, got in zip(with_index.model.weights, resumed.model.weights):
             self.assertAllClose(want, got, atol=1e-6, msg=got.path)
 
+    def test_an_unreadable_run_record_is_refused(self):
+        directory = self._written()
+        with open(os.path.join(directory, "run.json"), "w") as f:
+            f.write('{"model": ')
+        resumed = self._resumed()
+        self._assert_refused(lambda: _fit(resumed, 4, directory),
+                             r"cannot read \S+run.json \(JSONDecodeError: .*\), which records "
+                             "the run that wrote the checkpoints beside it; put it back, or "
+                             "delete the folder", resumed, directory)
+
     def test_command_line_without_an_index_keeps_the_folders_model(self):
         # The case: with the index gone, --model=cnn was accepted into an mlp's
         # folder and model_spec.json rewritten.
