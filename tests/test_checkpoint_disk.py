@@ -87,7 +87,8 @@ class CheckpointDiskTest(tf.test.TestCase):
                          "free space or make the folder writable (or give another checkpoint "
                          "directory), then run again to resume.")
         self.assertEqual(sorted(os.listdir(directory)), [
-            "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"])
+            ".writer.lock", "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index",
+            "run.json"])
         self._assert_restores(directory, 1, weights)
 
     def test_a_folder_turned_read_only_keeps_the_newest_checkpoint(self):

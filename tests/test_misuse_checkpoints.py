@@ -2,9 +2,18 @@
 (in their variables, their tables or the optimizer's class), or a checkpointer bound to
 another model or optimizer than the trainer's, is refused in one line before any step, with the
 weights, the step count and the checkpoint directory as they were; an unbuilt model
-is built before its checkpoint is restored, and resumes as if never stopped."""
+is built before its checkpoint is restored, and resumes as if never stopped. A folder
+belongs to one run and is never silently started again from step 0: an unreadable index or
+none readable checkpoint, another model of the same shapes, another data order or a second
+live writer is refused in one line; a missing index restores the newest checkpoint and a
+changed learning rate is applied, each said in a log line."""
 
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -13,7 +22,9 @@ from absl import flags
 from absl.testing import flagsaver, parameterized
 
 import towers
+from tests.checkpoint_files import checkpoint_values
 from towers.cli import train
+from towers.training import folder_lock
 
 if not flags.FLAGS.is_parsed():  # the command line's test runs train.train() in-process
     flags.FLAGS.mark_as_parsed()
@@ -83,7 +94,7 @@ def _files(directory):
     return files
 
 
-class RefusalTest(tf.test.TestCase):
+class _Refusals(tf.test.TestCase):
 
     def _assert_refused(self, run, message, trainer, directory):
         """`run()` raises a one-line ValueError matching `message`, and leaves the
@@ -98,6 +109,9 @@ class RefusalTest(tf.test.TestCase):
             for want, got in zip(weights, trainer.model.weights):
                 self.assertAllEqual(want, got)
         self.assertEqual(_files(directory), files)
+
+
+class RefusalTest(_Refusals):
 
     def test_checkpoint_of_another_optimizer_class_is_refused(self):
         directory = self.create_tempdir().full_path
@@ -210,6 +224,234 @@ class UnbuiltResumeTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(resumed.model.trainable_variables, 4)
         for want, got in zip(uninterrupted.model.weights, resumed.model.weights):
             self.assertAllClose(want, got, atol=1e-6, rtol=0, msg=got.path)
+
+
+class FolderTest(_Refusals, parameterized.TestCase):
+    """A folder that holds checkpoints is never started again from step 0 without a word
+    (issue 38): an unreadable index or unreadable checkpoints are refused in one line; a
+    missing index beside complete checkpoints restores the newest, with a log line."""
+
+    def _written(self):
+        directory = self.create_tempdir().full_path
+        _fit(_trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1)), 2,
+             directory)  # ckpt-1 (after epoch 1, every_steps unset: the end only) ...
+        _fit(_trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1)), 3,
+             directory)  # ... and ckpt-2
+        return directory
+
+    def _resumed(self):
+        return _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1))
+
+    @parameterized.named_parameters(
+        ("truncated", lambda text: text[:20]), ("garbage", lambda text: "not an index ]]"),
+        ("empty", lambda text: ""))
+    def test_an_unreadable_index_is_refused(self, damage):
+        directory = self._written()
+        index = os.path.join(directory, "checkpoint")
+        with open(index) as f:
+            text = f.read()
+        with open(index, "w") as f:
+            f.write(damage(text))
+        resumed = self._resumed()
+        self._assert_refused(lambda: _fit(resumed, 4, directory),
+                             r"the checkpoint index \S+checkpoint is unreadable .* beside "
+                             r"ckpt-1, ckpt-2; to resume from ckpt-2, write .* or delete the "
+                             "folder or give another checkpoint directory to start over",
+                             resumed, directory)
+
+    def test_a_missing_index_restores_the_newest_checkpoint_and_says_so(self):
+        directory = self._written()
+        indexed = self.create_tempdir().full_path
+        shutil.copytree(directory, indexed, dirs_exist_ok=True)
+        os.remove(os.path.join(directory, "checkpoint"))
+        steps = []
+        resumed = self._resumed()
+        with self.assertLogs("absl", "WARNING") as logs:
+            resumed.fit(_dataset(), epochs=4, steps_per_epoch=STEPS_PER_EPOCH, verbose=False,
+                        checkpointer=towers.Checkpointer(directory, resumed.model,
+                                                         resumed.optimizer),
+                        callbacks=[keras.callbacks.LambdaCallback(
+                            on_train_batch_end=lambda batch, logs: steps.append(batch))])
+        self.assertRegex("\n".join(logs.output), r"has no checkpoint index .*restored "
+                         r"\S+ckpt-2, the newest readable checkpoint file")
+        self.assertLen(steps, STEPS_PER_EPOCH)  # epoch 4 only: 3 were restored
+        self.assertEqual(resumed.step, 4 * STEPS_PER_EPOCH)
+        with_index = _fit(self._resumed(), 4, indexed)
+        for want, got in zip(with_index.model.weights, resumed.model.weights):
+            self.assertAllClose(want, got, atol=1e-6, msg=got.path)
+
+    def test_an_unreadable_run_record_is_refused(self):
+        directory = self._written()
+        with open(os.path.join(directory, "run.json"), "w") as f:
+            f.write('{"model": ')
+        resumed = self._resumed()
+        self._assert_refused(lambda: _fit(resumed, 4, directory),
+                             r"cannot read \S+run.json \(JSONDecodeError: .*\), which records "
+                             "the run that wrote the checkpoints beside it; put it back, or "
+                             "delete the folder", resumed, directory)
+
+    def test_command_line_without_an_index_keeps_the_folders_model(self):
+        # The issue's case: with the index gone, --model=cnn was accepted into an mlp's
+        # folder and model_spec.json rewritten.
+        directory = self.create_tempdir().full_path
+        quick = dict(num_towers=2, global_batch_size=64, steps=3, checkpoint_dir=directory)
+        with flagsaver.flagsaver(**quick, model="mlp"):
+            train.train()
+        os.remove(os.path.join(directory, "checkpoint"))
+        files = _files(directory)
+        with flagsaver.flagsaver(**quick, model="cnn"):
+            with self.assertRaisesRegex(ValueError, r"the checkpoint \S+ckpt-1 does not match "
+                                        "this model: it holds model 'mlp', not 'cnn'"):
+                train.train()
+        self.assertEqual(_files(directory), files)
+
+    @parameterized.named_parameters(("index_files", ".index"), ("data_files", ".data"))
+    def test_a_folder_of_unreadable_checkpoints_is_refused(self, kind):
+        directory = self._written()
+        for name in os.listdir(directory):
+            if name.startswith("ckpt-") and kind in name:
+                with open(os.path.join(directory, name), "r+b") as f:
+                    f.truncate(7)
+        resumed = self._resumed()
+        self._assert_refused(lambda: _fit(resumed, 4, directory),
+                             r"\S+ holds checkpoints \(ckpt-1, ckpt-2\) and none of them is "
+                             r"readable \(ckpt-2: .*\); put back readable files, or delete the "
+                             "folder", resumed, directory)
+
+
+class OneRunTest(_Refusals):
+    """A checkpoint folder belongs to one run (issue 38): another model of the same shapes,
+    another data order or a second live writer is refused in one line; a changed learning
+    rate is applied and said."""
+
+    def test_a_model_of_the_same_shapes_is_refused_on_resume_and_on_save(self):
+        directory = self.create_tempdir().full_path
+        _fit(_trainer(_sequential(keras.layers.Dense(3), name="first"),
+                      keras.optimizers.SGD(0.1)), 1, directory)
+        second = _trainer(_sequential(keras.layers.Dense(3), name="second"),
+                          keras.optimizers.SGD(0.1))
+        message = ("the checkpoints in .* belong to another run: it trained model 'first', and "
+                   "this one is 'second'; delete the folder")
+        self._assert_refused(lambda: _fit(second, 2, directory), message, second, directory)
+        second.model.build((None, 4))
+        second.optimizer.build(second.model.trainable_variables)
+        checkpointer = towers.Checkpointer(directory, second.model, second.optimizer)
+        self._assert_refused(lambda: checkpointer.save(0, 0), message, second, directory)
+
+    def test_command_line_resume_with_another_data_order_is_refused_naming_the_flag(self):
+        directory = self.create_tempdir().full_path
+        quick = dict(model="mlp", num_towers=2, global_batch_size=64, steps=3, seed=0,
+                     checkpoint_dir=directory)
+        with flagsaver.flagsaver(**quick):
+            train.train()
+        files = _files(directory)
+        for flag, value in (("seed", 1), ("global_batch_size", 32)):
+            with flagsaver.flagsaver(**{**quick, flag: value, "steps": 6}):
+                with self.assertRaisesRegex(
+                        ValueError, f"belong to another run: it read its data with "
+                        f"--{flag}={quick[flag]}, and this run with --{flag}={value} .*; "
+                        f"rerun with --{flag}={quick[flag]}, or delete") as caught:
+                    train.train()
+            self.assertNotIn("\n", str(caught.exception))
+            self.assertEqual(_files(directory), files)
+
+    def test_command_line_resume_applies_a_new_learning_rate_and_says_so(self):
+        # The issue's case: --learning_rate=0 on resume, where the checkpoint's rate was
+        # restored and the weights kept moving.
+        directory = self.create_tempdir().full_path
+        quick = dict(model="mlp", num_towers=2, global_batch_size=64, checkpoint_dir=directory)
+        with flagsaver.flagsaver(**quick, steps=3, learning_rate=0.002):
+            train.train()
+        before = checkpoint_values(directory)
+        with flagsaver.flagsaver(**quick, steps=6, learning_rate=0.0):
+            with self.assertLogs("absl", "INFO") as logs:
+                self.assertEqual(train.train()["steps"], 6)
+        changed = [line for line in logs.output if "changed settings" in line]
+        self.assertLen(changed, 1)
+        self.assertRegex(changed[0], r"resumed from \S+ckpt-1 with changed settings: "
+                         r"--learning_rate 0.002 -> 0, --steps 3 -> 6\.$")
+        after = checkpoint_values(directory)
+        rates = [name for name in after if "learning_rate" in name]
+        self.assertLen(rates, 1)
+        self.assertEqual(after[rates[0]], 0.0)
+        for name, value in before.items():  # a rate of 0 moves no weight
+            if "/kernel" in name or "/bias" in name:
+                self.assertAllEqual(value, after[name], msg=name)
+        with open(os.path.join(directory, "run.json")) as f:  # the new run's, all JSON
+            self.assertEqual(json.load(f)["settings"]["steps"], 6)
+        self.assertEqual([name for name in os.listdir(directory) if "tmp" in name], [])
+
+    def test_python_resume_with_another_data_order_is_refused_naming_it(self):
+        directory = self.create_tempdir().full_path
+
+        def fit(seed, epochs):
+            trainer = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1))
+            checkpointer = towers.Checkpointer(
+                directory, trainer.model, trainer.optimizer,
+                run=towers.RunIdentity(data_order={"seed": seed}))
+            trainer.fit(_dataset(), epochs=epochs, steps_per_epoch=STEPS_PER_EPOCH,
+                        checkpointer=checkpointer, verbose=False)
+            return trainer
+
+        fit(0, 1)
+        self.assertEqual(fit(0, 2).step, 2 * STEPS_PER_EPOCH)  # the same order resumes
+        other = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1))
+        self._assert_refused(lambda: fit(1, 3), "it read its data with seed=0, and this run "
+                             "with seed=1 .*; rerun with seed=0, or delete", other, directory)
+        for run, message in ((dict(data_order=[0]), "data_order must be a dict with str keys"),
+                             (dict(settings={"log": print}), "settings must hold JSON values")):
+            with self.assertRaisesRegex(ValueError, message):
+                towers.RunIdentity(**run)
+        with self.assertRaisesRegex(ValueError, "run must be a towers.RunIdentity"):
+            towers.Checkpointer(directory, other.model, other.optimizer, run={"seed": 0})
+
+    def test_a_learning_rate_given_again_stays_as_restored_and_a_new_one_is_applied(self):
+        # A callback lowered the rate; a resume given the rate the run was given keeps the
+        # lowered one the checkpoint holds, a resume given another rate takes it.
+        directory = self.create_tempdir().full_path
+        lower = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: setattr(trainer.model.optimizer,
+                                                     "learning_rate", 0.003))
+        trainer = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.Adam(0.01))
+        trainer.fit(_dataset(), epochs=1, steps_per_epoch=STEPS_PER_EPOCH, verbose=False,
+                    callbacks=[lower], checkpointer=towers.Checkpointer(
+                        directory, trainer.model, trainer.optimizer))
+        for given, epochs, expected in ((0.01, 2, 0.003), (0.005, 3, 0.005)):
+            resumed = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.Adam(given))
+            with self.assertLogs("absl", "INFO") as logs:
+                _fit(resumed, epochs, directory)
+            self.assertAllClose(float(resumed.optimizer.learning_rate), expected)
+            changed = [line for line in logs.output if "changed settings" in line]
+            self.assertEqual(bool(changed), given != 0.01)
+        self.assertRegex(changed[0], r"with changed settings: learning_rate 0.01 -> 0.005\.$")
+
+    def test_a_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_stay(self):
+        directory = self.create_tempdir().full_path
+        holder = subprocess.Popen(  # a run's lock, held by a bare process: no TensorFlow
+            [sys.executable, "-c", _HOLD_LOCK, folder_lock.__file__, directory],
+            stdout=subprocess.PIPE, text=True)
+        self.addCleanup(holder.kill)
+        self.assertEqual(holder.stdout.readline().strip(), "held")
+        trainer = _trainer(_sequential(keras.layers.Dense(3)), keras.optimizers.SGD(0.1))
+        self._assert_refused(
+            lambda: _fit(trainer, 1, directory),
+            rf"another run is writing checkpoints to \S+: a live process holds its lock "
+            rf"\S+{folder_lock.LOCK_FILE} .*; wait for it to end, or give this run another "
+            "checkpoint directory", trainer, directory)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        self.assertEqual(_fit(trainer, 1, directory).step, STEPS_PER_EPOCH)
+
+
+_HOLD_LOCK = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("folder_lock", sys.argv[1])
+folder_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(folder_lock)
+folder_lock.acquire(sys.argv[2])
+print("held", flush=True)
+time.sleep(600)
+"""
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from towers.op_parallel.plan import join_layers, split_layers
 from towers.multi_worker.cluster import Cluster, cluster_from_tf_config
 from towers.multi_worker.cluster import join as join_cluster
 from towers.training.checkpoint import Checkpointer
+from towers.training.run_record import RunIdentity
 from towers.training.trainer import TowerTrainer
 
 # Modules that lived directly in towers/ before the packages: their old paths
@@ -107,6 +108,7 @@ __all__ = [
     "DeviceConfigError",
     "NonFiniteError",
     "Preempted",
+    "RunIdentity",
     "StepOutput",
     "TowerOptions",
     "TowerTrainer",

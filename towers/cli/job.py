@@ -174,7 +174,9 @@ def run(job):
         with tf.device(devices[0]):  # the slots must exist to be restored
             trainer.optimizer.build(trainer.optimized_variables)
         checkpointer = Checkpointer(job.checkpoint_dir, model, trainer.optimizer,
-                                    every_steps=job.checkpoint_every, writer=is_chief)
+                                    every_steps=job.checkpoint_every, writer=is_chief,
+                                    run=_run_identity(job))
+        checkpointer.lock()  # on the chief; before model_spec.json is written
         # Restoring compares the variables and the optimizer's class; this also compares
         # which model it is (a relu and a tanh MLP have the same variables).
         model_spec.claim_checkpoint_dir(job.checkpoint_dir, job.model,
@@ -228,6 +230,18 @@ def run(job):
         with open(job.output_json, "w") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def _run_identity(job):
+    """What the checkpoint folder records of the flags: those that decide which examples
+    each step reads (a resume with others is refused, naming the flag), and those a
+    resume may change (said in one log line; --learning_rate is the optimizer's)."""
+    data_order = {"dataset": None if job.data_npz else job.dataset,
+                  "data_npz": job.data_npz and os.path.abspath(job.data_npz),
+                  "seed": job.seed, "global_batch_size": job.global_batch_size}
+    settings = {name: getattr(job, name) for name in (
+        "epochs", "steps", "num_towers", "checkpoint_every", "log_dir", "output_json")}
+    return towers.RunIdentity(data_order=data_order, settings=settings, flag_prefix="--")
 
 
 def _split(job, model, part_devices):

@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from towers.cli import models
+from towers.training import checkpoint_folder
 
 KERAS_SUFFIX = ".keras"
 FORMS = (f"a built-in model ({'|'.join(models.MODELS)}), PACKAGE.MODULE:FUNCTION (your "
@@ -222,7 +223,9 @@ def claim_checkpoint_dir(directory, spec, writer=True):
     """
     name = os.path.abspath(os.path.expanduser(spec)) if form_of(spec) == "file" else spec
     record = os.path.join(directory, RECORD_FILE)
+    # A folder without an index may still hold checkpoints (checkpoint_folder).
     newest = tf.train.latest_checkpoint(directory) if os.path.isdir(directory) else None
+    newest = newest or next(reversed(checkpoint_folder.unindexed(directory)), None)
     if newest is None:
         if writer:
             try:

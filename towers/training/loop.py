@@ -95,7 +95,8 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
       checkpointer: a towers.Checkpointer of the trainer's model and optimizer
         (another is refused before any step); the run first resumes from its
         newest checkpoint (building an unbuilt model on the first batch first),
-        saves as it goes and once at the end.
+        saves as it goes and once at the end; the chief first takes its folder's
+        lock (Checkpointer.lock: another live writer is refused before any step).
       log_dir: where TensorBoard summaries go (None = none).
       With a cluster only the chief saves checkpoints and writes summaries;
       every worker restores. A worker whose data ends before the others' takes
@@ -135,6 +136,8 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
         resume.check_binding(trainer, checkpointer)
     chief = trainer.cluster is None or trainer.cluster.is_chief
     saver = checkpointer if chief else None
+    if saver is not None:  # one live writer per folder: a second run refused before any step
+        saver.lock()
     summaries = _Summaries(log_dir if chief else None)  # a log_dir refused before any work
     epoch, skip = initial_epoch, 0
     if checkpointer is not None:
