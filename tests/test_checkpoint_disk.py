@@ -3,6 +3,7 @@ folder turned read-only. fit stops with towers.CheckpointWriteError, one line; t
 complete checkpoint is kept and restores the weights it saved; nothing unfinished is left.
 Each test mounts a tmpfs of its own (root, as CI runs), and is skipped where it cannot."""
 
+import gc
 import os
 import subprocess
 import tempfile
@@ -27,6 +28,9 @@ def _mounted(test, size=DISK):
     if mount.returncode:
         test.skipTest(f"cannot mount a small disk here: {mount.stderr.strip()}")
     test.addCleanup(subprocess.run, ["umount", folder], check=True)
+    # First (cleanups run last to first): the run's Checkpointer, which a refused fit's
+    # traceback keeps in a cycle, let go of its folder's lock file.
+    test.addCleanup(gc.collect)
     return folder
 
 

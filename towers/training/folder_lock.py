@@ -42,7 +42,10 @@ def acquire(directory, owner=None):
     if key not in _held:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_FILE)
-        lock = open(path, "a")  # noqa: SIM115 -- held open for the run's life
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+        # Held open for the run's life, for reading: flock needs no more, and a file open
+        # for writing would keep its disk from being remounted read-only or unmounted.
+        lock = open(path)  # noqa: SIM115
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError: held by a live process
