@@ -2,14 +2,17 @@
 
 The rules, each a plan entry split_layers already computes exactly:
 - the token embedding (an Embedding named token_embedding, else the one with the most
-  rows) by "vocab": a tied ReversibleEmbedding serves the look-up and the LM head;
+  rows, position embeddings left out: ViT has none) by "vocab": a tied
+  ReversibleEmbedding serves the look-up and the LM head;
 - an attention layer by "heads" where HeadsAttention splits its class (Keras's
   MultiHeadAttention and the subclasses whose call it keeps, keras_hub's
   CachedMultiHeadAttention) or grouped.py does (keras_hub's grouped-query attention:
   Mistral's, Llama's, Qwen's, Phi-3's, Gemma's, by key/value groups); another attention
   class (Qwen3's, Gemma3's, ...) has its query, key and value projections split by
   "column" along their heads letter and its output projection by "row" along it, its own
-  attention core running on the joined heads; without those four projections it stays whole;
+  attention core running on the joined heads (Bloom's, Falcon's, T5's, Whisper's, DeBERTa's:
+  a block whose class says attention but holds one, DeBERTa's encoder layer, is a block);
+  without those four projections it stays whole;
 - each feed-forward pair inside a transformer block (a parent holding an attention
   layer, or its child): the layers widening the width D to F ("column"; a gate too),
   then the one narrowing F back to D ("row");
@@ -34,11 +37,11 @@ from towers.op_parallel.dense import equation_of, split_axes, split_kind
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
 # An attention layer's own projections, by the names keras_hub and Keras give them.
-_PROJECTIONS = {"query": ("query", "q", "q_proj", "query_dense"),
-                "key": ("key", "k", "k_proj", "key_dense"),
-                "value": ("value", "v", "v_proj", "value_dense"),
+_PROJECTIONS = {"query": ("query", "q", "q_proj", "query_dense", "query_projector"),
+                "key": ("key", "k", "k_proj", "key_dense", "key_projector"),
+                "value": ("value", "v", "v_proj", "value_dense", "value_projector"),
                 "output": ("attention_output", "output", "o", "o_proj", "out_proj",
-                           "output_dense")}
+                           "output_dense", "output_projector")}
 
 Entry = collections.namedtuple("Entry", ["path", "layer", "how", "rule"])
 Entry.__doc__ = """One layer of the auto plan: its path, the layer, how it is split, and
@@ -112,7 +115,7 @@ def _token_embedding(layers, checker):
     """([its entry, if it splits], the vocabulary size: its rows; None: no token
     embedding found)."""
     embeddings = [(path, layer) for path, layer, _ in layers
-                  if isinstance(layer, keras.layers.Embedding)]
+                  if isinstance(layer, keras.layers.Embedding) and "position" not in layer.name]
     named = [(p, layer) for p, layer in embeddings if layer.name == "token_embedding"]
     if not named and embeddings:
         most = max(layer.input_dim for _, layer in embeddings)
@@ -142,10 +145,10 @@ def _attention(layers, checker):
                 continue
             checker.whole.append(f"{path!r} is not split by heads ({refused}); its "
                                  "projections are split where they can be.")
-        elif "attention" not in type(layer).__name__.lower() or any(
-                isinstance(sub, keras.layers.MultiHeadAttention)
+        elif not _says_attention(layer) or any(
+                isinstance(sub, keras.layers.MultiHeadAttention) or _says_attention(sub)
                 for _, sub, _ in layer_paths.walk(layer)):
-            continue  # not an attention layer, or a block holding one
+            continue  # not an attention layer, or a block holding one (DeBERTa's encoder)
         elif grouped.splits(layer):  # grouped-query attention split by key/value groups
             done.append(path)
             refused = checker.refusal(path, layer, "heads")
@@ -160,6 +163,10 @@ def _attention(layers, checker):
         done.append(path)
         entries += _projections(path, layer, checker)
     return entries, done
+
+
+def _says_attention(layer):
+    return "attention" in type(layer).__name__.lower()
 
 
 def _projections(path, layer, checker):
@@ -204,10 +211,14 @@ def _heads_split(layer, kind):
 def _units(layer, how):
     """The number of units a split `how` of a Dense or EinsumDense divides (0: none)."""
     try:
-        axes = split_axes(*equation_of(layer), *split_kind(how))
+        return int(layer.kernel.shape[_kernel_axis(layer, how)])
     except ValueError:
         return 0
-    return int(layer.kernel.shape[axes.kernel_axis])
+
+
+def _kernel_axis(layer, how):
+    """The kernel axis a split `how` of a Dense or EinsumDense divides."""
+    return split_axes(*equation_of(layer), *split_kind(how)).kernel_axis
 
 
 def _feedforward(layers, attention_paths, checker):
