@@ -3,7 +3,11 @@
 hand (the token embedding by vocab; attention by heads where towers splits its class,
 else its query, key and value projections by column along their heads and its output
 projection by row; each feed-forward column then row); a representative few are split
-and one step on 1 tower x 2 parts equals Keras's on one device."""
+and one step on 1 tower x 2 parts equals Keras's on one device. For the backbones that
+define get_layout_map (Llama, Qwen, Gemma, Qwen-MoE), "auto" splits every weight as that
+map shards it."""
+
+from unittest import mock
 
 import keras
 import numpy as np
@@ -12,7 +16,10 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
-from tests import test_auto_plan as auto_test, test_hub_models as hub
+from tests import test_auto_plan as auto_test, test_gqa_heads as gqa
+from tests import test_hub_layouts as layouts_test, test_hub_models as hub
+from towers.op_parallel import layouts
+from towers.op_parallel.plan import _layout
 
 keras_hub = pytest.importorskip("keras_hub")  # the [hub] extra (scripts/test installs it)
 
@@ -173,6 +180,64 @@ class FamiliesTest(auto_test.SplitsAsKeras, tf.test.TestCase, parameterized.Test
             x = _encoder_decoder_inputs(name)
             parted = towers.split_layers(model, "auto", PARTS)
             self.assertAllClose(parted(x), model(x), atol=TOLERANCE, rtol=0)
+
+
+def _weight_splits(model, plan):
+    """{weight path: (the axis it is split along, its parts' shapes)} of `model` split
+    by `plan` (None: whole)."""
+    parted = towers.split_layers(model, plan, PARTS)
+    return {weight.path: (axis, [tuple(v.shape) for v in variables] if axis is not None
+                          else None)
+            for weight, (axis, variables) in zip(model.weights, _layout(parted), strict=True)}
+
+
+def _qwen_moe(seed=0):
+    """QwenMoeBackbone: 1 layer of 4 query heads (2 key/value heads), 4 experts of 8 and a
+    shared one of 32, width 16."""
+    keras.utils.set_random_seed(seed)
+    return models.QwenMoeBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=32, num_experts=4, top_k=2)
+
+
+class FollowsLayoutMapTest(tf.test.TestCase, parameterized.TestCase):
+    """Each weight the backbone's get_layout_map shards is split by "auto" along the same
+    axis into the same parts, and each weight it leaves whole stays whole."""
+
+    @parameterized.named_parameters(
+        ("llama", layouts_test._llama, "row"),  # its query, key and value along the width
+        ("qwen", gqa._qwen, "row"),
+        ("qwen_moe", _qwen_moe, "row"),
+        ("gemma", layouts_test._gemma, "heads"))  # Gemma's split them by heads: kept
+    def test_auto_splits_each_weight_as_the_layout_map(self, build, attention):
+        model = build()
+        backbone = getattr(model, "backbone", model)
+        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
+        by_map = layouts.plan_of(model, backbone.get_layout_map(mesh), 2)
+        with self.assertLogs("absl", "INFO") as logged:
+            plan = towers.auto_plan(model, num_parts=2)
+        self.assertIn(f"plan='auto': follows {type(backbone).__name__}.get_layout_map: ",
+                      "\n".join(r.getMessage() for r in logged.records))
+        self.assertIn(attention, {how for key, how in plan.items() if "attention" in key})
+        self.assertEqual(_weight_splits(model, plan), _weight_splits(model, by_map))
+
+    def test_a_map_that_is_no_exact_plan_is_not_followed_said_in_one_line(self):
+        def bias_alone(device_mesh, **_):
+            layout_map = keras.distribution.LayoutMap(device_mesh)
+            layout_map[".*feedforward_output_dense/bias"] = ("model",)  # no form splits it alone
+            return layout_map
+
+        gpt2 = hub._gpt2()
+        with mock.patch.object(type(gpt2), "get_layout_map", staticmethod(bias_alone),
+                               create=True):
+            with self.assertLogs("absl", "INFO") as logged:
+                plan = towers.auto_plan(gpt2, num_parts=2)
+        said = [r.getMessage() for r in logged.records if "not followed" in r.getMessage()]
+        self.assertLen(said, 1)
+        self.assertRegex(said[0], r"^plan='auto': the layout map is not followed: the layout "
+                                  r"map shards .*feedforward_output_dense/bias")
+        self.assertEqual(plan["transformer_layer_*/self_attention"], "heads")  # the rules'
 
 
 if __name__ == "__main__":

@@ -80,6 +80,31 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
     return plan
 
 
+def of_backbone(model, num_parts, model_axis="model"):
+    """(the layer of `model` (or model itself) whose class defines get_layout_map, as
+    keras_hub's Llama, Gemma, Qwen and Qwen-MoE backbones do, plan_of its map over a
+    (1, num_parts) mesh of axes ("batch", model_axis)), or None where none does.
+
+    Raises:
+      ValueError: one line: the map cannot be read as a plan (plan_of's), or
+        get_layout_map refused the mesh.
+    """
+    for layer in [model] + [layer for _, layer, _ in layer_paths.walk(model)]:
+        if callable(getattr(type(layer), "get_layout_map", None)):
+            break
+    else:
+        return None
+    # The devices are names only: the map is read, never used to place anything.
+    mesh = keras.distribution.DeviceMesh((1, num_parts), ["batch", model_axis],
+                                         devices=[f"cpu:{j}" for j in range(num_parts)])
+    try:
+        layout_map = layer.get_layout_map(mesh, model_parallel_dim_name=model_axis)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{type(layer).__name__}.get_layout_map(mesh) refused a (1, "
+                         f"{num_parts}) mesh: {str(error).splitlines()[0]}") from None
+    return layer, plan_of(model, layout_map, num_parts, model_axis)
+
+
 def _axes(layout_map, variable):
     """The variable's layout as a tuple of mesh axis names (None: not sharded), or ()."""
     try:
