@@ -25,7 +25,7 @@ from towers import layer_paths
 from towers.op_parallel.dense import equation_of, kind_of_kernel_axis, split_axes, split_kind
 
 
-def plan_of(model, layout_map, num_parts, model_axis="model"):
+def plan_of(model, layout_map, num_parts, model_axis="model", *, say_other_axes=True):
     """{layer path: kind}, split_layers' plan, of `layout_map` for `model`.
 
     Args:
@@ -33,6 +33,8 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
       layout_map: a keras.distribution.LayoutMap.
       num_parts: the number of devices split_layers was given.
       model_axis: the mesh axis whose devices are the parts.
+      say_other_axes: log that weights sharded along other axes stay whole (not where
+        plan="auto" reads a backbone's map, whose data axis it chose itself).
 
     Raises:
       ValueError: one line: a mesh without `model_axis`, or of another size along it
@@ -74,7 +76,7 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
     if not plan:
         raise ValueError(f"the layout map shards no weight of model {model.name!r} along "
                          f"{model_axis!r}: nothing to split.")
-    if other_axes:
+    if other_axes and say_other_axes:
         logging.info("split_layers: weights sharded along %s stay whole on their part's "
                      "device; towers splits the batch itself.", sorted(other_axes))
     return plan
@@ -102,7 +104,7 @@ def of_backbone(model, num_parts, model_axis="model"):
     except (TypeError, ValueError) as error:
         raise ValueError(f"{type(layer).__name__}.get_layout_map(mesh) refused a (1, "
                          f"{num_parts}) mesh: {str(error).splitlines()[0]}") from None
-    return layer, plan_of(model, layout_map, num_parts, model_axis)
+    return layer, plan_of(model, layout_map, num_parts, model_axis, say_other_axes=False)
 
 
 def _axes(layout_map, variable):
