@@ -204,7 +204,11 @@ class FollowsLayoutMapTest(tf.test.TestCase, parameterized.TestCase):
         ("llama", layouts_test._llama, "row"),  # its query, key and value along the width
         ("qwen", gqa._qwen, "row"),
         ("qwen_moe", _qwen_moe, "row"),
-        ("gemma", layouts_test._gemma, "heads"))  # Gemma's split them by heads: kept
+        ("gemma", layouts_test._gemma, "heads"),  # Gemma's split them by heads: kept
+        # 6 query heads over 3 key/value heads: the map splits the query heads 3 + 3,
+        # "heads" whole groups, 4 + 2: the map's projections instead.
+        ("gemma_uneven", lambda: layouts_test._gemma(num_query_heads=6, num_key_value_heads=3),
+         "column:n"))
     def test_auto_splits_each_weight_as_the_layout_map(self, build, attention):
         model = build()
         backbone = getattr(model, "backbone", model)
