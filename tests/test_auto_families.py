@@ -55,6 +55,7 @@ BUILDS = {
     "falcon": _built(lambda: models.FalconBackbone(
         num_attention_heads=2, **{k: v for k, v in TINY.items() if k != "num_heads"})),
     "t5": _built(lambda: models.T5Backbone(**TINY, dropout=0.0)),
+    "phi3": gqa._phi3,  # Phi3CausalLM, 1 layer
     "whisper": _built(lambda: models.WhisperBackbone(
         **TINY, num_mels=8, max_encoder_sequence_length=8,
         max_decoder_sequence_length=hub.SEQUENCE)),
@@ -121,6 +122,10 @@ HAND_PLANS = {
                           gate="gate_projector"),
            **_feedforward("transformer_decoder_layer_*", "input_projector", "output_projector",
                           gate="gate_projector")},
+    # Its untied reverse table split by vocab with the table; grouped-query heads.
+    "phi3": {"{}/token_embedding": "vocab", "{}/transformer_layer_0/attention": "heads",
+             **_feedforward("{}/transformer_layer_0", "feedforward_intermediate_dense",
+                            "feedforward_output_dense", gate="feedforward_gate_dense")},
     "whisper": {"decoder_token_and_position_embedding/token_embedding": "vocab",
                 **_projections("transformer_encoder_layer_*/self_attention_layer",
                                query="column:d", output="row:c"),
@@ -170,7 +175,9 @@ class FamiliesTest(auto_test.SplitsAsKeras, tf.test.TestCase, parameterized.Test
                                              loss="mse")
             return
         model = BUILDS[name]()
-        self.assertEqual(towers.auto_plan(model, num_parts=2), HAND_PLANS[name])
+        backbone = getattr(model, "backbone", model)  # a task model's keys start with its name
+        self.assertEqual(towers.auto_plan(model, num_parts=2),
+                         {key.format(backbone.name): how for key, how in HAND_PLANS[name].items()})
         if name in ("vit", "t5", "whisper"):  # no token embedding, encoder-decoders: outputs
             x = _inputs(name)
             parted = towers.split_layers(model, "auto", PARTS)
