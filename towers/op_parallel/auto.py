@@ -18,12 +18,8 @@ The rules, each a plan entry split_layers already computes exactly:
   then the one narrowing F back to D ("row");
 - an untied LM head (a Dense or EinsumDense whose output units are the vocabulary) by
   "column".
-Where the model's backbone defines get_layout_map (keras_hub's Llama, Qwen, Qwen-MoE,
-Qwen3-MoE, Gemma), each weight that map shards is split as it shards it (layouts.plan_of):
-its entry replaces the rules' for each layer it splits, except an attention layer split
-by "heads" that splits the same weights along the same axes into the same parts (Gemma's);
-so Llama's and Qwen's query, key and value are split along the width ("row"), their core
-on the joined heads, as their maps ask. Logged on one line.
+Where the model's backbone defines get_layout_map (Llama's, Qwen's, Gemma's, ...), each
+weight that map shards is split as it shards it (auto_layouts.py).
 A layer with fewer units than parts, or that split_layers would refuse (a subclass with
 its own call, LoRA, a constraint across the split), stays whole. Paths that differ only in
 keras_hub's numbering ("transformer_layer_0", "_1") become one key with a wildcard
@@ -38,13 +34,12 @@ import keras
 from absl import logging
 
 from towers import layer_paths
-from towers.op_parallel import grouped, layouts, paths, plan as plan_lib
+from towers.op_parallel import grouped, paths, plan as plan_lib
 from towers.op_parallel.dense import equation_of, split_axes, split_kind
-from towers.op_parallel.layers import part_sizes
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
 # An attention layer's own projections, by the names keras_hub and Keras give them.
-_PROJECTIONS = {"query": ("query", "q", "q_proj", "query_dense", "query_projector"),
+PROJECTIONS = {"query": ("query", "q", "q_proj", "query_dense", "query_projector"),
                 "key": ("key", "k", "k_proj", "key_dense", "key_projector"),
                 "value": ("value", "v", "v_proj", "value_dense", "value_projector"),
                 "output": ("attention_output", "output", "o", "o_proj", "out_proj",
@@ -78,7 +73,8 @@ def auto_plan(model, num_parts=None):
     entries += _feedforward(layers, attention_paths, checker)
     entries += _lm_head(layers, vocabulary, [e.path for e in entries] + attention_paths,
                         checker)
-    entries, followed = _layout_map(model, layers, entries, num_parts, checker)
+    from towers.op_parallel import auto_layouts  # it builds on this module's rules
+    entries, followed = auto_layouts.follow(model, layers, entries, num_parts, checker)
     if not entries:
         raise ValueError(f"plan='auto' finds nothing to split in model {model.name!r}: no token "
                          "Embedding, attention layer, feed-forward pair or LM head it splits "
@@ -185,7 +181,7 @@ def _projections(path, layer, checker):
     found = {}
     for sub_path, sublayer, _ in layer_paths.walk(layer):
         if "/" not in sub_path and isinstance(sublayer, _DENSE):
-            for role, names in _PROJECTIONS.items():
+            for role, names in PROJECTIONS.items():
                 if sublayer.name in names:
                     found.setdefault(role, sublayer)
     if len(found) < 4:
@@ -197,7 +193,7 @@ def _projections(path, layer, checker):
     for role, sublayer in found.items():
         kind = "row" if role == "output" else "column"
         sub = f"{path}/{sublayer.name}"
-        how = _heads_split(sublayer, kind)
+        how = heads_split(sublayer, kind)
         if checker.fits(sub, sublayer, how):
             entries.append(Entry(sub, sublayer, how, f"{type(layer).__name__}'s {role} "
                                  "projection by heads (its attention core runs on the "
@@ -205,7 +201,7 @@ def _projections(path, layer, checker):
     return entries
 
 
-def _heads_split(layer, kind):
+def heads_split(layer, kind):
     """A column (row) split along the heads letter of a projection's equation: the first
     of its output-only (contracted) letters ("bqm,muh->bquh": "column:u"); a Dense's
     plain kind."""
@@ -221,12 +217,12 @@ def _heads_split(layer, kind):
 def _units(layer, how):
     """The number of units a split `how` of a Dense or EinsumDense divides (0: none)."""
     try:
-        return int(layer.kernel.shape[_kernel_axis(layer, how)])
+        return int(layer.kernel.shape[kernel_axis(layer, how)])
     except ValueError:
         return 0
 
 
-def _kernel_axis(layer, how):
+def kernel_axis(layer, how):
     """The kernel axis a split `how` of a Dense or EinsumDense divides."""
     return split_axes(*equation_of(layer), *split_kind(how)).kernel_axis
 
@@ -275,78 +271,6 @@ def _lm_head(layers, vocabulary, taken, checker):
              and _units(layer, "column") == vocabulary]
     return [Entry(path, layer, "column", "the LM head by vocabulary columns")
             for path, layer in heads if checker.fits(path, layer, "column")]
-
-
-def _layout_map(model, layers, entries, num_parts, checker):
-    """(entries, with the weights that a get_layout_map of the model's backbone shards
-    split as it shards them, a line for the log; None where no layer defines one).
-
-    The map's entry (layouts.of_backbone: its plan over num_parts, None: 2) replaces
-    the rules' for each layer it splits; an attention layer the rules split by "heads"
-    stays so where that splits each projection the map splits along the same kernel
-    axis into the same parts (Gemma's: its core then runs in parts too), else its
-    projections are split as the map splits them (Llama's and Qwen's query, key and
-    value along the width, "row"). A map that is no exact plan is not followed.
-    """
-    try:
-        found = layouts.of_backbone(model, num_parts or 2)
-    except ValueError as error:
-        return entries, f"the layout map is not followed: {paths.first_line(error)}"
-    if found is None:
-        return entries, None
-    owner, mapped = found
-    name = f"{type(owner).__name__}.get_layout_map"
-    by_path = {path: layer for path, layer, _ in layers}
-    kept, heads = [], 0
-    for entry in entries:
-        inside = {p: how for p, how in mapped.items() if p.startswith(entry.path + "/")}
-        if entry.path in mapped or (inside and not _splits_alike(entry, inside, by_path,
-                                                                  num_parts or 2)):
-            continue  # the map's entries take its place
-        if inside:
-            heads += 1
-            for path in inside:
-                del mapped[path]
-            entry = entry._replace(rule=f"{entry.rule}, its projections' weights as {name} "
-                                   "splits them")
-        kept.append(entry)
-    added = [Entry(path, by_path[path], how, f"as {name} shards its weights")
-             for path, how in mapped.items() if checker.fits(path, by_path[path], how)]
-    checker.whole = [line for line in checker.whole  # the rules' "stays whole", now split
-                     if not any(_about(line, e.path) for e in added)]
-    kept += added
-    order = {path: i for i, (path, _, _) in enumerate(layers)}
-    said = (f"follows {name}: {len(added)} layers split as it shards their weights"
-            + (f", {heads} attention layers by heads, which splits their weights as it "
-               "does" if heads else "") + ".")
-    return sorted(kept, key=lambda e: order[e.path]), said
-
-
-def _splits_alike(entry, mapped, by_path, num_parts):
-    """Whether entry's "heads" splits each projection of its attention layer that
-    `mapped` ({path: how}) splits along the same kernel axis into the same parts,
-    `mapped` holding its four projections only."""
-    if entry.how != "heads" or len(mapped) != 4:
-        return False
-    layer = entry.layer
-    heads = grouped.key_value_heads(layer) if grouped.splits(layer) else layer.num_heads
-    for path, how in mapped.items():
-        sub = by_path[path]
-        role = next((r for r, names in _PROJECTIONS.items() if sub.name in names), None)
-        if role is None or _parent(path) != entry.path:
-            return False
-        axis = _kernel_axis(sub, _heads_split(sub, "row" if role == "output" else "column"))
-        units = int(sub.kernel.shape[axis])  # key/value heads, or query heads: whole groups
-        sizes = [units // heads * size for size in part_sizes(heads, num_parts)]
-        if (axis, sizes) != (_kernel_axis(sub, how), part_sizes(units, num_parts)):
-            return False
-    return True
-
-
-def _about(line, path):
-    """Whether a log line of _Checker's names `path` or a layer holding it."""
-    named = re.match(r"'([^']*)'", line)
-    return bool(named) and (path == named[1] or path.startswith(named[1] + "/"))
 
 
 def _parent(path):
