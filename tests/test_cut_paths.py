@@ -1,7 +1,8 @@
 """Pipeline cuts by layer path: a cut inside a nested functional model (a keras_hub task
 model's backbone) cuts the model there, with the same layers and weights, and trains as
 Keras on one device; a layer called in two stages (GPT-2's tied token embedding and LM
-head) keeps its weights with the first, and trains as Keras too."""
+head, ALBERT's one transformer layer called once per layer) keeps its weights with the
+first, and trains as Keras too."""
 
 import keras
 import numpy as np
@@ -47,6 +48,17 @@ def _batches(rows=(8, 6), seed=0):
         x = {key: value.astype("int32") for key, value in x.items()}
         batches.append((x, rng.integers(0, CLASSES, n).astype("int32")))
     return batches
+
+
+def _albert_classifier(seed=0):
+    """AlbertTextClassifier on an AlbertBackbone of 2 layers sharing one transformer layer
+    (num_groups=1), 2 heads, width 8 over embeddings of 4: the inputs of _classifier."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.AlbertBackbone(
+        vocabulary_size=VOCABULARY, num_layers=2, num_heads=2, embedding_dim=4, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=SEQUENCE)
+    return keras_hub.models.AlbertTextClassifier(backbone, CLASSES, preprocessor=None,
+                                                 dropout=0.0)
 
 
 def _device(variable):
@@ -217,6 +229,30 @@ class SharedAcrossStagesTest(tf.test.TestCase):
         for batch in batches:
             trainer.train_step(batch)
         for want, got in zip(expected.get_weights(), lm.get_weights(), strict=True):
+            self.assertAllClose(want, got, atol=TOLERANCE, rtol=0)
+
+    def test_albert_s_shared_layer_in_both_stages_trains_as_keras(self):
+        # A cut after a layer called twice cuts after its first call: ALBERT's one
+        # transformer layer runs in stage 0, then again in stage 1, reading its weights
+        # from stage 0, where its gradients from both calls meet. Measured 3.7e-9.
+        cut = "albert_backbone*/group_0_inner_layer_0"
+        batches = _batches()
+        expected = _albert_classifier()
+        expected.compile(keras.optimizers.Adam(1e-3), _loss())
+        for x, y in batches:
+            expected.train_on_batch(x, y)
+        model = _albert_classifier()
+        trainer = towers.TowerTrainer(model, _loss(), keras.optimizers.Adam(1e-3), devices=GRID,
+                                      pipeline_cuts=[cut], micro_batches=2)
+        stages = trainer.setup.stages
+        shared = [id(v) for v in model.backbone.get_layer("group_0_inner_layer_0").weights]
+        for k in range(2):  # both stages call it; its weights are stage 0's
+            self.assertContainsSubset(shared, [id(v) for v in stages.models[k].weights])
+        self.assertContainsSubset(shared, [id(v) for v in stages.variables(0)])
+        self.assertNoCommonElements(shared, [id(v) for v in stages.variables(1)])
+        for batch in batches:
+            trainer.train_step(batch)
+        for want, got in zip(expected.get_weights(), model.get_weights(), strict=True):
             self.assertAllClose(want, got, atol=TOLERANCE, rtol=0)
 
     def test_state_or_a_regularizer_in_two_stages_is_refused(self):

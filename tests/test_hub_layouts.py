@@ -29,12 +29,14 @@ def _llama(seed=0):
         hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
-def _gemma(seed=0):
-    """GemmaCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
+def _gemma(seed=0, num_query_heads=4, num_key_value_heads=2):
+    """GemmaCausalLM: 1 layer of 4 query heads (2 key/value heads; or as given) of 4,
+    width 16."""
     keras.utils.set_random_seed(seed)
     return keras_hub.models.GemmaCausalLM(keras_hub.models.GemmaBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, head_dim=4), preprocessor=None)
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=num_query_heads,
+        num_key_value_heads=num_key_value_heads, hidden_dim=hub.WIDTH, intermediate_dim=32,
+        head_dim=4), preprocessor=None)
 
 
 def _layout_map(lm):

@@ -35,7 +35,7 @@ from towers.compat.keras_hub_layers import (  # noqa: F401
     rebuild_for_head_dim, kernel_initializer_of,
 )
 from towers.compat.keras_graphs import (  # noqa: F401
-    functional_graph, nodes_by_depth, runs_its_graph, run_graph,
+    functional_graph, model_between, nodes_by_depth, runs_its_graph, run_graph,
 )
 from towers.compat.keras_data import (  # noqa: F401
     can_batch_arrays, array_batches, train_validation_split,

@@ -53,3 +53,34 @@ def run_graph(model, inputs, operation_fn):
     """
     return model._run_through_graph(model._standardize_inputs(inputs),
                                     operation_fn=operation_fn)
+
+
+def model_between(inputs, outputs, name):
+    """keras.Model(inputs, outputs, name=name) for `inputs` that may be intermediate
+    tensors of a functional graph (a pipeline stage after the first).
+
+    Keras makes each intermediate input a new Input and maps every call of the layer that
+    produced it to that Input (functional.clone_graph_nodes keys the map by layer, not by
+    call), so a layer called again after the cut that its output crosses (ALBERT's shared
+    transformer layer, called in two stages) would drop out of the stage. There the graph
+    between them is called anew on new Inputs: the same layers (no copies), each call
+    node called again, in the order Keras walks them.
+
+    Public alternative: keras.Model(inputs, outputs), once Keras keys that map by call.
+    """
+    flat = keras.tree.flatten(inputs)
+    given = {id(t) for t in flat}
+    nodes = [node for node in functional.find_nodes_by_inputs_and_outputs(inputs, outputs)
+             if not node.is_input and not any(id(t) in given for t in node.outputs)]
+    made = {id(t._keras_history.operation) for t in flat
+            if not functional.is_input_keras_tensor(t)}
+    if not any(id(node.operation) in made for node in nodes):
+        return keras.Model(inputs, outputs, name=name)
+    tensors = {id(t): keras.Input(batch_shape=t.shape, dtype=t.dtype, sparse=t.sparse,
+                                  name=f"{name}_input_{i}") for i, t in enumerate(flat)}
+    for node in nodes:  # Keras's order: each after the calls it reads
+        args, kwargs = node.arguments.fill_in(tensors)
+        called = keras.tree.flatten(node.operation(*args, **kwargs))
+        tensors.update((id(before), after) for before, after in zip(node.outputs, called))
+    return keras.Model(keras.tree.pack_sequence_as(inputs, [tensors[id(t)] for t in flat]),
+                       keras.tree.map_structure(lambda t: tensors[id(t)], outputs), name=name)

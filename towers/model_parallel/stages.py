@@ -90,7 +90,7 @@ def split_model(model, cuts):
 
         outputs = (keras.tree.map_structure(handed_on, graph.output) if k == num_stages - 1
                    else [handed_on(t) for t in crossing[k]])
-        stages.append(keras.Model(inputs, outputs, name=f"{model.name}_stage_{k}"))
+        stages.append(compat.model_between(inputs, outputs, name=f"{model.name}_stage_{k}"))
         inputs = crossing[k] if k < num_stages - 1 else None
     return stages
 

@@ -6,7 +6,8 @@ RowDense), grouped (GroupedHeadsAttention: keras_hub's grouped-query attention
 by key/value groups), plan (`split_layers`, checking a plan and rebuilding a model with its
 layers replaced; `join_layers`, the way back), paths (plan keys as layer paths,
 nested layers replaced inside their parents), layouts (a keras LayoutMap read as a
-plan), auto (plan="auto": Megatron's plan found in a transformer), exactness (what a split would silently change, refused), vocab_loss (a sparse
+plan), auto (plan="auto": Megatron's plan found in a transformer; auto_layouts: following a
+backbone's get_layout_map), exactness (what a split would silently change, refused), vocab_loss (a sparse
 cross-entropy of logits kept in parts: Megatron's vocab-parallel loss), grid (training a
 split model on towers x (stages x) parts: where each part lives and each tower runs
 it), tables (embedding look-ups where the table lives); training/checkpoint_twin.py

@@ -2,19 +2,24 @@
 
 The rules, each a plan entry split_layers already computes exactly:
 - the token embedding (an Embedding named token_embedding, else the one with the most
-  rows) by "vocab": a tied ReversibleEmbedding serves the look-up and the LM head;
+  rows, position embeddings left out: ViT has none) by "vocab": a tied
+  ReversibleEmbedding serves the look-up and the LM head;
 - an attention layer by "heads" where HeadsAttention splits its class (Keras's
   MultiHeadAttention and the subclasses whose call it keeps, keras_hub's
   CachedMultiHeadAttention) or grouped.py does (keras_hub's grouped-query attention:
   Mistral's, Llama's, Qwen's, Phi-3's, Gemma's, by key/value groups); another attention
   class (Qwen3's, Gemma3's, ...) has its query, key and value projections split by
   "column" along their heads letter and its output projection by "row" along it, its own
-  attention core running on the joined heads; without those four projections it stays whole;
+  attention core running on the joined heads (Bloom's, Falcon's, T5's, Whisper's, DeBERTa's:
+  a block whose class says attention but holds one, DeBERTa's encoder layer, is a block);
+  without those four projections it stays whole;
 - each feed-forward pair inside a transformer block (a parent holding an attention
   layer, or its child): the layers widening the width D to F ("column"; a gate too),
   then the one narrowing F back to D ("row");
 - an untied LM head (a Dense or EinsumDense whose output units are the vocabulary) by
   "column".
+Where the model's backbone defines get_layout_map (Llama's, Qwen's, Gemma's, ...), each
+weight that map shards is split as it shards it (auto_layouts.py).
 A layer with fewer units than parts, or that split_layers would refuse (a subclass with
 its own call, LoRA, a constraint across the split), stays whole. Paths that differ only in
 keras_hub's numbering ("transformer_layer_0", "_1") become one key with a wildcard
@@ -34,11 +39,11 @@ from towers.op_parallel.dense import equation_of, split_axes, split_kind
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
 # An attention layer's own projections, by the names keras_hub and Keras give them.
-_PROJECTIONS = {"query": ("query", "q", "q_proj", "query_dense"),
-                "key": ("key", "k", "k_proj", "key_dense"),
-                "value": ("value", "v", "v_proj", "value_dense"),
+PROJECTIONS = {"query": ("query", "q", "q_proj", "query_dense", "query_projector"),
+                "key": ("key", "k", "k_proj", "key_dense", "key_projector"),
+                "value": ("value", "v", "v_proj", "value_dense", "value_projector"),
                 "output": ("attention_output", "output", "o", "o_proj", "out_proj",
-                           "output_dense")}
+                           "output_dense", "output_projector")}
 
 Entry = collections.namedtuple("Entry", ["path", "layer", "how", "rule"])
 Entry.__doc__ = """One layer of the auto plan: its path, the layer, how it is split, and
@@ -68,11 +73,15 @@ def auto_plan(model, num_parts=None):
     entries += _feedforward(layers, attention_paths, checker)
     entries += _lm_head(layers, vocabulary, [e.path for e in entries] + attention_paths,
                         checker)
+    from towers.op_parallel import auto_layouts  # it builds on this module's rules
+    entries, followed = auto_layouts.follow(model, layers, entries, num_parts, checker)
     if not entries:
         raise ValueError(f"plan='auto' finds nothing to split in model {model.name!r}: no token "
                          "Embedding, attention layer, feed-forward pair or LM head it splits "
                          f"exactly{checker.said()}; give split_layers a plan of your own.")
     plan = {}
+    if followed:
+        logging.info("plan='auto': %s", followed)
     for key, group in _keys(model, entries):
         plan[key] = group[0].how
         logging.info("plan='auto': %r -> %r: %s (%d layer%s).", key, group[0].how,
@@ -112,7 +121,7 @@ def _token_embedding(layers, checker):
     """([its entry, if it splits], the vocabulary size: its rows; None: no token
     embedding found)."""
     embeddings = [(path, layer) for path, layer, _ in layers
-                  if isinstance(layer, keras.layers.Embedding)]
+                  if isinstance(layer, keras.layers.Embedding) and "position" not in layer.name]
     named = [(p, layer) for p, layer in embeddings if layer.name == "token_embedding"]
     if not named and embeddings:
         most = max(layer.input_dim for _, layer in embeddings)
@@ -142,10 +151,10 @@ def _attention(layers, checker):
                 continue
             checker.whole.append(f"{path!r} is not split by heads ({refused}); its "
                                  "projections are split where they can be.")
-        elif "attention" not in type(layer).__name__.lower() or any(
-                isinstance(sub, keras.layers.MultiHeadAttention)
+        elif not _says_attention(layer) or any(
+                isinstance(sub, keras.layers.MultiHeadAttention) or _says_attention(sub)
                 for _, sub, _ in layer_paths.walk(layer)):
-            continue  # not an attention layer, or a block holding one
+            continue  # not an attention layer, or a block holding one (DeBERTa's encoder)
         elif grouped.splits(layer):  # grouped-query attention split by key/value groups
             done.append(path)
             refused = checker.refusal(path, layer, "heads")
@@ -162,13 +171,17 @@ def _attention(layers, checker):
     return entries, done
 
 
+def _says_attention(layer):
+    return "attention" in type(layer).__name__.lower()
+
+
 def _projections(path, layer, checker):
     """The query, key and value projections by "column" along their heads letter and the
     output projection by "row" along it; none where one of the four is missing."""
     found = {}
     for sub_path, sublayer, _ in layer_paths.walk(layer):
         if "/" not in sub_path and isinstance(sublayer, _DENSE):
-            for role, names in _PROJECTIONS.items():
+            for role, names in PROJECTIONS.items():
                 if sublayer.name in names:
                     found.setdefault(role, sublayer)
     if len(found) < 4:
@@ -180,7 +193,7 @@ def _projections(path, layer, checker):
     for role, sublayer in found.items():
         kind = "row" if role == "output" else "column"
         sub = f"{path}/{sublayer.name}"
-        how = _heads_split(sublayer, kind)
+        how = heads_split(sublayer, kind)
         if checker.fits(sub, sublayer, how):
             entries.append(Entry(sub, sublayer, how, f"{type(layer).__name__}'s {role} "
                                  "projection by heads (its attention core runs on the "
@@ -188,7 +201,7 @@ def _projections(path, layer, checker):
     return entries
 
 
-def _heads_split(layer, kind):
+def heads_split(layer, kind):
     """A column (row) split along the heads letter of a projection's equation: the first
     of its output-only (contracted) letters ("bqm,muh->bquh": "column:u"); a Dense's
     plain kind."""
@@ -204,10 +217,14 @@ def _heads_split(layer, kind):
 def _units(layer, how):
     """The number of units a split `how` of a Dense or EinsumDense divides (0: none)."""
     try:
-        axes = split_axes(*equation_of(layer), *split_kind(how))
+        return int(layer.kernel.shape[kernel_axis(layer, how)])
     except ValueError:
         return 0
-    return int(layer.kernel.shape[axes.kernel_axis])
+
+
+def kernel_axis(layer, how):
+    """The kernel axis a split `how` of a Dense or EinsumDense divides."""
+    return split_axes(*equation_of(layer), *split_kind(how)).kernel_axis
 
 
 def _feedforward(layers, attention_paths, checker):

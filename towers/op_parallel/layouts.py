@@ -25,7 +25,7 @@ from towers import layer_paths
 from towers.op_parallel.dense import equation_of, kind_of_kernel_axis, split_axes, split_kind
 
 
-def plan_of(model, layout_map, num_parts, model_axis="model"):
+def plan_of(model, layout_map, num_parts, model_axis="model", *, say_other_axes=True):
     """{layer path: kind}, split_layers' plan, of `layout_map` for `model`.
 
     Args:
@@ -33,6 +33,8 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
       layout_map: a keras.distribution.LayoutMap.
       num_parts: the number of devices split_layers was given.
       model_axis: the mesh axis whose devices are the parts.
+      say_other_axes: log that weights sharded along other axes stay whole (not where
+        plan="auto" reads a backbone's map, whose data axis it chose itself).
 
     Raises:
       ValueError: one line: a mesh without `model_axis`, or of another size along it
@@ -74,10 +76,35 @@ def plan_of(model, layout_map, num_parts, model_axis="model"):
     if not plan:
         raise ValueError(f"the layout map shards no weight of model {model.name!r} along "
                          f"{model_axis!r}: nothing to split.")
-    if other_axes:
+    if other_axes and say_other_axes:
         logging.info("split_layers: weights sharded along %s stay whole on their part's "
                      "device; towers splits the batch itself.", sorted(other_axes))
     return plan
+
+
+def of_backbone(model, num_parts, model_axis="model"):
+    """(the layer of `model` (or model itself) whose class defines get_layout_map, as
+    keras_hub's Llama, Gemma, Qwen and Qwen-MoE backbones do, plan_of its map over a
+    (1, num_parts) mesh of axes ("batch", model_axis)), or None where none does.
+
+    Raises:
+      ValueError: one line: the map cannot be read as a plan (plan_of's), or
+        get_layout_map refused the mesh.
+    """
+    for layer in [model] + [layer for _, layer, _ in layer_paths.walk(model)]:
+        if callable(getattr(type(layer), "get_layout_map", None)):
+            break
+    else:
+        return None
+    # The devices are names only: the map is read, never used to place anything.
+    mesh = keras.distribution.DeviceMesh((1, num_parts), ["batch", model_axis],
+                                         devices=[f"cpu:{j}" for j in range(num_parts)])
+    try:
+        layout_map = layer.get_layout_map(mesh, model_parallel_dim_name=model_axis)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{type(layer).__name__}.get_layout_map(mesh) refused a (1, "
+                         f"{num_parts}) mesh: {str(error).splitlines()[0]}") from None
+    return layer, plan_of(model, layout_map, num_parts, model_axis, say_other_axes=False)
 
 
 def _axes(layout_map, variable):
