@@ -11,7 +11,7 @@ import towers
 from tests import reference
 from towers import devices as devices_lib
 from towers.data_parallel import split
-from towers.engine import tower
+from towers.engine import step as step_lib
 from towers.training import prefetch
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -101,14 +101,14 @@ class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
     def test_fit_reads_each_shard_on_its_tower(self, steps_per_execution):
         traced = []
 
-        def start_tower(step, this_tower):
+        def start_tower(setup, step, this_tower):
             # '' for an argument
             traced.append({t.device for t in tf.nest.flatten(this_tower.shard)})
-            return start_tower.original(step, this_tower)
+            return start_tower.original(setup, step, this_tower)
 
-        start_tower.original = tower.start_flight
+        start_tower.original = step_lib.start_tower
         trainer = _trainer(steps_per_execution=steps_per_execution)
-        with mock.patch.object(tower, "start_flight", start_tower):
+        with mock.patch.object(step_lib, "start_tower", start_tower):
             trainer.fit(_dataset(), epochs=2, verbose=False)
         # The first step sets the trainer up (a graph of its own, shards as arguments);
         # then fit's compiled loop reads the shards, even at one step per call. The loop

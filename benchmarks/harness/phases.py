@@ -5,7 +5,8 @@ into the phases of the tower algorithm by their names.
 
 The phases come from op names: the library runs each tower under
 tf.name_scope("tower_i"), and the gradient tape prefixes that tower's backward
-ops with "gradient_tape/". The other phases are recognised by the names of the
+ops with "gradient_tape/" (inside the tower's call, where its work is traced once
+for every tower: "tower_i/.../gradient_tape/"). The other phases are recognised by the names of the
 ops they use (split and the batch-size arithmetic for the split, _Send/_Recv
 for copies between devices, multiply_no_nan for the weighted mean, IsFinite
 for the non-finite check, the optimizer's ops inside its tf.cond for the
@@ -26,6 +27,8 @@ PHASE_PATTERNS = (
     ("gather", re.compile(r"^gradient_tape/tower_\d+/.*:_(Send|Recv)$")),
     ("tower {tower} broadcast", re.compile(r"^tower_(?P<tower>\d+)/Identity[^/]*/")),
     ("tower {tower} backward", re.compile(r"^gradient_tape/tower_(?P<tower>\d+)/")),
+    # The tower's work traced once and called on each tower: its tape inside the call.
+    ("tower {tower} backward", re.compile(r"^tower_(?P<tower>\d+)/(?:.*/)?gradient_tape/")),
     ("tower {tower} forward", re.compile(r"^tower_(?P<tower>\d+)/")),
     ("split", re.compile(r"^(split|floordiv|mod|Less|assert_equal|strided_slice)(_\d+)?[/:]")),
     ("finite check", re.compile(r"^(IsFinite|All|and)(_\d+)?:")),

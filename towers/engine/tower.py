@@ -216,9 +216,7 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     statistics.
     """
     if stages.num_stages > 1:
-        forwards = tuple(tf.function(functools.partial(forward, model, training=True),
-                                     jit_compile=jit_compile, autograph=False)
-                         for model in stages.models)
+        forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
         return lambda step, tower: start_flight(dataclasses.replace(step, forwards=forwards),
                                                 tower)
 
@@ -240,6 +238,18 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
                 tf.constant(tower.index), step.loss_scale, step.may_be_empty, step.sum_scale))
 
     return run_on_its_device
+
+
+def _traced_forward(model, jit_compile):
+    """forward(model, ..., training=True) as one tf.function: fn(weights, state, x) ->
+    forward's result. The Keras masks x's tensors carry (a cut's, forward.cross_cut)
+    go in as inputs of their own and are attached again inside: a tf.function's
+    inputs carry no attribute."""
+    def forward_with_masks(weights, state, x, masks):
+        return forward(model, weights, state, losses.with_masks((x, masks)), training=True)
+
+    traced = tf.function(forward_with_masks, jit_compile=jit_compile, autograph=False)
+    return lambda weights, state, x: traced(weights, state, x, losses.output_masks(x))
 
 
 def choose_dense_gradients(model, objective, shard, sparse_policy):
