@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from absl.testing import parameterized
+from keras import ops
 
 import towers
 from tests import test_hub_layouts as layouts, test_hub_models as hub
+from towers.op_parallel import grouped
 from towers.op_parallel.grouped import GroupedHeadsAttention
 from towers.op_parallel.plan import parallel_forms
 
@@ -50,18 +52,67 @@ def _phi3(seed=0, **rope):
         hidden_dim=hub.WIDTH, intermediate_dim=32, **rope), preprocessor=None)
 
 
+def _mixtral(seed=0):
+    """MixtralCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; 2
+    experts."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.MixtralCausalLM(keras_hub.models.MixtralBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, num_experts=2), preprocessor=None)
+
+
+def _qwen_moe(seed=0):
+    """QwenMoeCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16, its
+    feed-forward dense: its experts' router adds a loss in training, a load balance over
+    the batch's rows, which the trainer refuses (no tower can compute its share of it)."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.QwenMoeCausalLM(keras_hub.models.QwenMoeBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=8, num_experts=2, top_k=1, mlp_only_layers=[0]),
+        preprocessor=None)
+
+
 def _qwen3(seed=0):
+    """Qwen3CausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; query
+    and key norms."""
     keras.utils.set_random_seed(seed)
     return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
         vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
         head_dim=4, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
 
 
+def _qwen3_moe(seed=0):
+    """Qwen3MoeCausalLM: Qwen3's attention, 2 experts, no router loss (a load balance over
+    the batch's rows, which the trainer refuses: no tower can compute its share of it)."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.Qwen3MoeCausalLM(keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        head_dim=4, hidden_dim=hub.WIDTH, intermediate_dim=32, moe_intermediate_dim=8,
+        num_experts=2, top_k=1, router_aux_loss_coefficient=0.0), preprocessor=None)
+
+
+def _gemma3(seed=0, **options):
+    """Gemma3CausalLM, text only: 1 layer of 4 query heads (2 key/value heads) of 4, width
+    16; query and key norms, a sliding window of 3."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.Gemma3CausalLM(backbone=keras_hub.models.Gemma3Backbone(
+        vocabulary_size=hub.VOCABULARY, image_size=16, num_layers=1, num_query_heads=4,
+        num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32, **{
+            "head_dim": 4, "use_sliding_window_attention": True, "sliding_window_size": 3,
+            **options}), preprocessor=None)
+
+
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
+          "mixtral": (_mixtral, "CachedMixtralAttention", 1),
           "llama": (layouts._llama, "LlamaAttention", 1),
           "qwen": (_qwen, "QwenAttention", 1),
+          "qwen_moe": (_qwen_moe, "QwenMoeAttention", 1),
+          "qwen3": (_qwen3, "Qwen3Attention", 1),
+          "qwen3_moe": (_qwen3_moe, "Qwen3MoeAttention", 1),
           "phi3": (_phi3, "Phi3Attention", 1),
-          "gemma": (layouts._gemma, "CachedGemmaAttention", 1)}
+          "gemma": (layouts._gemma, "CachedGemmaAttention", 1),
+          "gemma3": (_gemma3, "CachedGemma3Attention", 1)}
 
 
 def _batch():
@@ -89,9 +140,17 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual([[w.shape.num_elements() for w in p.weights
                                if w.path.endswith("/key/kernel")]
                               for p in form.parts], [[16 * 1 * 4]] * 2)  # 1 key head each
+            # Qwen3's and Gemma 3's query and key norms: one sublayer every part holds,
+            # its scale on part 0's device and once among the model's weights.
+            shared = [w for w in form.parts[0].weights
+                      if any(w is v for v in form.parts[1].weights)]
+            self.assertLen(shared, 2 if form.shared else 0)
+            self.assertEqual([sum(w is v for v in parted.weights) for w in shared],
+                             [1] * len(shared))
             for device, part in zip(PARTS, form.parts):
                 for weight in part.weights:
-                    self.assertEqual(towers.devices.canonical_name(weight.value.device), device)
+                    self.assertEqual(towers.devices.canonical_name(weight.value.device),
+                                     PARTS[0] if any(weight is w for w in shared) else device)
         x, _, _ = _batch()
         self.assertAllClose(parted(x), lm(x), atol=1e-6, rtol=0)
         joined = towers.join_layers(parted)  # the original class, the weights as they were
@@ -104,6 +163,8 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
         parted = towers.split_layers(lm, PLAN, PARTS)
         prompt = {"token_ids": np.array([[5, 7, 9, 0, 0, 0], [3, 0, 0, 0, 0, 0]], "int32"),
                   "padding_mask": np.array([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]], "int32")}
+        if build is _gemma3:  # it returns the images given, which keras_hub cannot return as None
+            prompt["images"] = np.zeros((2, 0, 16, 16, 3), "float32")  # text only
         for model in (lm, parted):
             model.compile(sampler="greedy")
         want = lm.generate(prompt, stop_token_ids=None)["token_ids"]
@@ -141,13 +202,37 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
             attention = [how for key, how in plan.items() if key.endswith("attention")]
             self.assertEqual(attention, ["heads"])  # one key, not its projections
 
-    def test_qwen3_attention_is_refused_in_one_line(self):
-        with self.assertRaises(ValueError) as caught:
-            towers.split_layers(_qwen3(), PLAN, PARTS)
-        said = str(caught.exception)
+    def test_query_scale_by_the_layers_head_width_is_kept(self):
+        # query_head_dim_normalize=False scales by hidden_dim // num_query_heads (16 // 4),
+        # not head_dim (8): a part's 2 query heads would make it 16 // 2. (Gemma's and
+        # Gemma 3's decoder blocks always pass True; a model of one's own may not.)
+        keras.utils.set_random_seed(0)
+        attention = keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention(
+            head_dim=8, num_query_heads=4, num_key_value_heads=2,
+            query_head_dim_normalize=False, name="attention")
+        x = keras.Input((6, hub.WIDTH))
+        model = keras.Model(x, attention(x, attention_mask=ops.ones((1, 6, 6), "bool")))
+        x = np.random.default_rng(0).normal(size=(2, 6, hub.WIDTH)).astype("float32")
+        parted = towers.split_layers(model, {"attention": "heads"}, PARTS)
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+
+    @parameterized.named_parameters(
+        ("bloom", "bloom.bloom_attention.BloomAttention", {"num_heads": 4},
+         "its ALiBi slopes are computed from each head's index"),
+        ("falcon", "falcon.falcon_attention.FalconAttention",
+         {"num_heads": 4, "attention_dropout_rate": 0.0},
+         "its call adds the ALiBi bias its decoder computes for all its heads"),
+        ("gpt_neo_x", "gpt_neo_x.gpt_neo_x_attention.GPTNeoXAttention",
+         {"num_heads": 4, "hidden_dim": 16}, "it sets its head width to hidden_dim // num_heads"),
+        ("t5", "t5.t5_multi_head_attention.T5MultiHeadAttention",
+         {"is_decoder": True, "hidden_dim": 16, "key_value_dim": 4, "num_heads": 4,
+          "dropout": 0.0}, "its relative position bias, a (buckets, heads) table"))
+    def test_other_attention_classes_are_refused_with_their_reason(self, path, config, why):
+        layer = grouped._class_named("keras_hub.src.models." + path)(**config)
+        said = grouped.refusal(layer, 2)
         self.assertNotIn("\n", said)
-        self.assertIn("Qwen3Attention is not split by heads: its query and key norms", said)
-        self.assertIn("'row:u'", said)
+        self.assertIn(f"{type(layer).__name__} is not split by heads: {why}", said)
+        self.assertIn("by 'column' and its output projection by 'row'", said)
 
     def test_phi3_with_su_rope_scaling_is_refused_in_one_line(self):
         su = _phi3(rope_scaling_type="su", rope_scaling_short_factor=[1.0, 1.5],

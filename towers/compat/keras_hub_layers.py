@@ -1,5 +1,6 @@
 """keras_hub layers' private attributes: an attention layer's projections rebuilt for a
-head width its class computes itself."""
+head width its class computes itself, its norms shared by the parts of a heads split,
+its query scale kept as the unsplit layer's."""
 
 import math
 
@@ -48,3 +49,34 @@ def kernel_initializer_of(attention):
     """
     found = getattr(attention, "kernel_initializer", None)
     return found if found is not None else attention._kernel_initializer
+
+
+def share_sublayers(parts, names):
+    """Makes every part of a heads split hold parts[0]'s sublayer at each attribute of
+    `names` it has (Qwen3Attention's `_query_dense_layer_norm`, CachedGemma3Attention's
+    `query_norm`), in the place of its own: a norm whose scale, shape (head_dim,), every
+    head reads. One variable then, on parts[0]'s device, that each part reads and whose
+    gradient the tape sums over the parts, as over the heads of the unsplit layer.
+
+    Public alternative: none: the class builds its norms itself, in build, under
+    attributes its call reads (keras_hub's own for Qwen3's are private).
+    """
+    for name in names:
+        shared = getattr(parts[0], name, None)
+        if shared is None:  # CachedGemma3Attention without use_query_key_norm
+            continue
+        for part in parts[1:]:
+            replace_sublayer(part, getattr(part, name), shared)
+
+
+def keep_query_scale(attention, whole_head_width):
+    """Makes a built part of CachedGemmaAttention or CachedGemma3Attention with
+    query_head_dim_normalize=False scale its queries by 1 / sqrt(whole_head_width), the
+    unsplit layer's hidden_dim // num_query_heads, rather than by its own fewer heads'
+    (any other layer is left as it is).
+
+    Public alternative: none: the class computes the scale in call from `hidden_dim`,
+    which build sets to the input's width; it reads `hidden_dim` nowhere else after build.
+    """
+    if getattr(attention, "query_head_dim_normalize", True) is False:
+        attention.hidden_dim = whole_head_width * attention.num_query_heads

@@ -1,24 +1,30 @@
-""""heads" for keras_hub's grouped-query attention classes (Mistral's, Llama's, Qwen's,
-Phi-3's, Gemma's): the layer's key/value heads split by whole groups, each part an
-instance of the layer's own class with fewer heads, on its own device; the parts' outputs
-summed.
+""""heads" for keras_hub's grouped-query attention classes (Mistral's and Mixtral's,
+Llama's, Qwen's and Qwen-MoE's, Qwen3's and Qwen3-MoE's, Phi-3's, Gemma's and Gemma 3's):
+the layer's key/value heads split by whole groups, each part an instance of the layer's
+own class with fewer heads, on its own device; the parts' outputs summed.
 
 Grouped-query attention gives each key/value head a group of num_query_heads //
 num_key_value_heads query heads, which read that head only. Part j holds key/value heads
 [start_j, end_j) and the query heads of their groups: their query, key and value
 projections, their rows of the output projection (`bquh,uhm->bqm`, summed over u), and
-their slice (B, 2, S, kv_j, head_dim) of the cache. Each query head's attention reads its
-own projections and its group's key and value only, rotary embeddings act per head, and
-the output projection is a sum over heads, so the parts' outputs add up to the layer's.
+their slice (B, 2, S, kv_j, head_dim) of the cache (Gemma 3's: of its key and value, each
+(B, S, kv_j, head_dim)). Each query head's attention reads its own projections and its
+group's key and value only; rotary embeddings, sliding windows, soft caps and query
+scales act per head; and the output projection is a sum over heads, so the parts'
+outputs add up to the layer's.
 
 A class is split only where building it with fewer heads changes nothing else: head_dim
-is given (Mistral's and Gemma's config), or, for a class that computes it as
-hidden_dim // num_query_heads (Llama's, Qwen's, Phi-3's), each part's projections are
-rebuilt for the layer's head width; and every weight it has is a projection along the
-heads (a weight shared by every head, as Qwen3's query and key norms, would be one per
-part). `_CLASSES` lists those checked.
+is given (Mistral's, Qwen3's, Gemma's config), or, for a class that computes it as
+hidden_dim // num_query_heads (Llama's, Qwen's, Phi-3's, Mixtral's), each part's
+projections are rebuilt for the layer's head width; every weight it has is a projection
+along the heads, or a norm every head reads (Qwen3's and Gemma 3's query and key norms,
+a scale of shape (head_dim,)): that one is one sublayer all parts hold, its variable on
+part 0's device, read by every part, its gradient summed over the parts by the tape as
+over the heads of the unsplit layer, so its update is the unsplit layer's. `_CLASSES`
+lists those checked; `_WHY_NOT` says why the others keras_hub ships are not split.
 """
 
+import collections
 import importlib
 import inspect
 
@@ -31,31 +37,68 @@ from towers.op_parallel.layers import build_part, part_sizes, run_part
 
 # The classes split this way, by module and name (naming keras_hub's classes here keeps
 # it an optional extra), each checked against its source: its weights are its query, key,
-# value and output projections (no norm shared by the heads), its call(hidden_states,
-# attention_mask, cache, cache_update_index, training) returns the output, and the cache
-# (B, 2, S, kv_heads, head_dim) where given. Per class: (the constructor arguments read
-# from its attributes where its get_config is wrong (LlamaAttention's reads an attribute
-# it does not have), else None: its config; whether it takes head_dim). A class that takes
-# none computes it as hidden_dim // num_query_heads, so each part's projections are
-# rebuilt for the layer's head width (compat.rebuild_for_head_dim).
+# value and output projections and norms every head shares (below), its call(hidden_states
+# or x, attention_mask, cache, cache_update_index, training) returns the output, and the
+# cache (B, 2, S, kv_heads, head_dim) (or a (key, value) pair, each (B, S, kv_heads,
+# head_dim)) where given. Per class, a Checked: its config, its head width and the
+# sublayers the parts share.
+Checked = collections.namedtuple("Checked", ["names", "takes_head_dim", "shared"])
+Checked.__doc__ = """How a class of _CLASSES is split.
+
+Attributes:
+  names: the constructor arguments read from its attributes where its get_config is
+    wrong or missing (LlamaAttention's reads an attribute it does not have; Qwen3's
+    leaves out head_dim), else None: its config.
+  takes_head_dim: whether it takes head_dim; a class that takes none computes it as
+    hidden_dim // num_query_heads, so each part's projections are rebuilt for the
+    layer's head width (compat.rebuild_for_head_dim).
+  shared: the attributes of its norms every head reads (a scale of shape (head_dim,)):
+    one sublayer, parts[0]'s, held by every part (compat.share_sublayers).
+"""
+_LLAMA = ("num_query_heads", "num_key_value_heads", "rope_max_wavelength",
+          "rope_position_scaling_factor", "rope_frequency_adjustment_factor",
+          "rope_low_freq_factor", "rope_high_freq_factor", "rope_pretraining_sequence_length",
+          "dropout")
+_GEMMA = ("head_dim", "num_query_heads", "num_key_value_heads", "logit_soft_cap",
+          "use_sliding_window_attention", "sliding_window_size", "query_head_dim_normalize",
+          "dropout")
+_QWEN3_NORMS = ("_query_dense_layer_norm", "_key_dense_layer_norm")
 _CLASSES = {
-    "keras_hub.src.models.mistral.mistral_attention.CachedMistralAttention": (None, True),
-    "keras_hub.src.models.llama.llama_attention.LlamaAttention": ((
-        "num_query_heads", "num_key_value_heads", "rope_max_wavelength",
-        "rope_position_scaling_factor", "rope_frequency_adjustment_factor",
-        "rope_low_freq_factor", "rope_high_freq_factor", "rope_pretraining_sequence_length",
-        "dropout"), False),
+    "keras_hub.src.models.mistral.mistral_attention.CachedMistralAttention":
+        Checked(None, True, ()),
+    # Mistral's with public attributes and head_dim always derived.
+    "keras_hub.src.models.mixtral.mixtral_attention.CachedMixtralAttention":
+        Checked(None, False, ()),
+    "keras_hub.src.models.llama.llama_attention.LlamaAttention": Checked(_LLAMA, False, ()),
     # Its query, key and value biases (u, h) and (v, h) split with their heads; its
     # sliding window masks each head alike.
-    "keras_hub.src.models.qwen.qwen_attention.QwenAttention": (None, False),
+    "keras_hub.src.models.qwen.qwen_attention.QwenAttention": Checked(None, False, ()),
+    # Qwen's with public projections.
+    "keras_hub.src.models.qwen_moe.qwen_moe_attention.QwenMoeAttention":
+        Checked(None, False, ()),
+    # Qwen's without biases, with query and key RMS norms over each head's head_dim
+    # entries, one scale every head reads; its sliding window masks each head alike.
+    "keras_hub.src.models.qwen3.qwen3_attention.Qwen3Attention": Checked(
+        ("num_query_heads", "num_key_value_heads", "rope_max_wavelength",
+         "rope_scaling_factor", "dropout", "sliding_window_size", "layer_norm_epsilon"),
+        True, _QWEN3_NORMS),
+    "keras_hub.src.models.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention":
+        Checked(None, True, _QWEN3_NORMS),
     # Without rope scaling (below): its rotary embedding acts per head.
-    "keras_hub.src.models.phi3.phi3_attention.Phi3Attention": (None, False),
+    "keras_hub.src.models.phi3.phi3_attention.Phi3Attention": Checked(None, False, ()),
     # Its config is Layer's only; its soft cap, sliding window and query scaling act per
-    # head, its projections "btd,ndh->btnh" hold the heads on the kernel's first axis.
-    "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention": ((
-        "head_dim", "num_query_heads", "num_key_value_heads", "logit_soft_cap",
-        "use_sliding_window_attention", "sliding_window_size", "query_head_dim_normalize",
-        "dropout"), True),
+    # head (the scale by hidden_dim // num_query_heads kept as the layer's:
+    # compat.keep_query_scale), its projections "btd,ndh->btnh" hold the heads on the
+    # kernel's first axis.
+    "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention":
+        Checked(_GEMMA, True, ()),
+    # Gemma's, with query and key RMS norms (one scale (head_dim,) each, every head's),
+    # the rope wavelength and scaling of its layer (local or global), a bidirectional
+    # sliding window, each per head alike; no config of its own either.
+    "keras_hub.src.models.gemma3.gemma3_attention.CachedGemma3Attention": Checked(
+        _GEMMA + ("use_query_key_norm", "layer_norm_epsilon", "rope_wavelength",
+                  "rope_scaling_factor", "use_bidirectional_attention"),
+        True, ("query_norm", "key_norm")),
 }
 # Per class name: (whether a layer of it is refused all the same, why).
 _REFUSED_WHEN = {
@@ -64,10 +107,21 @@ _REFUSED_WHEN = {
                       "against hidden_dim // num_query_heads, which a part's fewer heads "
                       "would change"),
 }
-# Why the other attention classes keras_hub ships are not, by class name.
+# Why the other attention classes keras_hub ships are not, by class name (each read in
+# its source); auto splits their projections by "column"/"row" instead.
+_WIDTH_FROM_ARGUMENT = ("it sets its head width to hidden_dim // num_heads from its own "
+                        "hidden_dim argument, which is its output width too, so a part with "
+                        "fewer heads would change one or the other")
 _WHY_NOT = {
-    "Qwen3Attention": "its query and key norms are weights shared by every head, which "
-                      "each part would hold and train apart",
+    "BloomAttention": "its ALiBi slopes are computed from each head's index among all "
+                      "the layer's heads, which a part's fewer heads would renumber",
+    "FalconAttention": "its call adds the ALiBi bias its decoder computes for all its heads "
+                       "at once, (B, heads, 1, S), which a part's fewer heads cannot take",
+    "GPTNeoXAttention": _WIDTH_FROM_ARGUMENT,
+    "DisentangledSelfAttention": _WIDTH_FROM_ARGUMENT,  # DeBERTa-v3's
+    "T5MultiHeadAttention": "its relative position bias, a (buckets, heads) table its first "
+                            "layer owns, reaches every layer as one (1, heads, T, S) input "
+                            "for all heads at once",
 }
 
 
@@ -88,7 +142,9 @@ def refusal(layer, num_parts):
                    "attention_output by 'row:u' instead (plan='auto' does)")
     if not splits(layer):
         why = _WHY_NOT.get(name, "it is not a class towers has checked a split by heads of")
-        return f"{name} is not split by heads: {why}; {projections}"
+        return (f"{name} is not split by heads: {why}; split its query, key and value "
+                "projections by 'column' and its output projection by 'row' along their "
+                "heads letter instead (plan='auto' does)")
     refused, why = _REFUSED_WHEN.get(name, (lambda layer: False, None))
     if refused(layer):
         return f"{name} is not split by heads: {why}; {projections}"
@@ -112,7 +168,7 @@ def _class_named(path):
 
 def form_of(layer, devices):
     """The GroupedHeadsAttention of `layer` (refusal(layer) None), not built."""
-    names, takes_head_dim = _CLASSES[class_path(type(layer))]
+    names, takes_head_dim, shared = _CLASSES[class_path(type(layer))]
     head_dim = int(layer.weights[0].shape[-1])  # the query kernel (m, u, h)
     if names is None:
         config = layer.get_config()
@@ -126,7 +182,8 @@ def form_of(layer, devices):
         config["head_dim"] = head_dim
     return GroupedHeadsAttention(config, devices, class_path(type(layer)),
                                  [list(weight.shape) for weight in layer.weights],
-                                 head_dim=None if takes_head_dim else head_dim)
+                                 head_dim=None if takes_head_dim else head_dim,
+                                 shared=shared)
 
 
 class GroupedHeadsAttention(keras.layers.Layer):
@@ -135,20 +192,23 @@ class GroupedHeadsAttention(keras.layers.Layer):
     heads) holds their projections and their rows of the output projection on
     devices[j] and computes their attention there; the parts' outputs are summed, a
     cache is split along its key/value heads axis into the parts and their updated
-    caches joined. Each part draws its own dropout stream, as the layer's heads do."""
+    caches joined. A norm every head reads is one sublayer all parts hold (its variable
+    on devices[0]): each part reads it, and the tape sums its gradient over the parts as
+    over the heads. Each part draws its own dropout stream, as the layer's heads do."""
 
     def __init__(self, attention_config, devices, part_class, weight_shapes, head_dim=None,
-                 **kwargs):
+                 shared=(), **kwargs):
         """attention_config: the layer's constructor arguments (its get_config(), head_dim
         given where it takes one). part_class: its class's module and name. weight_shapes:
         the layer's weights' shapes, in order (each part's weights are joined along the
         axis where theirs differ). head_dim: the head width of a class that takes none
-        (each part's projections rebuilt for it), else None."""
+        (each part's projections rebuilt for it), else None. shared: the attributes of
+        the norms the parts share (Checked.shared)."""
         super().__init__(name=attention_config["name"], dtype=attention_config.get("dtype"),
                          trainable=attention_config.get("trainable", True), **kwargs)
         self.attention_config, self.devices = dict(attention_config), list(devices)
         self.part_class, self.weight_shapes = part_class, [list(s) for s in weight_shapes]
-        self.head_dim = head_dim
+        self.head_dim, self.shared = head_dim, tuple(shared)
         kv_heads = attention_config["num_key_value_heads"]
         groups = attention_config["num_query_heads"] // kv_heads
         self.sizes = part_sizes(kv_heads, len(self.devices))  # key/value heads per part
@@ -161,27 +221,36 @@ class GroupedHeadsAttention(keras.layers.Layer):
 
     def build(self, hidden_states_shape=None, **shapes):
         shape = hidden_states_shape or shapes.get("input_shape") or shapes.get("inputs_shape")
+        head_width = shape[-1] // self.attention_config["num_query_heads"]  # the layer's
         for device, part in zip(self.devices, self.parts):
             build_part(part, device, shape)
             if self.head_dim is not None:
                 compat.rebuild_for_head_dim(part, self.head_dim, shape, device)
+            compat.keep_query_scale(part, head_width)
+        compat.share_sublayers(self.parts, self.shared)
 
     def call(self, hidden_states, attention_mask=None, cache=None, cache_update_index=None,
-             training=None):
-        """As the layer's call: -> its output (B, T, D), and the updated cache where one
-        is given."""
-        caches = ([None] * len(self.parts) if cache is None else
-                  tf.split(cache, self.sizes, axis=3))  # (B, 2, S, kv_j, head_dim) each
+             cache_update_mask=None, training=None):
+        """As the layer's call (CachedGemma3Attention's cache_update_mask too): -> its
+        output (B, T, D), and the updated cache where one is given."""
+        paired = isinstance(cache, (tuple, list))  # (key, value), each (B, S, kv, head_dim)
+        if cache is None:
+            caches = [None] * len(self.parts)
+        elif paired:
+            caches = list(zip(*[tf.split(c, self.sizes, axis=2) for c in cache]))
+        else:
+            caches = tf.split(cache, self.sizes, axis=3)  # (B, 2, S, kv_j, head_dim) each
+        given = {name: value for name, value in (("cache_update_index", cache_update_index),
+                                                 ("cache_update_mask", cache_update_mask),
+                                                 ("training", training))
+                 if value is not None}  # else the class's defaults, as unsplit
         outputs, new_caches = [], []
         for j, (part, part_cache) in enumerate(zip(self.parts, caches)):
             inputs = {self.input_name: hidden_states}
             if part_cache is not None:
-                inputs["cache"] = part_cache
-            given = {name: value for name, value in (("cache_update_index", cache_update_index),
-                                                     ("training", training))
-                     if value is not None}  # else the class's defaults, as unsplit
+                inputs["cache"] = tuple(part_cache) if paired else part_cache
 
-            def work(inputs, part=part, given=given):
+            def work(inputs, part=part):
                 return part(**inputs, attention_mask=attention_mask, **given)
 
             result = run_part(self.devices, j, part, work, inputs)
@@ -193,18 +262,21 @@ class GroupedHeadsAttention(keras.layers.Layer):
         output = ops.sum(ops.stack(outputs), axis=0)
         if cache is None:
             return output
+        if paired:
+            return output, tuple(ops.concatenate(c, axis=2) for c in zip(*new_caches))
         return output, ops.concatenate(new_caches, axis=3)
 
     def layout(self):
         """Per weight of the layer, in its order: the parts' weights joined along the axis
-        where their shapes differ from the layer's (their heads)."""
+        where their shapes differ from the layer's (their heads); a norm's one variable
+        that every part holds (axis None)."""
         weights = []
         for i, shape in enumerate(self.weight_shapes):
             variables = [part.weights[i] for part in self.parts]
-            axes = [a for a, size in enumerate(shape) if variables[0].shape[a] != size]
-            if len(variables) == 1:
-                weights.append((None, variables))
+            if all(v is variables[0] for v in variables):
+                weights.append((None, variables[:1]))
                 continue
+            axes = [a for a, size in enumerate(shape) if variables[0].shape[a] != size]
             if len(axes) != 1:
                 raise ValueError(f"layer {self.name!r}: weight {variables[0].path} of shape "
                                  f"{shape} is not split along one heads axis.")
@@ -214,4 +286,5 @@ class GroupedHeadsAttention(keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "attention_config": self.attention_config,
                 "devices": self.devices, "part_class": self.part_class,
-                "weight_shapes": self.weight_shapes, "head_dim": self.head_dim}
+                "weight_shapes": self.weight_shapes, "head_dim": self.head_dim,
+                "shared": list(self.shared)}
