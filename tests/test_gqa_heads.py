@@ -23,8 +23,9 @@ keras_hub = pytest.importorskip("keras_hub")  # the [hub] extra (scripts/test in
 
 PARTS = ["/device:CPU:0", "/device:CPU:1"]
 SPARSE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-# transformer_layer_0/self_attention; Phi-3's .../attention, Gemma's decoder_block_0/attention
-PLAN = {"*/*_*/*attention": "heads"}
+# transformer_layer_0/self_attention; Phi-3's .../attention, Gemma's decoder_block_0/attention,
+# SmolLM3's transformer_layer_0/self_attn (not a self_attention_layernorm, ending in m)
+PLAN = {"*/*_*/*att*n": "heads"}
 
 
 def _mistral(seed=0):
@@ -103,6 +104,18 @@ def _gemma3(seed=0, **options):
             **options}), preprocessor=None)
 
 
+def _smollm3(seed=0):
+    """SmolLM3CausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; Dense
+    query, key and value projections with biases."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.SmolLM3CausalLM(keras_hub.models.SmolLM3Backbone(
+        vocabulary_size=hub.VOCABULARY, hidden_dim=hub.WIDTH, intermediate_dim=32,
+        num_layers=1, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+        attention_dropout=0.0, rope_layer_enabled_list=[True], layer_types=["attention"],
+        mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32,
+        rope_theta=10000.0, partial_rotary_factor=1.0), preprocessor=None)
+
+
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
           "mixtral": (_mixtral, "CachedMixtralAttention", 1),
           "llama": (layouts._llama, "LlamaAttention", 1),
@@ -112,7 +125,8 @@ BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
           "qwen3_moe": (_qwen3_moe, "Qwen3MoeAttention", 1),
           "phi3": (_phi3, "Phi3Attention", 1),
           "gemma": (layouts._gemma, "CachedGemmaAttention", 1),
-          "gemma3": (_gemma3, "CachedGemma3Attention", 1)}
+          "gemma3": (_gemma3, "CachedGemma3Attention", 1),
+          "smollm3": (_smollm3, "SmolLM3Attention", 1)}
 
 
 def _batch():
@@ -132,19 +146,22 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
         for form in forms:
             self.assertIsInstance(form, GroupedHeadsAttention)
             self.assertEqual([type(p).__name__ for p in form.parts], [class_name] * 2)
-            # each part's 2 query heads as wide as the layer's (Llama's build would widen them)
-            self.assertEqual([(p.weights[0].shape[-1], p.weights[0].shape.num_elements())
-                              for p in form.parts], [(4, 16 * 2 * 4)] * 2)
-            self.assertEqual([p.num_query_heads if hasattr(p, "num_query_heads") else
-                              p.get_config()["num_query_heads"] for p in form.parts], [2, 2])
+            # each part's 2 query heads as wide as the layer's (Llama's build would widen
+            # them, SmolLM3's narrow them), its 1 key head too
+            self.assertEqual([p.weights[0].shape.num_elements() for p in form.parts],
+                             [16 * 2 * 4] * 2)
+            heads = form.checked.heads_argument  # CachedMistralAttention's is private
+            self.assertEqual([vars(p).get(heads, vars(p).get("_" + heads))
+                              for p in form.parts], [2, 2])
             self.assertEqual([[w.shape.num_elements() for w in p.weights
-                               if w.path.endswith("/key/kernel")]
-                              for p in form.parts], [[16 * 1 * 4]] * 2)  # 1 key head each
-            # Qwen3's and Gemma 3's query and key norms: one sublayer every part holds,
-            # its scale on part 0's device and once among the model's weights.
+                               if w.path.endswith(("/key/kernel", "/k_proj/kernel"))]
+                              for p in form.parts], [[16 * 1 * 4]] * 2)
+            # Qwen3's and Gemma 3's query and key norms, SmolLM3's rotary embedding: one
+            # sublayer every part holds, its weight on part 0's device and once among
+            # the model's weights.
             shared = [w for w in form.parts[0].weights
                       if any(w is v for v in form.parts[1].weights)]
-            self.assertLen(shared, 2 if form.shared else 0)
+            self.assertLen(shared, len(form.checked.shared))
             self.assertEqual([sum(w is v for v in parted.weights) for w in shared],
                              [1] * len(shared))
             for device, part in zip(PARTS, form.parts):
@@ -199,7 +216,8 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
     def test_auto_plan_splits_them_by_heads(self):
         for build, *_ in BUILDS.values():
             plan = towers.auto_plan(build(), 2)
-            attention = [how for key, how in plan.items() if key.endswith("attention")]
+            attention = [how for key, how in plan.items()
+                         if key.endswith(("attention", "self_attn"))]
             self.assertEqual(attention, ["heads"])  # one key, not its projections
 
     def test_query_scale_by_the_layers_head_width_is_kept(self):

@@ -41,6 +41,25 @@ def rebuild_for_head_dim(attention, head_dim, input_shape, device):
     attention._inv_norm_factor = 1.0 / math.sqrt(head_dim)
 
 
+def rebuild_output_width(attention, width, device):
+    """Rebuilds a part's output projection, SmolLM3Attention's `o_proj`
+    ("bquh,uhm->bqm"), to map its heads to `width` units (the unsplit layer's), on
+    `device` under the layer's name, in its place.
+
+    Public alternative: none: the class takes its output width and its head width
+    from one argument, hidden_size (head_dim = hidden_size // num_attention_heads), so
+    a part with fewer heads and the layer's head width is made narrower, and its
+    output projection with it.
+    """
+    old = attention.o_proj
+    config = old.get_config()
+    config["output_shape"] = (*config["output_shape"][:-1], width)
+    new = keras.layers.EinsumDense.from_config(config)
+    with tf.device(device), keras.name_scope(attention.name):
+        new.build((None, None, *old.kernel.shape[:-1]))  # (B, T, heads, head_dim)
+    replace_sublayer(attention, old, new)
+
+
 def kernel_initializer_of(attention):
     """A keras_hub attention layer's kernel initializer: its `kernel_initializer`, or
     CachedGemmaAttention's `_kernel_initializer`.

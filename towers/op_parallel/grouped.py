@@ -42,7 +42,10 @@ from towers.op_parallel.layers import build_part, part_sizes, run_part
 # cache (B, 2, S, kv_heads, head_dim) (or a (key, value) pair, each (B, S, kv_heads,
 # head_dim)) where given. Per class, a Checked: its config, its head width and the
 # sublayers the parts share.
-Checked = collections.namedtuple("Checked", ["names", "takes_head_dim", "shared"])
+Checked = collections.namedtuple(
+    "Checked", ["names", "takes_head_dim", "shared", "heads_argument", "width_argument",
+                "cache_arguments"],
+    defaults=("num_query_heads", None, ("cache", "cache_update_index")))
 Checked.__doc__ = """How a class of _CLASSES is split.
 
 Attributes:
@@ -52,8 +55,15 @@ Attributes:
   takes_head_dim: whether it takes head_dim; a class that takes none computes it as
     hidden_dim // num_query_heads, so each part's projections are rebuilt for the
     layer's head width (compat.rebuild_for_head_dim).
-  shared: the attributes of its norms every head reads (a scale of shape (head_dim,)):
-    one sublayer, parts[0]'s, held by every part (compat.share_sublayers).
+  shared: the attributes of sublayers every head reads alike (a norm's scale of shape
+    (head_dim,), a rotary embedding's frequencies): one sublayer, parts[0]'s, held by
+    every part (compat.share_sublayers).
+  heads_argument: its constructor's argument for the number of query heads.
+  width_argument: None, or its constructor's argument for its output width from which
+    it computes its head width (SmolLM3's hidden_size): a part is given its query
+    heads' width there, and its output projection is rebuilt for the layer's width
+    (compat.rebuild_output_width).
+  cache_arguments: its call's names for the cache and the cache's update index.
 """
 _LLAMA = ("num_query_heads", "num_key_value_heads", "rope_max_wavelength",
           "rope_position_scaling_factor", "rope_frequency_adjustment_factor",
@@ -84,6 +94,16 @@ _CLASSES = {
         True, _QWEN3_NORMS),
     "keras_hub.src.models.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention":
         Checked(None, True, _QWEN3_NORMS),
+    # Dense projections (m, heads * head_dim) whose columns are head after head, its
+    # output projection "bquh,uhm->bqm"; its rotary embedding's frequencies, set by its
+    # head width, shared; whether a layer uses rope is its layer_idx's, alike per head.
+    "keras_hub.src.models.smollm3.smollm3_layers.SmolLM3Attention": Checked(
+        ("hidden_size", "num_attention_heads", "num_key_value_heads", "attention_bias",
+         "attention_dropout", "rope_layer_enabled_list", "layer_types", "layer_idx",
+         "max_position_embeddings", "rope_theta", "partial_rotary_factor"),
+        False, ("rotary_embedding",), heads_argument="num_attention_heads",
+        width_argument="hidden_size",
+        cache_arguments=("self_attention_cache", "self_attention_cache_update_index")),
     # Without rope scaling (below): its rotary embedding acts per head.
     "keras_hub.src.models.phi3.phi3_attention.Phi3Attention": Checked(None, False, ()),
     # Its config is Layer's only; its soft cap, sliding window and query scaling act per
@@ -168,22 +188,24 @@ def _class_named(path):
 
 def form_of(layer, devices):
     """The GroupedHeadsAttention of `layer` (refusal(layer) None), not built."""
-    names, takes_head_dim, shared = _CLASSES[class_path(type(layer))]
-    head_dim = int(layer.weights[0].shape[-1])  # the query kernel (m, u, h)
-    if names is None:
+    checked = _CLASSES[class_path(type(layer))]
+    # The query kernel (m, u, h); SmolLM3's Dense (m, u * h) says it as an attribute.
+    head_dim = int(getattr(layer, "head_dim", None) or layer.weights[0].shape[-1])
+    if checked.names is None:
         config = layer.get_config()
     else:
         config = {"name": layer.name, "trainable": layer.trainable,  # Layer's config
                   "dtype": keras.dtype_policies.serialize(layer.dtype_policy),
-                  **{name: getattr(layer, name) for name in names},
-                  "kernel_initializer": keras.initializers.serialize(
-                      compat.kernel_initializer_of(layer))}
-    if takes_head_dim:  # given, not recomputed from the part's fewer heads
+                  **{name: getattr(layer, name) for name in checked.names}}
+        if "kernel_initializer" in inspect.signature(type(layer).__init__).parameters:
+            config["kernel_initializer"] = keras.initializers.serialize(
+                compat.kernel_initializer_of(layer))
+    if checked.takes_head_dim:  # given, not recomputed from the part's fewer heads
         config["head_dim"] = head_dim
+    rebuilt = not checked.takes_head_dim and checked.width_argument is None
     return GroupedHeadsAttention(config, devices, class_path(type(layer)),
                                  [list(weight.shape) for weight in layer.weights],
-                                 head_dim=None if takes_head_dim else head_dim,
-                                 shared=shared)
+                                 head_dim=head_dim if rebuilt else None)
 
 
 class GroupedHeadsAttention(keras.layers.Layer):
@@ -197,42 +219,59 @@ class GroupedHeadsAttention(keras.layers.Layer):
     over the heads. Each part draws its own dropout stream, as the layer's heads do."""
 
     def __init__(self, attention_config, devices, part_class, weight_shapes, head_dim=None,
-                 shared=(), **kwargs):
+                 **kwargs):
         """attention_config: the layer's constructor arguments (its get_config(), head_dim
-        given where it takes one). part_class: its class's module and name. weight_shapes:
-        the layer's weights' shapes, in order (each part's weights are joined along the
-        axis where theirs differ). head_dim: the head width of a class that takes none
-        (each part's projections rebuilt for it), else None. shared: the attributes of
-        the norms the parts share (Checked.shared)."""
+        given where it takes one). part_class: its class's module and name (a key of
+        _CLASSES). weight_shapes: the layer's weights' shapes, in order (each part's
+        weights are joined along the axis where theirs differ). head_dim: the head width
+        of a class whose projections each part rebuilds for it, else None."""
         super().__init__(name=attention_config["name"], dtype=attention_config.get("dtype"),
                          trainable=attention_config.get("trainable", True), **kwargs)
         self.attention_config, self.devices = dict(attention_config), list(devices)
         self.part_class, self.weight_shapes = part_class, [list(s) for s in weight_shapes]
-        self.head_dim, self.shared = head_dim, tuple(shared)
+        self.head_dim, self.checked = head_dim, _CLASSES[part_class]
+        heads, width = self.checked.heads_argument, self.checked.width_argument
         kv_heads = attention_config["num_key_value_heads"]
-        groups = attention_config["num_query_heads"] // kv_heads
+        groups = attention_config[heads] // kv_heads
         self.sizes = part_sizes(kv_heads, len(self.devices))  # key/value heads per part
         cls = _class_named(part_class)
         self.input_name = list(inspect.signature(cls.call).parameters)[1]  # x, hidden_states
-        self.parts = [cls.from_config({
-            **attention_config, "num_query_heads": size * groups,
-            "num_key_value_heads": size, "name": f"part_{j}"})
-            for j, size in enumerate(self.sizes)]
+        self.parts = []
+        for j, (device, size) in enumerate(zip(self.devices, self.sizes)):
+            config = {**attention_config, heads: size * groups, "num_key_value_heads": size,
+                      "name": f"part_{j}"}
+            if width is not None:  # its query heads' width: the head width it computes
+                config[width] = attention_config[width] // attention_config[heads] * \
+                    size * groups
+            with tf.device(device):  # what the class makes in its constructor, there
+                self.parts.append(cls.from_config(config))
 
     def build(self, hidden_states_shape=None, **shapes):
         shape = hidden_states_shape or shapes.get("input_shape") or shapes.get("inputs_shape")
-        head_width = shape[-1] // self.attention_config["num_query_heads"]  # the layer's
+        # SmolLM3's is [hidden_states, (position embeddings), mask]'s shapes, as built.
+        hidden_shape = shape[0] if isinstance(shape[0], (list, tuple)) else shape
+        heads = self.attention_config[self.checked.heads_argument]
+        head_width = hidden_shape[-1] // heads  # the layer's hidden_dim // num_query_heads
         for device, part in zip(self.devices, self.parts):
             build_part(part, device, shape)
             if self.head_dim is not None:
                 compat.rebuild_for_head_dim(part, self.head_dim, shape, device)
+            if self.checked.width_argument is not None:
+                compat.rebuild_output_width(part, hidden_shape[-1], device)
             compat.keep_query_scale(part, head_width)
-        compat.share_sublayers(self.parts, self.shared)
+        compat.share_sublayers(self.parts, self.checked.shared)
 
     def call(self, hidden_states, attention_mask=None, cache=None, cache_update_index=None,
-             cache_update_mask=None, training=None):
+             cache_update_mask=None, training=None, **kwargs):
         """As the layer's call (CachedGemma3Attention's cache_update_mask too): -> its
-        output (B, T, D), and the updated cache where one is given."""
+        output (B, T, D), and the updated cache where one is given. kwargs: the cache
+        and its update index under a class's own names (SmolLM3's self_attention_cache,
+        self_attention_cache_update_index), and what else its caller passes, given to
+        each part as to the layer (SmolLM3's backbone rebuilt from its config passes its
+        name, trainable and dtype to its decoder layers, which pass them on)."""
+        cache_name, index_name = self.checked.cache_arguments
+        if cache_name != "cache":
+            cache, cache_update_index = kwargs.pop(cache_name, None), kwargs.pop(index_name, None)
         paired = isinstance(cache, (tuple, list))  # (key, value), each (B, S, kv, head_dim)
         if cache is None:
             caches = [None] * len(self.parts)
@@ -240,15 +279,16 @@ class GroupedHeadsAttention(keras.layers.Layer):
             caches = list(zip(*[tf.split(c, self.sizes, axis=2) for c in cache]))
         else:
             caches = tf.split(cache, self.sizes, axis=3)  # (B, 2, S, kv_j, head_dim) each
-        given = {name: value for name, value in (("cache_update_index", cache_update_index),
+        given = {name: value for name, value in ((index_name, cache_update_index),
                                                  ("cache_update_mask", cache_update_mask),
                                                  ("training", training))
                  if value is not None}  # else the class's defaults, as unsplit
+        given.update(kwargs)
         outputs, new_caches = [], []
         for j, (part, part_cache) in enumerate(zip(self.parts, caches)):
             inputs = {self.input_name: hidden_states}
             if part_cache is not None:
-                inputs["cache"] = tuple(part_cache) if paired else part_cache
+                inputs[cache_name] = tuple(part_cache) if paired else part_cache
 
             def work(inputs, part=part):
                 return part(**inputs, attention_mask=attention_mask, **given)
@@ -286,5 +326,4 @@ class GroupedHeadsAttention(keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "attention_config": self.attention_config,
                 "devices": self.devices, "part_class": self.part_class,
-                "weight_shapes": self.weight_shapes, "head_dim": self.head_dim,
-                "shared": list(self.shared)}
+                "weight_shapes": self.weight_shapes, "head_dim": self.head_dim}
