@@ -1,10 +1,13 @@
-""""heads" for keras_hub's grouped-query attention (issue 37): Mistral's
-CachedMistralAttention, Llama's LlamaAttention, Qwen's QwenAttention, Phi-3's
-Phi3Attention and Gemma's CachedGemmaAttention split by key/value groups, each part the
-layer's own class with fewer heads on its device (towers/op_parallel/grouped.py). 4 query
-heads, 2 key/value heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy
-generation through the split cache gives its tokens, one step on 1 tower x 2 parts equals
-Keras's on one device; classes it does not split are refused in one line."""
+""""heads" for keras_hub's attention classes (issue 37). Grouped-query attention split by
+key/value groups, each part the layer's own class with fewer heads on its device
+(towers/op_parallel/grouped.py): Mistral's, Mixtral's, Llama's, Qwen's, Qwen-MoE's,
+Qwen3's, Qwen3-MoE's, Phi-3's, Gemma's, Gemma 3's and SmolLM3's, their norms or rotary
+frequencies shared by every head one sublayer all parts hold. 4 query heads, 2
+key/value heads, 2 parts: the split LM's outputs equal the unsplit one's, greedy
+generation through the split cache gives its tokens, one step on 1 tower x 2 parts
+equals Keras's on one device. Whisper's attention, a CachedMultiHeadAttention whose own
+build drops the key's bias, splits by heads as that one does. Classes it does not split
+are refused in one line with their reason."""
 
 import keras
 import numpy as np
@@ -116,6 +119,17 @@ def _smollm3(seed=0):
         rope_theta=10000.0, partial_rotary_factor=1.0), preprocessor=None)
 
 
+def _whisper(seed=0):
+    """WhisperBackbone's decoder output as a model: 1 encoder and 1 decoder layer of 2
+    heads of 8, width 16, 4 mel bins."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.WhisperBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_heads=2, hidden_dim=hub.WIDTH,
+        intermediate_dim=32, num_mels=4, max_encoder_sequence_length=8,
+        max_decoder_sequence_length=4)
+    return keras.Model(backbone.input, backbone.output["decoder_sequence_output"])
+
+
 BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
           "mixtral": (_mixtral, "CachedMixtralAttention", 1),
           "llama": (layouts._llama, "LlamaAttention", 1),
@@ -190,21 +204,44 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(*[(name, *how) for name, how in BUILDS.items()])
     def test_one_step_equals_keras_on_one_device(self, build, *_):
-        x, y, weights = _batch()
+        self._one_step_equals_keras(build, PLAN, *_batch())
+
+    def _one_step_equals_keras(self, build, plan, x, y, weights):
         expected = build()
         expected.compile(keras.optimizers.SGD(0.5), SPARSE, weighted_metrics=[])
         expected.train_on_batch(x, y, sample_weight=weights)
-        lm = build()
-        parted = towers.split_layers(lm, PLAN, PARTS)
+        model = build()
+        parted = towers.split_layers(model, plan, PARTS)
         trainer = towers.TowerTrainer(parted, SPARSE, keras.optimizers.SGD(0.5),
                                       devices=[PARTS])  # 1 tower x 2 parts
         trainer.train_step((x, y, weights))
         moved = 0.0
         for got, want, before in zip(towers.join_layers(parted).get_weights(),
-                                     expected.get_weights(), lm.get_weights(), strict=True):
+                                     expected.get_weights(), model.get_weights(), strict=True):
             self.assertAllClose(got, want, atol=1e-5, rtol=0)
             moved = max(moved, float(np.max(np.abs(want - before), initial=0.0)))
         self.assertGreater(moved, 1e-3)  # the step changed the weights
+
+    def test_whisper_attention_splits_by_heads(self):
+        # WhisperCachedMultiHeadAttention (its key without a bias): the encoder's self
+        # attention, the decoder's self and cross attention; keras_hub has no Whisper
+        # task that generates.
+        x = {"encoder_features": np.random.default_rng(0).normal(size=(2, 8, 4)),
+             "decoder_token_ids": np.array([[5, 7, 9, 2], [3, 1, 0, 0]], "int32"),
+             "decoder_padding_mask": np.array([[1, 1, 1, 1], [1, 1, 0, 0]], "int32")}
+        y = np.random.default_rng(1).integers(0, hub.WIDTH, (2, 4)).astype("int32")
+        plan = {"transformer_encoder_layer_0/self_attention_layer": "heads",
+                "transformer_decoder_layer_0/*_attention": "heads"}
+        model = _whisper()
+        parted = towers.split_layers(model, plan, PARTS)
+        self.assertEqual([type(form.parts[1]).__name__ for form in parallel_forms(parted)],
+                         ["WhisperCachedMultiHeadAttention"] * 3)
+        self.assertAllClose(parted(x), model(x), atol=1e-6, rtol=0)
+        self._one_step_equals_keras(_whisper, plan, x, y, x["decoder_padding_mask"])
+        auto = towers.auto_plan(model, 2)
+        self.assertEqual({how for key, how in auto.items()
+                          if key.endswith(("_attention", "_attention_layer"))}, {"heads"})
+        self.assertFalse([key for key in auto if "attention/" in key or "layer/" in key])
 
     def test_fewer_key_value_heads_than_parts_is_refused_in_one_line(self):
         with self.assertRaisesRegex(ValueError, "CachedMistralAttention has 2 key/value "
