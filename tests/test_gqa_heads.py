@@ -119,6 +119,16 @@ def _smollm3(seed=0):
         rope_theta=10000.0, partial_rotary_factor=1.0), preprocessor=None)
 
 
+def _gpt_oss(seed=0):
+    """GptOssCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16;
+    biases, sinks, 2 experts."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.GptOssCausalLM(keras_hub.models.GptOssBackbone(
+        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=hub.WIDTH, intermediate_dim=32, num_experts=2, head_dim=4,
+        sliding_window=3), preprocessor=None)
+
+
 def _whisper(seed=0):
     """WhisperBackbone's decoder output as a model: 1 encoder and 1 decoder layer of 2
     heads of 8, width 16, 4 mel bins."""
@@ -140,7 +150,8 @@ BUILDS = {"mistral": (_mistral, "CachedMistralAttention", 2),
           "phi3": (_phi3, "Phi3Attention", 1),
           "gemma": (layouts._gemma, "CachedGemmaAttention", 1),
           "gemma3": (_gemma3, "CachedGemma3Attention", 1),
-          "smollm3": (_smollm3, "SmolLM3Attention", 1)}
+          "smollm3": (_smollm3, "SmolLM3Attention", 1),
+          "gpt_oss": (_gpt_oss, "GptOssAttention", 1)}
 
 
 def _batch():
@@ -162,8 +173,9 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual([type(p).__name__ for p in form.parts], [class_name] * 2)
             # each part's 2 query heads as wide as the layer's (Llama's build would widen
             # them, SmolLM3's narrow them), its 1 key head too
-            self.assertEqual([p.weights[0].shape.num_elements() for p in form.parts],
-                             [16 * 2 * 4] * 2)
+            self.assertEqual([[w.shape.num_elements() for w in p.weights
+                               if w.path.endswith(("/query/kernel", "/q_proj/kernel"))]
+                              for p in form.parts], [[16 * 2 * 4]] * 2)
             heads = form.checked.heads_argument  # CachedMistralAttention's is private
             self.assertEqual([vars(p).get(heads, vars(p).get("_" + heads))
                               for p in form.parts], [2, 2])

@@ -7,7 +7,7 @@ import math
 import keras
 import tensorflow as tf
 
-from towers.compat.keras_layers import replace_sublayer
+from towers.compat.keras_layers import drop_weight, replace_sublayer
 
 # The projections of keras_hub's grouped-query attention classes, by attribute
 # (LlamaAttention's and QwenAttention's private, Phi3Attention's public), each
@@ -58,6 +58,29 @@ def rebuild_output_width(attention, width, device):
     with tf.device(device), keras.name_scope(attention.name):
         new.build((None, None, *old.kernel.shape[:-1]))  # (B, T, heads, head_dim)
     replace_sublayer(attention, old, new)
+
+
+def output_projection(attention):
+    """A keras_hub attention layer's output projection, its heads first in its kernel
+    (heads, head_dim, width): `_output_dense` (Mistral's, Llama's, Qwen's, Qwen3's),
+    `output_dense` (Mixtral's, Qwen-MoE's, Phi-3's, Gemma's, GPT-OSS's) or `o_proj`
+    (SmolLM3's).
+
+    Public alternative: none for the classes that keep it private.
+    """
+    return next(getattr(attention, name) for name in ("_output_dense", "output_dense", "o_proj")
+                if getattr(attention, name, None) is not None)
+
+
+def drop_output_bias(attention):
+    """Drops the bias of a part's output projection (GPT-OSS's), where it has one: the
+    parts' outputs are summed, so the bias is added once, by part 0's.
+
+    Public alternative: none (compat.drop_weight).
+    """
+    projection = output_projection(attention)
+    if projection.bias is not None:
+        drop_weight(projection, "bias")
 
 
 def kernel_initializer_of(attention):

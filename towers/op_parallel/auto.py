@@ -7,8 +7,8 @@ The rules, each a plan entry split_layers already computes exactly:
   MultiHeadAttention and the subclasses whose call it keeps, keras_hub's
   CachedMultiHeadAttention and Whisper's) or grouped.py does (keras_hub's grouped-query
   attention: Mistral's, Mixtral's, Llama's, Qwen's, Qwen-MoE's, Qwen3's, Qwen3-MoE's,
-  Phi-3's, Gemma's, Gemma 3's, SmolLM3's, by key/value groups); another attention class
-  (Falcon's, Bloom's, GPT-OSS's, ...) has its query, key and value projections split by
+  Phi-3's, Gemma's, Gemma 3's, SmolLM3's, GPT-OSS's, by key/value groups); another
+  attention class (Falcon's, Bloom's, ...) has its query, key and value projections split by
   "column" along their heads letter and its output projection by "row" along it, its own
   attention core running on the joined heads; without those four projections it stays whole;
 - each feed-forward pair inside a transformer block (a parent holding an attention

@@ -1,7 +1,8 @@
 """"heads" for keras_hub's grouped-query attention classes (Mistral's and Mixtral's,
-Llama's, Qwen's and Qwen-MoE's, Qwen3's and Qwen3-MoE's, Phi-3's, Gemma's and Gemma 3's):
-the layer's key/value heads split by whole groups, each part an instance of the layer's
-own class with fewer heads, on its own device; the parts' outputs summed.
+Llama's, Qwen's and Qwen-MoE's, Qwen3's and Qwen3-MoE's, Phi-3's, Gemma's and Gemma 3's,
+SmolLM3's, GPT-OSS's): the layer's key/value heads split by whole groups, each part an
+instance of the layer's own class with fewer heads, on its own device; the parts'
+outputs summed.
 
 Grouped-query attention gives each key/value head a group of num_query_heads //
 num_key_value_heads query heads, which read that head only. Part j holds key/value heads
@@ -16,9 +17,11 @@ outputs add up to the layer's.
 A class is split only where building it with fewer heads changes nothing else: head_dim
 is given (Mistral's, Qwen3's, Gemma's config), or, for a class that computes it as
 hidden_dim // num_query_heads (Llama's, Qwen's, Phi-3's, Mixtral's), each part's
-projections are rebuilt for the layer's head width; every weight it has is a projection
-along the heads, or a norm every head reads (Qwen3's and Gemma 3's query and key norms,
-a scale of shape (head_dim,)): that one is one sublayer all parts hold, its variable on
+projections are rebuilt for the layer's head width (SmolLM3's, from its hidden_size:
+each part given its heads' width, its output projection rebuilt); every weight it has is a projection
+along the heads (GPT-OSS's sinks, one per query head, too; an output bias is added
+once, part 0's), or a norm every head reads (Qwen3's and Gemma 3's query and key norms,
+a scale of shape (head_dim,); SmolLM3's rotary frequencies): that one is one sublayer all parts hold, its variable on
 part 0's device, read by every part, its gradient summed over the parts by the tape as
 over the heads of the unsplit layer, so its update is the unsplit layer's. `_CLASSES`
 lists those checked; `_WHY_NOT` says why the others keras_hub ships are not split.
@@ -104,6 +107,11 @@ _CLASSES = {
         False, ("rotary_embedding",), heads_argument="num_attention_heads",
         width_argument="hidden_size",
         cache_arguments=("self_attention_cache", "self_attention_cache_update_index")),
+    # Mistral's with biases: its query, key and value biases split with their heads, its
+    # output bias added once (part 0's; compat.drop_output_bias); its sinks, one logit
+    # per query head (num_query_heads,), split with their heads; its YaRN rotary
+    # embedding and sliding window act per head.
+    "keras_hub.src.models.gpt_oss.gpt_oss_attention.GptOssAttention": Checked(None, True, ()),
     # Without rope scaling (below): its rotary embedding acts per head.
     "keras_hub.src.models.phi3.phi3_attention.Phi3Attention": Checked(None, False, ()),
     # Its config is Layer's only; its soft cap, sliding window and query scaling act per
@@ -189,8 +197,7 @@ def _class_named(path):
 def form_of(layer, devices):
     """The GroupedHeadsAttention of `layer` (refusal(layer) None), not built."""
     checked = _CLASSES[class_path(type(layer))]
-    # The query kernel (m, u, h); SmolLM3's Dense (m, u * h) says it as an attribute.
-    head_dim = int(getattr(layer, "head_dim", None) or layer.weights[0].shape[-1])
+    head_dim = int(compat.output_projection(layer).kernel.shape[1])  # (heads, head_dim, m)
     if checked.names is None:
         config = layer.get_config()
     else:
@@ -259,6 +266,8 @@ class GroupedHeadsAttention(keras.layers.Layer):
             if self.checked.width_argument is not None:
                 compat.rebuild_output_width(part, hidden_shape[-1], device)
             compat.keep_query_scale(part, head_width)
+        for part in self.parts[1:]:  # an output bias (GPT-OSS's) added once: part 0's
+            compat.drop_output_bias(part)
         compat.share_sublayers(self.parts, self.checked.shared)
 
     def call(self, hidden_states, attention_mask=None, cache=None, cache_update_index=None,
@@ -309,11 +318,16 @@ class GroupedHeadsAttention(keras.layers.Layer):
     def layout(self):
         """Per weight of the layer, in its order: the parts' weights joined along the axis
         where their shapes differ from the layer's (their heads); a norm's one variable
-        that every part holds (axis None)."""
+        that every part holds, and an output bias part 0 holds alone (axis None)."""
+        bias = compat.output_projection(self.parts[0]).bias
+        held = [list(part.weights) for part in self.parts]
+        for weights in held[1:]:  # the other parts hold none: in its place, None
+            if bias is not None:
+                weights.insert(next(i for i, w in enumerate(held[0]) if w is bias), None)
         weights = []
         for i, shape in enumerate(self.weight_shapes):
-            variables = [part.weights[i] for part in self.parts]
-            if all(v is variables[0] for v in variables):
+            variables = [part_weights[i] for part_weights in held]
+            if all(v is variables[0] or v is None for v in variables):
                 weights.append((None, variables[:1]))
                 continue
             axes = [a for a, size in enumerate(shape) if variables[0].shape[a] != size]
