@@ -9,6 +9,8 @@ equals Keras's on one device. Whisper's attention, a CachedMultiHeadAttention wh
 build drops the key's bias, splits by heads as that one does. Classes it does not split
 are refused in one line with their reason."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -31,80 +33,39 @@ SPARSE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PLAN = {"*/*_*/*att*n": "heads"}
 
 
-def _mistral(seed=0):
-    """MistralCausalLM: 2 layers of 4 query heads (2 key/value heads) of 4, width 16."""
+# What each tiny grouped-query LM here has: 1 layer of 4 query heads (2 key/value heads)
+# of 4, width 16.
+_TINY = {"vocabulary_size": hub.VOCABULARY, "num_layers": 1, "num_query_heads": 4,
+         "num_key_value_heads": 2, "hidden_dim": hub.WIDTH, "intermediate_dim": 32}
+
+
+def _causal_lm(family, seed=0, **config):
+    """keras_hub's <family>CausalLM on a <family>Backbone of _TINY and `config`, its
+    weights drawn from `seed`, without a preprocessor."""
     keras.utils.set_random_seed(seed)
-    return keras_hub.models.MistralCausalLM(keras_hub.models.MistralBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=2, num_query_heads=4,
-        num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
+    backbone = getattr(keras_hub.models, family + "Backbone")(**{**_TINY, **config})
+    return getattr(keras_hub.models, family + "CausalLM")(backbone=backbone, preprocessor=None)
 
 
-def _qwen(seed=0):
-    """QwenCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; query,
-    key and value biases."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.QwenCausalLM(keras_hub.models.QwenBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
-
-
-def _phi3(seed=0, **rope):
-    """Phi3CausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.Phi3CausalLM(keras_hub.models.Phi3Backbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, **rope), preprocessor=None)
-
-
-def _mixtral(seed=0):
-    """MixtralCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; 2
-    experts."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.MixtralCausalLM(keras_hub.models.MixtralBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, num_experts=2), preprocessor=None)
-
-
-def _qwen_moe(seed=0):
-    """QwenMoeCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16, its
-    feed-forward dense: its experts' router adds a loss in training, a load balance over
-    the batch's rows, which the trainer refuses (no tower can compute its share of it)."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.QwenMoeCausalLM(keras_hub.models.QwenMoeBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, moe_intermediate_dim=8,
-        shared_expert_intermediate_dim=8, num_experts=2, top_k=1, mlp_only_layers=[0]),
-        preprocessor=None)
-
-
-def _qwen3(seed=0):
-    """Qwen3CausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16; query
-    and key norms."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.Qwen3CausalLM(keras_hub.models.Qwen3Backbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        head_dim=4, hidden_dim=hub.WIDTH, intermediate_dim=32), preprocessor=None)
-
-
-def _qwen3_moe(seed=0):
-    """Qwen3MoeCausalLM: Qwen3's attention, 2 experts, no router loss (a load balance over
-    the batch's rows, which the trainer refuses: no tower can compute its share of it)."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.Qwen3MoeCausalLM(keras_hub.models.Qwen3MoeBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        head_dim=4, hidden_dim=hub.WIDTH, intermediate_dim=32, moe_intermediate_dim=8,
-        num_experts=2, top_k=1, router_aux_loss_coefficient=0.0), preprocessor=None)
-
-
-def _gemma3(seed=0, **options):
-    """Gemma3CausalLM, text only: 1 layer of 4 query heads (2 key/value heads) of 4, width
-    16; query and key norms, a sliding window of 3."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.Gemma3CausalLM(backbone=keras_hub.models.Gemma3Backbone(
-        vocabulary_size=hub.VOCABULARY, image_size=16, num_layers=1, num_query_heads=4,
-        num_key_value_heads=2, hidden_dim=hub.WIDTH, intermediate_dim=32, **{
-            "head_dim": 4, "use_sliding_window_attention": True, "sliding_window_size": 3,
-            **options}), preprocessor=None)
+_mistral = functools.partial(_causal_lm, "Mistral", num_layers=2)
+_mixtral = functools.partial(_causal_lm, "Mixtral", num_experts=2)
+_qwen = functools.partial(_causal_lm, "Qwen")  # query, key and value biases
+# Its feed-forward dense: its experts' router adds a loss in training, a load balance
+# over the batch's rows, which the trainer refuses (no tower can compute its share of it).
+_qwen_moe = functools.partial(_causal_lm, "QwenMoe", moe_intermediate_dim=8,
+                              shared_expert_intermediate_dim=8, num_experts=2, top_k=1,
+                              mlp_only_layers=[0])
+_qwen3 = functools.partial(_causal_lm, "Qwen3", head_dim=4)  # query and key norms
+_qwen3_moe = functools.partial(_causal_lm, "Qwen3Moe", head_dim=4, moe_intermediate_dim=8,
+                               num_experts=2, top_k=1,
+                               router_aux_loss_coefficient=0.0)  # as Qwen-MoE's
+_phi3 = functools.partial(_causal_lm, "Phi3")
+# Text only; query and key norms, a sliding window of 3.
+_gemma3 = functools.partial(_causal_lm, "Gemma3", image_size=16, head_dim=4,
+                            use_sliding_window_attention=True, sliding_window_size=3)
+# Biases, sinks, 2 experts, a sliding window of 3.
+_gpt_oss = functools.partial(_causal_lm, "GptOss", num_experts=2, head_dim=4,
+                             sliding_window=3)
 
 
 def _smollm3(seed=0):
@@ -117,16 +78,6 @@ def _smollm3(seed=0):
         attention_dropout=0.0, rope_layer_enabled_list=[True], layer_types=["attention"],
         mlp_bias=False, layer_norm_epsilon=1e-6, max_position_embeddings=32,
         rope_theta=10000.0, partial_rotary_factor=1.0), preprocessor=None)
-
-
-def _gpt_oss(seed=0):
-    """GptOssCausalLM: 1 layer of 4 query heads (2 key/value heads) of 4, width 16;
-    biases, sinks, 2 experts."""
-    keras.utils.set_random_seed(seed)
-    return keras_hub.models.GptOssCausalLM(keras_hub.models.GptOssBackbone(
-        vocabulary_size=hub.VOCABULARY, num_layers=1, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=hub.WIDTH, intermediate_dim=32, num_experts=2, head_dim=4,
-        sliding_window=3), preprocessor=None)
 
 
 def _whisper(seed=0):
