@@ -185,6 +185,28 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
             moved = max(moved, float(np.max(np.abs(want - before), initial=0.0)))
         self.assertGreater(moved, 1e-3)  # the step changed the weights
 
+    def test_a_shared_norm_checkpoints_as_one_weight(self):
+        # Qwen3's query and key norms, one variable all parts read: saved from 2 parts
+        # with Adam's slots, restored into the unsplit LM, trained on: Keras's 2nd step.
+        batches = hub._lm_batches(rows=(5, 4))
+        expected = _qwen3()
+        expected.compile(keras.optimizers.Adam(0.01), SPARSE, weighted_metrics=[])
+        for x, y, weights in batches:
+            expected.train_on_batch(x, y, sample_weight=weights)
+        parted = towers.split_layers(_qwen3(), PLAN, PARTS)
+        trainer = hub._lm_trainer(parted, [PARTS])
+        checkpointer = towers.Checkpointer(self.get_temp_dir(), parted, trainer.optimizer)
+        trainer.train_step(batches[0])
+        checkpointer.save(epoch=0, batch_in_epoch=1)
+        unsplit = _qwen3(seed=1)
+        restoring = hub._lm_trainer(unsplit, PARTS[:1])
+        restoring.optimizer.build(unsplit.trainable_variables)
+        self.assertIsNotNone(towers.Checkpointer(
+            checkpointer.directory, unsplit, restoring.optimizer).restore())
+        restoring.train_step(batches[1])
+        for got, want in zip(unsplit.get_weights(), expected.get_weights(), strict=True):
+            self.assertAllClose(got, want, atol=1e-5, rtol=0)
+
     def test_whisper_attention_splits_by_heads(self):
         # WhisperCachedMultiHeadAttention (its key without a bias): the encoder's self
         # attention, the decoder's self and cross attention; keras_hub has no Whisper
