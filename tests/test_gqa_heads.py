@@ -20,7 +20,7 @@ from keras import ops
 
 import towers
 from tests import test_hub_layouts as layouts, test_hub_models as hub
-from towers.op_parallel import grouped
+from towers.op_parallel import grouped_classes
 from towers.op_parallel.grouped import GroupedHeadsAttention
 from towers.op_parallel.plan import parallel_forms
 
@@ -268,8 +268,8 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
          {"is_decoder": True, "hidden_dim": 16, "key_value_dim": 4, "num_heads": 4,
           "dropout": 0.0}, "its relative position bias, a (buckets, heads) table"))
     def test_other_attention_classes_are_refused_with_their_reason(self, path, config, why):
-        layer = grouped._class_named("keras_hub.src.models." + path)(**config)
-        said = grouped.refusal(layer, 2)
+        layer = grouped_classes.class_named("keras_hub.src.models." + path)(**config)
+        said = grouped_classes.refusal(layer, 2)
         self.assertNotIn("\n", said)
         self.assertIn(f"{type(layer).__name__} is not split by heads: {why}", said)
         self.assertIn("by 'column' and its output projection by 'row'", said)

@@ -30,7 +30,7 @@ import keras
 from absl import logging
 
 from towers import layer_paths
-from towers.op_parallel import grouped, paths, plan as plan_lib
+from towers.op_parallel import grouped_classes, paths, plan as plan_lib
 from towers.op_parallel.dense import equation_of, split_axes, split_kind
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
@@ -147,7 +147,7 @@ def _attention(layers, checker):
                 isinstance(sub, keras.layers.MultiHeadAttention)
                 for _, sub, _ in layer_paths.walk(layer)):
             continue  # not an attention layer, or a block holding one
-        elif grouped.splits(layer):  # grouped-query attention split by key/value groups
+        elif grouped_classes.splits(layer):  # grouped-query attention split by key/value groups
             done.append(path)
             refused = checker.refusal(path, layer, "heads")
             if refused is None:
