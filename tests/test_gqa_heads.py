@@ -186,15 +186,16 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreater(moved, 1e-3)  # the step changed the weights
 
     def test_a_shared_norm_checkpoints_as_one_weight(self):
-        # Qwen3's query and key norms, one variable all parts read: saved from 2 parts
-        # with Adam's slots, restored into the unsplit LM, trained on: Keras's 2nd step.
+        # Qwen3's query and key norms, one variable all parts read: trained on 2 towers x
+        # 2 parts, saved with Adam's slots, restored into the unsplit LM, trained on:
+        # Keras's 2nd step.
         batches = hub._lm_batches(rows=(5, 4))
         expected = _qwen3()
         expected.compile(keras.optimizers.Adam(0.01), SPARSE, weighted_metrics=[])
         for x, y, weights in batches:
             expected.train_on_batch(x, y, sample_weight=weights)
         parted = towers.split_layers(_qwen3(), PLAN, PARTS)
-        trainer = hub._lm_trainer(parted, [PARTS])
+        trainer = hub._lm_trainer(parted, hub.GRID)
         checkpointer = towers.Checkpointer(self.get_temp_dir(), parted, trainer.optimizer)
         trainer.train_step(batches[0])
         checkpointer.save(epoch=0, batch_in_epoch=1)
