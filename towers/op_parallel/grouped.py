@@ -38,6 +38,7 @@ from towers import compat
 from towers.op_parallel.grouped_classes import checked, class_named, class_path
 from towers.op_parallel.layers import build_part, part_sizes, run_part
 
+
 def form_of(layer, devices):
     """The GroupedHeadsAttention of `layer` (refusal(layer) None), not built."""
     found = checked(class_path(type(layer)))
@@ -67,7 +68,8 @@ class GroupedHeadsAttention(keras.layers.Layer):
     cache is split along its key/value heads axis into the parts and their updated
     caches joined. A norm every head reads is one sublayer all parts hold (its variable
     on devices[0]): each part reads it, and the tape sums its gradient over the parts as
-    over the heads. Each part draws its own dropout stream, as the layer's heads do."""
+    over the heads. An output bias is part 0's alone, added once. Each part draws its
+    own dropout stream, as the layer's heads do."""
 
     def __init__(self, attention_config, devices, part_class, weight_shapes, head_dim=None,
                  **kwargs):
