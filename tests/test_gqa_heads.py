@@ -232,7 +232,8 @@ class GroupedHeadsTest(tf.test.TestCase, parameterized.TestCase):
     def test_fewer_key_value_heads_than_parts_is_refused_in_one_line(self):
         with self.assertRaisesRegex(ValueError, "CachedMistralAttention has 2 key/value "
                                     "heads, and each of 3 parts needs a whole group; give "
-                                    "at most 2 devices, or split its query by 'column:u'"):
+                                    "at most 2 devices, or split its query, key and value "
+                                    "projections by 'column'"):
             towers.split_layers(_mistral(), PLAN, PARTS + ["/device:CPU:2"])
 
 

@@ -134,13 +134,13 @@ def refusal(layer, num_parts):
     """Why "heads" cannot split `layer` (a grouped-query attention layer, or another
     attention class) into `num_parts`, one line; None where it can."""
     name = type(layer).__name__
-    projections = ("split its query by 'column:u', its key and value by 'column:v' and its "
-                   "attention_output by 'row:u' instead (plan='auto' does)")
+    # Their letters differ by class (Mistral's query "column:u", Gemma's "column:n",
+    # SmolLM3's Dense "column"); auto finds each.
+    projections = ("split its query, key and value projections by 'column' and its output "
+                   "projection by 'row' along their heads letter instead (plan='auto' does)")
     if not splits(layer):
         why = _WHY_NOT.get(name, "it is not a class towers has checked a split by heads of")
-        return (f"{name} is not split by heads: {why}; split its query, key and value "
-                "projections by 'column' and its output projection by 'row' along their "
-                "heads letter instead (plan='auto' does)")
+        return f"{name} is not split by heads: {why}; {projections}"
     refused, why = _REFUSED_WHEN.get(name, (lambda layer: False, None))
     if refused(layer):
         return f"{name} is not split by heads: {why}; {projections}"
