@@ -32,7 +32,8 @@ from towers.compat.keras_layers import (  # noqa: F401
     can_hold_in_slabs, hold_in_slabs, held_slabs, drop_weight, is_seed_state,
 )
 from towers.compat.keras_hub_layers import (  # noqa: F401
-    rebuild_for_head_dim, kernel_initializer_of,
+    rebuild_for_head_dim, rebuild_output_width, kernel_initializer_of, share_sublayers,
+    keep_query_scale, output_projection, drop_output_bias,
 )
 from towers.compat.keras_graphs import (  # noqa: F401
     functional_graph, model_between, nodes_by_depth, runs_its_graph, run_graph,

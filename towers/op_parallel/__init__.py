@@ -3,7 +3,7 @@
 layers (a split layer's parts: each runs forward and backward on its device), forms
 and dense (the parallel forms: VocabEmbedding, HeadsAttention, Placed; ColumnDense,
 RowDense), grouped (GroupedHeadsAttention: keras_hub's grouped-query attention
-by key/value groups), plan (`split_layers`, checking a plan and rebuilding a model with its
+by key/value groups; grouped_classes: the classes it splits, why not the others), plan (`split_layers`, checking a plan and rebuilding a model with its
 layers replaced; `join_layers`, the way back), paths (plan keys as layer paths,
 nested layers replaced inside their parents), layouts (a keras LayoutMap read as a
 plan), auto (plan="auto": Megatron's plan found in a transformer; auto_layouts: following a

@@ -6,9 +6,10 @@ The rules, each a plan entry split_layers already computes exactly:
   ReversibleEmbedding serves the look-up and the LM head;
 - an attention layer by "heads" where HeadsAttention splits its class (Keras's
   MultiHeadAttention and the subclasses whose call it keeps, keras_hub's
-  CachedMultiHeadAttention) or grouped.py does (keras_hub's grouped-query attention:
-  Mistral's, Llama's, Qwen's, Phi-3's, Gemma's, by key/value groups); another attention
-  class (Qwen3's, Gemma3's, ...) has its query, key and value projections split by
+  CachedMultiHeadAttention and Whisper's) or grouped_classes.py does (keras_hub's grouped-query
+  attention: Mistral's, Mixtral's, Llama's, Qwen's, Qwen-MoE's, Qwen3's, Qwen3-MoE's,
+  Phi-3's, Gemma's, Gemma 3's, SmolLM3's, GPT-OSS's, by key/value groups); another
+  attention class (Falcon's, Bloom's, ...) has its query, key and value projections split by
   "column" along their heads letter and its output projection by "row" along it, its own
   attention core running on the joined heads (Bloom's, Falcon's, T5's, Whisper's, DeBERTa's:
   a block whose class says attention but holds one, DeBERTa's encoder layer, is a block);
@@ -34,7 +35,7 @@ import keras
 from absl import logging
 
 from towers import layer_paths
-from towers.op_parallel import grouped, paths, plan as plan_lib
+from towers.op_parallel import grouped_classes, paths, plan as plan_lib
 from towers.op_parallel.dense import equation_of, split_axes, split_kind
 
 _DENSE = (keras.layers.Dense, keras.layers.EinsumDense)
@@ -155,7 +156,7 @@ def _attention(layers, checker):
                 isinstance(sub, keras.layers.MultiHeadAttention) or _says_attention(sub)
                 for _, sub, _ in layer_paths.walk(layer)):
             continue  # not an attention layer, or a block holding one (DeBERTa's encoder)
-        elif grouped.splits(layer):  # grouped-query attention split by key/value groups
+        elif grouped_classes.splits(layer):  # grouped-query attention split by key/value groups
             done.append(path)
             refused = checker.refusal(path, layer, "heads")
             if refused is None:

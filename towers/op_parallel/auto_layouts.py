@@ -13,7 +13,7 @@ is not followed. Each is said in one log line.
 
 import re
 
-from towers.op_parallel import auto, grouped, layouts, paths
+from towers.op_parallel import auto, grouped_classes, layouts, paths
 from towers.op_parallel.layers import part_sizes
 
 
@@ -69,7 +69,8 @@ def _splits_alike(entry, mapped, by_path, num_parts):
     if entry.how != "heads" or len(mapped) != 4:
         return False
     layer = entry.layer
-    heads = grouped.key_value_heads(layer) if grouped.splits(layer) else layer.num_heads
+    heads = (grouped_classes.key_value_heads(layer) if grouped_classes.splits(layer)
+             else layer.num_heads)
     for path, how in mapped.items():
         sub = by_path[path]
         role = next((r for r, names in auto.PROJECTIONS.items() if sub.name in names), None)

@@ -36,8 +36,12 @@ _SPLIT_AXES = {"column": {"kernel": 1, "bias": 0}, "row": {"kernel": 0, "bias": 
 # - keras_hub's CachedMultiHeadAttention: with no cache, MultiHeadAttention's projections,
 #   attention and output projection; its key/value cache (B, 2, S, heads, k) runs along
 #   the heads axis, which HeadsAttention splits with the heads.
+# - keras_hub's WhisperCachedMultiHeadAttention: CachedMultiHeadAttention's call; its own
+#   build makes the same projections, the key's without a bias, per head alike.
 _CALLS_KEPT = frozenset({
-    "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention"})
+    "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention",
+    "keras_hub.src.models.whisper.whisper_cached_multi_head_attention."
+    "WhisperCachedMultiHeadAttention"})
 
 
 def keeps_call(cls, base):

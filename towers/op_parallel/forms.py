@@ -226,12 +226,13 @@ class HeadsAttention(keras.layers.Layer):
 
     def layout(self):
         """Per weight of the MultiHeadAttention, in its order: the query, key and value
-        kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0, the
-        output kernel (H, v, d) on axis 0, and the output bias (part 0's, whole)."""
+        kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0 (where
+        the class gives one: Whisper's key has none), the output kernel (H, v, d) on
+        axis 0, and the output bias (part 0's, whole)."""
         use_bias, weights = self.parts[0].use_bias, []
         for name in ("query_dense", "key_dense", "value_dense"):
             weights.append((1, [getattr(part, name).kernel for part in self.parts]))
-            if use_bias:
+            if getattr(self.parts[0], name).bias is not None:  # Whisper's key has none
                 weights.append((0, [getattr(part, name).bias for part in self.parts]))
         weights.append((0, [part.output_dense.kernel for part in self.parts]))
         if use_bias:

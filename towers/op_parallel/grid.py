@@ -76,7 +76,8 @@ class Parts:
       mesh: the step's devices.Mesh: mesh.parts[i][k][j], tower i's device for part j
         of stage k (one stage without pipeline cuts); mesh.parts[0][k][j] is where
         stage k's part j lives.
-      part_of: {id(variable): j} for each variable of a split layer's part j.
+      part_of: {id(variable): j} for each variable of a split layer's part j (a variable
+        every part holds, a shared norm's: 0, where it lives).
     """
 
     def __init__(self, model, mesh):
@@ -85,7 +86,8 @@ class Parts:
         for form in parallel_forms(model):  # nested ones too
             parts = form.parts.items() if isinstance(form.parts, dict) else enumerate(form.parts)
             for j, part in parts:
-                self.part_of.update({id(v): j for v in part.weights})
+                for variable in part.weights:  # a norm all parts share: the first's
+                    self.part_of.setdefault(id(variable), j)
 
     def scope(self, tower_index):
         """Within it, the split layers run tower `tower_index`'s parts on its devices."""

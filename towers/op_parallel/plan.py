@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers import compat, devices as devices_lib
-from towers.op_parallel import exactness, grouped, layouts, paths
+from towers.op_parallel import exactness, grouped, grouped_classes, layouts, paths
 from towers.op_parallel.dense import ColumnDense, RowDense, equation_of, split_axes, split_kind
 from towers.op_parallel.forms import HeadsAttention, Placed, VocabEmbedding
 from towers.op_parallel.layers import part_sizes
@@ -114,7 +114,7 @@ def parallel_form(layer, how, devices):
             activity_regularizer=layer.activity_regularizer)
     elif how == "vocab":
         form = VocabEmbedding(layer.get_config(), devices)
-    elif grouped.splits(layer):  # grouped-query attention: by key/value groups
+    elif grouped_classes.splits(layer):  # grouped-query attention: by key/value groups
         form = grouped.form_of(layer, devices)
     else:
         config = layer.get_config()
@@ -229,8 +229,8 @@ def _split_size(layer, how):
     if kind in ("column", "row"):
         axis = split_axes(equation_of(layer)[0], None, kind, letter).kernel_axis
         return int(layer.kernel.shape[axis]), "output units" if kind == "column" else "input units"
-    if how == "heads" and grouped.splits(layer):
-        return grouped.key_value_heads(layer), "key/value heads"
+    if how == "heads" and grouped_classes.splits(layer):
+        return grouped_classes.key_value_heads(layer), "key/value heads"
     if how == "heads":
         return layer.num_heads, "heads"
     return layer.input_dim, "rows"
@@ -277,7 +277,7 @@ def check_layer(key, layer, how, devices):
                          f"{sorted(KINDS)} (column and row may name the letter to split along, "
                          "'row:u'), or a device index.")
     if kind == "heads" and not isinstance(layer, keras.layers.MultiHeadAttention) and (
-            grouped.splits(layer) or "attention" in type(layer).__name__.lower()):
+            grouped_classes.splits(layer) or "attention" in type(layer).__name__.lower()):
         _check_grouped(key, layer, devices)
         return
     base = _base_class(layer, kind)
@@ -316,8 +316,9 @@ def check_layer(key, layer, how, devices):
 
 def _check_grouped(key, layer, devices):
     """check_layer for "heads" on an attention class that is not a MultiHeadAttention:
-    keras_hub's grouped-query attention (grouped.py), split by key/value groups."""
-    refused = grouped.refusal(layer, len(devices))
+    keras_hub's grouped-query attention (grouped.py), split by key/value groups, or
+    refused with the reason grouped_classes.py gives."""
+    refused = grouped_classes.refusal(layer, len(devices))
     if refused is not None:
         raise ValueError(f"plan[{key!r}] = 'heads': {refused}.")
     if any(getattr(sub, "lora_enabled", False) or getattr(sub, "quantization_mode", None)
