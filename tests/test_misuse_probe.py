@@ -148,6 +148,9 @@ class ProbeTest(tf.test.TestCase):
              "main_device", r"^main_device '/device:CPU:9' does not exist"),
             ("cluster not a Cluster", lambda: _trainer(cluster="x"), "cluster",
              r"^cluster must be a towers.Cluster .*, got str"),
+            ("recompute 'stages' among layers", lambda: _trainer(recompute=["stages", "up"]),
+             "recompute", r"^recompute=\['stages', 'up'\]: 'stages' recomputes every stage's "
+                          r"whole forward and stands alone"),
             ("split layers and XLA", lambda: _trainer(split_model, devices=STAGE_DEVICES,
                                                       jit_compile=True),
              "jit_compile", r"^jit_compile=True cannot compile split layers yet"),
