@@ -66,6 +66,7 @@ class ProbeTest(tf.test.TestCase):
         cls.trainer = _trainer()
         cls.trainer.train_step((cls.x, cls.y, cls.w))
         cls.trainer.train_step((cls.x, cls.y.astype("float32"), cls.w))  # whole float labels
+        cls.trainer.evaluate((cls.x, cls.y.astype("float32"), cls.w))
         cls.dataset = tf.data.Dataset.from_tensor_slices((cls.x, cls.y)).batch(4)
         cls.up_down = reference.make_up_down_model()  # layers "up", "down", "out"
         cls.directory = cls.enterClassContext(tempfile.TemporaryDirectory())
@@ -316,6 +317,9 @@ class ProbeTest(tf.test.TestCase):
              r"^x: Data cardinality is ambiguous. .*'x' sizes: 8 'y' sizes: 7"),
             ("evaluate one-hot labels", lambda: trainer.evaluate(
                 (x, np.eye(3, dtype="float32")[y])), "y", r"^y, shape \(8, 3\), does not fit"),
+            ("evaluate fractional labels after whole float ones", lambda: trainer.evaluate(
+                (x, y + 0.5, self.w)), "labels",
+             r"^the labels of a sparse categorical crossentropy loss hold \d.5, not a class id"),
             ("evaluate a dataset of another width", lambda: trainer.evaluate(narrow), "x",
              r"^x has shape \(4, 4\) but model .* takes inputs of shape \(None, 5\)"),
         ])

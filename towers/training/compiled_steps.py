@@ -191,9 +191,9 @@ def _train_step(trainer, batch, may_be_empty):
 
 def eval_step(trainer, batch, may_be_empty):
     """The loss of `batch` as train_step computes it, on the main device, without
-    gradients: logs {"loss", each loss term's, "examples", the metrics' results}
-    as scalar Tensors, the metrics updated with the towers' outputs. No other
-    variable changes."""
+    gradients: logs {"loss", each loss term's, "examples", the metrics' results,
+    "fractional_label" as train_step's} as scalar Tensors, the metrics updated with
+    the towers' outputs. No other variable changes."""
     setup, objective = trainer.setup, trainer.objective
     split_batch = SplitBatch(setup, batch)                                          # 1
     terms, outputs, regularizations = [], [], []
@@ -218,9 +218,12 @@ def eval_step(trainer, batch, may_be_empty):
         # Each tower's share of the regularisation, as in training (an empty tower's is 0).
         loss = tf.add_n([weight * value for weight, value in zip(objective.weights, term_losses)]
                         + [tf.identity(r) for r in regularizations if r is not None])
-        return {"loss": loss, **dict(zip(objective.names, term_losses)),
-                "examples": split_batch.batch_rows,
-                **metric_logs}
+        logs = {"loss": loss, **dict(zip(objective.names, term_losses)),
+                "examples": split_batch.batch_rows, **metric_logs}
+    fractional = _fractional_label(trainer, batch)
+    if fractional is not None:
+        logs["fractional_label"] = fractional
+    return logs
 
 
 def predict_step(trainer, batch, may_be_empty):

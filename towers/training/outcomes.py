@@ -1,7 +1,7 @@
-"""What a training call's logs say beyond the numbers, raised in one line: a step that
-was not finite, a batch the step refused (float class ids that are not whole numbers;
-in an in-graph loop, an empty batch) and weights made NaN or Inf outside the step,
-which on_nonfinite="skip" would skip over forever."""
+"""What a training or evaluation call's logs say beyond the numbers, raised in one
+line: a step that was not finite, a batch the step refused (float class ids that are
+not whole numbers, in evaluation too; in an in-graph loop, an empty batch) and weights
+made NaN or Inf outside the step, which on_nonfinite="skip" would skip over forever."""
 
 import math
 
@@ -22,6 +22,13 @@ def after_step(trainer, logs, finite, applied):
     if skipped:
         check_weights_finite(trainer)
     return skipped
+
+
+def after_eval(logs):
+    """After TowerTrainer.eval_step's call: raises for fractional class ids; `logs`
+    without the step's refusal."""
+    _check_labels(logs)
+    return logs
 
 
 def after_steps(trainer, logs, steps, skipped):

@@ -318,7 +318,7 @@ class TowerTrainer:
         """One evaluation batch: its logs as train_step computes them, without a step
         ("loss", each loss term's, "examples", the metrics' results), as floats."""
         batch, key = self._prepare(batch, "eval")
-        return self._call(key, batch)
+        return outcomes.after_eval(self._call(key, batch))
 
     def _call(self, key, *args):
         """Calls the compiled function of `key`; an error that the batch or the model
