@@ -63,7 +63,7 @@ class InterruptibleCallbacks:
 
     def __getattr__(self, name):
         hook = getattr(self._callbacks, name)
-        if not name.startswith("on_"):
+        if not name.startswith("on_") or name == "on_train_end":  # nothing left to stop
             return hook
 
         def called(*args, **kwargs):
