@@ -167,7 +167,8 @@ class FirstUseMetricsTest(tf.test.TestCase, parameterized.TestCase):
                                       devices=DEVICES[:3], metrics=[metric()])
         before = trainer.model.get_weights()
         with self.assertRaisesRegex(ValueError, "^the metrics do not fit the model's "
-                                    f"outputs: {message}[^\\n]*$"):
+                                    r"outputs: metric '\w+' \(\w+\) on labels of shape .* "
+                                    f"per example: {message}[^\\n]*$"):
             trainer.train_step(batch)
         for want, got in zip(before, trainer.model.get_weights()):
             self.assertAllEqual(want, got)

@@ -297,3 +297,88 @@ class MisuseTest(tf.test.TestCase):
         self.assertRefused(
             lambda: self.trainer.fit([(self.x, self.y)], callbacks=keras.callbacks.EarlyStopping()),
             "callbacks", r"^callbacks must be a list .* got one EarlyStopping")
+
+
+class StepsWithoutAWordTest(tf.test.TestCase):
+    """Issue 38: what once trained on, or stopped, without a word."""
+
+    def setUp(self):
+        super().setUp()
+        self.x, self.y, _ = reference.make_batches(8, num_steps=1)[0]
+
+    def test_an_empty_batch_is_no_step_at_several_steps_per_call(self):
+        # Keras's fit applies an empty batch as an optimizer step of zero gradients, which
+        # moves Adam's weights; train_step refuses one, and so does every path.
+        batch = tf.data.Dataset.from_tensors((self.x, self.y))
+        empty = tf.data.Dataset.from_tensors((self.x[:0], self.y[:0]))
+        trainer = _trainer(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=3)
+        with self.assertRaisesRegex(ValueError, r"^the batch is empty \(batch size 0\): batch 2 "
+                                    r"of this call of train_steps; .*The 1 step\(s\) before it "
+                                    r"were applied, nothing of it or after it\.$"):
+            trainer.fit(batch.concatenate(batch).concatenate(empty).concatenate(batch),
+                        verbose=False)
+        expected = _trainer(optimizer=keras.optimizers.Adam(0.01))
+        for _ in range(2):  # fit's first step runs alone, then a call of up to 3
+            expected.train_step((self.x, self.y))
+        self.assertEqual(trainer.step, 2)
+        for want, got in zip(_state(expected), _state(trainer)):
+            self.assertAllClose(want, got, atol=1e-6)
+
+    def test_nan_weights_from_a_callback_stop_a_run_that_skips_nonfinite_steps(self):
+        class MakesNaN(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 1:
+                    kernel = self.model.trainable_variables[0]
+                    kernel.assign(np.full(kernel.shape, np.nan, "float32"))
+
+        trainer = _trainer(on_nonfinite="skip")
+        directory = self.create_tempdir().full_path
+        checkpointer = towers.Checkpointer(directory, trainer.model, trainer.optimizer,
+                                           every_steps=1)
+        with self.assertRaisesRegex(towers.NonFiniteError,
+                                    r"^step 3: the model's weights \['.*kernel'\] hold NaN or "
+                                    r"Inf, set outside the step \(a callback, set_weights\)"):
+            trainer.fit([(self.x, self.y)] * 4, verbose=False, callbacks=[MakesNaN()],
+                        checkpointer=checkpointer)
+        restored = _trainer()
+        restored.optimizer.build(restored.model.trainable_variables)
+        towers.Checkpointer(directory, restored.model, restored.optimizer).restore()
+        self.assertEqual(restored.step, 2)  # the newest checkpoint: before the NaN
+        self.assertTrue(all(np.isfinite(w).all() for w in restored.model.get_weights()))
+
+    def test_a_keyboard_interrupt_from_a_callback_stops_as_sigint_does(self):
+        class Interrupts(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 1:
+                    raise KeyboardInterrupt
+
+        trainer, directory = _trainer(), self.create_tempdir().full_path
+        checkpointer = towers.Checkpointer(directory, trainer.model, trainer.optimizer)
+        with self.assertRaisesRegex(towers.Preempted, r"^stopped by KeyboardInterrupt from a "
+                                    r"callback after step 2: a checkpoint is saved in "):
+            trainer.fit([(self.x, self.y)] * 4, verbose=False, callbacks=[Interrupts()],
+                        checkpointer=checkpointer)
+        restored = _trainer()
+        restored.optimizer.build(restored.model.trainable_variables)
+        checkpoint = towers.Checkpointer(directory, restored.model, restored.optimizer)
+        checkpoint.restore()
+        self.assertEqual((restored.step, int(checkpoint.batch_in_epoch)), (2, 2))
+
+    def test_logical_devices_are_taken_by_name(self):
+        devices = tf.config.list_logical_devices("CPU")[:3]
+        self.assertEqual(_trainer(devices=devices).devices, DEVICES)
+
+    def test_a_dataset_of_unknown_feature_width_trains_at_several_steps_per_call(self):
+        # A generator's dataset: tf.TensorSpec([None, None]); its batches fit the model.
+        def batches():
+            for _ in range(3):
+                yield self.x, self.y
+
+        spec = (tf.TensorSpec([None, None], tf.float32), tf.TensorSpec([None], tf.int64))
+        dataset = tf.data.Dataset.from_generator(batches, output_signature=spec)
+        trainer, expected = _trainer(steps_per_execution=3), _trainer()
+        trainer.fit(dataset, verbose=False)
+        expected.fit([(self.x, self.y)] * 3, verbose=False)
+        self.assertEqual(trainer.step, 3)
+        for want, got in zip(_state(expected), _state(trainer)):
+            self.assertAllClose(want, got, atol=1e-6)

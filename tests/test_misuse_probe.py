@@ -38,6 +38,18 @@ def _two_outputs():
                                 "value": keras.layers.Dense(1, name="value")(inputs)})
 
 
+def _integer_output():
+    """A model whose one output is int32 (a cast of 3 logits)."""
+    inputs = keras.Input((reference.NUM_FEATURES,))
+    return keras.Model(inputs, keras.layers.Lambda(lambda t: keras.ops.cast(t, "int32"))(
+        keras.layers.Dense(3)(inputs)))
+
+
+def _one_batch():
+    """A generator function of no argument: fit calls a callable with the epoch."""
+    yield reference.make_batches(8, num_steps=1)[0]
+
+
 def _two_loss_trainer(**kwargs):
     return _trainer(_two_outputs(), {"cls": reference.make_loss(), "value": "mse"}, **kwargs)
 
@@ -53,6 +65,8 @@ class ProbeTest(tf.test.TestCase):
         cls.x, cls.y, cls.w = reference.make_batches(8, num_steps=1)[0]
         cls.trainer = _trainer()
         cls.trainer.train_step((cls.x, cls.y, cls.w))
+        cls.trainer.train_step((cls.x, cls.y.astype("float32"), cls.w))  # whole float labels
+        cls.trainer.evaluate((cls.x, cls.y.astype("float32"), cls.w))
         cls.dataset = tf.data.Dataset.from_tensor_slices((cls.x, cls.y)).batch(4)
         cls.up_down = reference.make_up_down_model()  # layers "up", "down", "out"
         cls.directory = cls.enterClassContext(tempfile.TemporaryDirectory())
@@ -88,6 +102,12 @@ class ProbeTest(tf.test.TestCase):
             ("optimizer an unknown name", lambda: towers.TowerTrainer(
                 reference.make_model(), reference.make_loss(), "sgdd"), "optimizer",
              r"^optimizer 'sgdd' names no Keras optimizer"),
+            ("trainer.loss reassigned", lambda: setattr(self.trainer, "loss", "mse"),
+             "trainer.loss", r"^trainer.loss cannot be changed once the trainer is built",
+             {"error": AttributeError}),
+            ("metrics a metric of one value", lambda: _trainer(metrics=[keras.metrics.Mean()]),
+             "metrics", r"^metrics entry Mean is a metric of one value \(update_state"
+                        r"\(values\)\); compile's metrics are called with \(y_true, y_pred\)"),
             ("optimizer a class", lambda: towers.TowerTrainer(
                 reference.make_model(), reference.make_loss(), keras.optimizers.SGD),
              "optimizer", r"^optimizer must be .*, got type"),
@@ -129,6 +149,9 @@ class ProbeTest(tf.test.TestCase):
              "main_device", r"^main_device '/device:CPU:9' does not exist"),
             ("cluster not a Cluster", lambda: _trainer(cluster="x"), "cluster",
              r"^cluster must be a towers.Cluster .*, got str"),
+            ("recompute 'stages' among layers", lambda: _trainer(recompute=["stages", "up"]),
+             "recompute", r"^recompute=\['stages', 'up'\]: 'stages' recomputes every stage's "
+                          r"whole forward and stands alone"),
             ("split layers and XLA", lambda: _trainer(split_model, devices=STAGE_DEVICES,
                                                       jit_compile=True),
              "jit_compile", r"^jit_compile=True cannot compile split layers yet"),
@@ -191,6 +214,14 @@ class ProbeTest(tf.test.TestCase):
             ("fractional class ids", _trainer(), (self.x, self.y + 0.5), "labels",
              r"^the labels of a sparse categorical crossentropy loss are float\d+ and hold "
              r"\d.5, not a class id"),
+            ("AUC on 3-class logits", _trainer(metrics=[keras.metrics.AUC()]),
+             (self.x, self.y), "metrics", r"^the metrics do not fit the model's outputs: "
+                                          r"metric 'auc' \(AUC\) on labels of shape \(\) and "
+                                          r"outputs of shape \(3,\) per example"),
+            ("an integer output", _trainer(_integer_output(), "mse"),
+             (self.x, np.zeros((8, 3), "float32")), "gradient",
+             r"^no trainable weight of model .* gets a gradient from the loss: the model's "
+             r"outputs are \['int32'\]"),
         ]
         self.assert_all_refused([
             (description, lambda trainer=trainer, batch=batch: trainer.train_step(batch),
@@ -234,6 +265,9 @@ class ProbeTest(tf.test.TestCase):
             ("fractional labels after integer ones", lambda: step((x, y + 0.5)), "labels",
              r"^the labels of a sparse categorical crossentropy loss are float32 and hold "
              r"\d.5, not a class id"),
+            ("fractional labels after whole float ones", lambda: step((x, y + 0.5, w)),
+             "labels", r"^the labels of a sparse categorical crossentropy loss hold \d.5, not "
+                       r"a class id"),
             ("data_ended without a cluster", lambda: step((x, y), data_ended=True),
              "data_ended", r"^data_ended=True is for a worker of a cluster"),
         ])
@@ -241,7 +275,16 @@ class ProbeTest(tf.test.TestCase):
     def test_train_steps_and_evaluate_arguments(self):
         trainer, x, y = self.trainer, self.x, self.y
         narrow = tf.data.Dataset.from_tensor_slices((x[:, :4], y)).batch(4)
+        empty_first = tf.data.Dataset.from_tensors((x[:0], y[:0])).concatenate(self.dataset)
+        fractional = tf.data.Dataset.from_tensor_slices((x, y + 0.5)).batch(4)
         self.assert_all_refused([
+            ("train_steps on an empty batch", lambda: trainer.train_steps(
+                iter(empty_first), 2), "batch",
+             r"^the batch is empty \(batch size 0\): batch 1 of this call of train_steps; .*"
+             r"The 0 step\(s\) before it were applied"),
+            ("train_steps on fractional labels", lambda: trainer.train_steps(
+                iter(fractional), 2), "labels",
+             r"^the labels of a sparse categorical crossentropy loss hold \d.5, not a class id"),
             ("train_steps on a list", lambda: trainer.train_steps([(x, y)], 1), "iterator",
              r"^iterator must be a tf.data iterator .*, got a list"),
             ("train_steps on a dataset", lambda: trainer.train_steps(self.dataset, 1),
@@ -274,6 +317,9 @@ class ProbeTest(tf.test.TestCase):
              r"^x: Data cardinality is ambiguous. .*'x' sizes: 8 'y' sizes: 7"),
             ("evaluate one-hot labels", lambda: trainer.evaluate(
                 (x, np.eye(3, dtype="float32")[y])), "y", r"^y, shape \(8, 3\), does not fit"),
+            ("evaluate fractional labels after whole float ones", lambda: trainer.evaluate(
+                (x, y + 0.5, self.w)), "labels",
+             r"^the labels of a sparse categorical crossentropy loss hold \d.5, not a class id"),
             ("evaluate a dataset of another width", lambda: trainer.evaluate(narrow), "x",
              r"^x has shape \(4, 4\) but model .* takes inputs of shape \(None, 5\)"),
         ])
@@ -294,6 +340,8 @@ class ProbeTest(tf.test.TestCase):
         cases += [(f"verbose={value!r}", lambda value=value: fit(batches, verbose=value),
                    "verbose", r"^verbose must be 'auto', 0 \(silent\), 1 \(a progress bar\) or "
                               r"2 \(log lines\)") for value in ("loud", 3)]
+        cases += [("x a generator function of no epoch", lambda: fit(_one_batch), "x",
+                   r"^x is a callable that takes no epoch: fit calls x\(epoch\)")]
         cases += [(f"x {value!r}", lambda value=value: fit(value), "x",
                    r"^x must be arrays with y, a tf.data.Dataset or an iterable of .* batches, "
                    r"or a callable epoch -> one of those; got x=") for value in (None, 42)]
@@ -509,7 +557,7 @@ QUICK_FLAGS = ("--model=mlp", "--num_towers=2", "--global_batch_size=8")
 # (bad flags, the flag named, a regex of the line). absl refuses a value out of a flag's
 # type, range or list as it parses; towers-train refuses the rest before any training.
 BAD_FLAGS = [
-    ("--num_towers=-1", "--num_towers", r"-1 is not a positive integer"),
+    ("--num_towers=-1", "--num_towers", r"-1 is not an integer in the range \[1, 256\]"),
     ("--num_towers=two", "--num_towers", r"invalid literal for int\(\)"),
     ("--global_batch_size=0", "--global_batch_size", r"0 is not a positive integer"),
     ("--steps=0", "--steps", r"0 is not a positive integer"),
@@ -518,6 +566,22 @@ BAD_FLAGS = [
     ("--optimizer=foo", "--optimizer", r"value should be one of <adam\|sgd>"),
     ("--dataset=foo", "--dataset", r"value should be one of <digits\|synthetic"),
     ("--learning_rate=-1", "--learning_rate", r"not a non-negative number"),
+    ("--learning_rate=nan", "--learning_rate", r"must be a finite number \(not nan or inf\)"),
+    ("--learning_rate=inf", "--learning_rate", r"must be a finite number \(not nan or inf\)"),
+    ("--clip_global_norm=0", "--clip_global_norm", r"a global norm of 0 would clip every "
+                                                   r"gradient to zero; .*leave the flag out"),
+    ("--checkpoint_dir=", "--checkpoint_dir", r"flag --checkpoint_dir=: an empty path"),
+    ("--output_json=", "--output_json", r"flag --output_json=: an empty path"),
+    ("--seed=-1", "--seed", r"-1 is not an integer in the range \[0, 4294967295\]"),
+    ("--recompute=stages,logits", "--recompute", r"'stages' .* stands alone; give either "
+                                                 r"--recompute=stages or layer names"),
+    ("--num_towers=1000", "--num_towers", r"1000 is not an integer in the range \[1, 256\]"),
+    ("--intra_op_threads=100000", "--intra_op_threads",
+     r"100000 is not an integer in the range \[0, 1024\]"),
+    ("--split_plan=logits:column", "--split_plan",
+     r"--split_plan splits layers into --num_parts=T parts .*give --num_parts=2 or more"),
+    ("--num_parts=2 --split_plan=logits:column,logits:row", "--split_plan",
+     r"names layer 'logits' twice \(logits:column and logits:row\)"),
     ("--aggregation=foo", "--aggregation", r"one of <main\|tree\|collective\|nccl>"),
     ("--variable_placement=foo", "--variable_placement", r"one of <main\|replicated\|spread>"),
     ("--accum_steps=0", "--accum_steps", r"0 is not a positive integer"),
@@ -527,7 +591,8 @@ BAD_FLAGS = [
     ("--mixed_precision=float8", "--mixed_precision", r"one of <none\|mixed_float16"),
     ("--clip_global_norm=-1", "--clip_global_norm", r"not a non-negative number"),
     ("--checkpoint_every=0", "--checkpoint_every", r"0 is not a positive integer"),
-    ("--intra_op_threads=-1", "--intra_op_threads", r"not a non-negative integer"),
+    ("--intra_op_threads=-1", "--intra_op_threads", r"-1 is not an integer in the range "
+                                                    r"\[0, 1024\]"),
     ("--num_parts=0", "--num_parts", r"0 is not a positive integer"),
     # --tensor_parallel, --num_parts's alias for a release: its line names the flag typed.
     ("--tensor_parallel=0", "--tensor_parallel", r"flag --tensor_parallel=0: 0 is not a "
@@ -549,12 +614,13 @@ BAD_FLAGS = [
     ("--pipeline_stages=2 --split_plan=logits:column", "--pipeline_stages",
      r"with --split_plan needs --num_parts=T \(alias --tensor_parallel\), the parts of each "
      r"stage"),
-    ("--split_plan=logits", "--split_plan", r"'logits' is not LAYER:KIND"),
-    ("--split_plan=:column", "--split_plan", r"':column' is not LAYER:KIND"),
-    ("--split_plan=logits:diagonal", "--split_plan",
+    ("--num_parts=2 --split_plan=logits", "--split_plan", r"'logits' is not LAYER:KIND"),
+    ("--num_parts=2 --split_plan=:column", "--split_plan", r"':column' is not LAYER:KIND"),
+    ("--num_parts=2 --split_plan=logits:diagonal", "--split_plan",
      r"plan\['logits'\] = 'diagonal' is not a kind"),
-    ("--split_plan=nope:column", "--split_plan", r"plan names layer 'nope', which model"),
-    ("--split_plan=images:column", "--split_plan",
+    ("--num_parts=2 --split_plan=nope:column", "--split_plan",
+     r"plan names layer 'nope', which model"),
+    ("--num_parts=2 --split_plan=images:column", "--split_plan",
      r"splits Dense or EinsumDense layers, but 'images' is InputLayer"),
     ("--num_parts=2 --split_plan=logits:7", "--split_plan",
      r"plan\['logits'\] = 7 is not a device index: there are 2 devices"),

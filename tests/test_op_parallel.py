@@ -669,7 +669,7 @@ class CommandLineTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         ("no_default_plan", dict(model="cnn", num_parts=2),
          r"--num_parts=2 \(alias --tensor_parallel\): model 'cnn' has no default split plan"),
-        ("not_layer_kind", dict(model="mlp", split_plan=["dense"]),
+        ("not_layer_kind", dict(model="mlp", num_parts=2, split_plan=["dense"]),
          "--split_plan: 'dense' is not LAYER:KIND"),
         ("bad_plan", dict(model="mlp", num_parts=2, split_plan=["logits:heads"]),
          "plan\\['logits'\\] = 'heads' splits MultiHeadAttention layers"),

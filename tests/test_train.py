@@ -468,7 +468,7 @@ def _main_in_process(*args):
 BAD_FLAGS = (
     ("unknown_dataset", "--dataset=imagenet", "--dataset", "digits|synthetic"),
     ("unknown_model", "--model=vgg", "--model", "mlp|cnn|resnet|text"),
-    ("zero_towers", "--num_towers=0", "--num_towers", "positive integer"),
+    ("zero_towers", "--num_towers=0", "--num_towers", "not an integer in the range [1, 256]"),
     ("missing_npz", "--data_npz=/no/such/file.npz", "towers-train: error", "/no/such/file.npz"),
     ("zero_pipeline_stages", "--pipeline_stages=0", "--pipeline_stages", "positive integer"),
     ("zero_micro_batches", "--micro_batches=0", "--micro_batches", "positive integer"),

@@ -64,7 +64,9 @@ def default_devices():
 
 
 def canonical_name(device):
-    """'/job:localhost/replica:0/task:0/device:GPU:1' or '/gpu:1' -> '/device:GPU:1'."""
+    """'/job:localhost/replica:0/task:0/device:GPU:1' or '/gpu:1' (or a
+    tf.config.LogicalDevice of that name) -> '/device:GPU:1'."""
+    device = _by_name(device)
     try:
         spec = tf.DeviceSpec.from_string(device)
     except (ValueError, TypeError, AttributeError):  # "/gpu:banana", 0, None
@@ -84,13 +86,25 @@ def device_list(devices):
     """
     if devices is None:
         return default_devices()
+    if isinstance(devices, tf.config.LogicalDevice):
+        devices = devices.name  # one device: refused below as one name is
     if not isinstance(devices, str):
         try:
-            return list(devices)
+            return [_by_name(d) for d in devices]
         except TypeError:
             pass
     raise ValueError(f"devices must be a list of device names, one per tower, e.g. "
                      f"[{devices!r}], not a single {type(devices).__name__}.")
+
+
+def _by_name(device):
+    """A tf.config.LogicalDevice (a namedtuple, which would read as a row of a grid) as its
+    name, in a list or grid of devices; other entries as they are."""
+    if isinstance(device, tf.config.LogicalDevice):
+        return device.name
+    if isinstance(device, (list, tuple)):
+        return [_by_name(d) for d in device]
+    return device
 
 
 def device_grid(devices, num_stages=None):

@@ -14,6 +14,9 @@ def parse(items):
         if not name or not how:
             raise ValueError(f"{item!r} is not LAYER:KIND (KIND column, row, vocab, heads or a "
                              "part index; column:LETTER or row:LETTER split along that letter).")
+        if name in plan:
+            raise ValueError(f"names layer {name!r} twice ({name}:{plan[name]} and {item}); "
+                             "give each layer one kind.")
         plan[name] = int(how) if how.isdigit() else how
     return plan
 

@@ -11,6 +11,7 @@ cluster (docs/multi_worker.md).
 # The docstring above is the usage text --help prints. This is the only module of towers
 # that defines flags; it reads them into a cli.job.Job, and job.run does the work.
 
+import math
 import os
 import sys
 
@@ -40,8 +41,13 @@ MODEL = flags.DEFINE_string("model", "cnn",
                             f"Which model to train, one of three forms: {model_spec.FORMS}. "
                             "PACKAGE.MODULE is imported from the current directory, e.g. "
                             "--model=examples.my_model:small_cnn.")
-NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices) on this worker.",
-                                  lower_bound=1)
+# Upper bounds of counts that TensorFlow would take without a word and then spend minutes
+# on, or hang: devices are made and a step traced once per tower; a thread per unit.
+MAX_TOWERS = 256
+MAX_THREADS = 1024
+NUM_TOWERS = flags.DEFINE_integer("num_towers", 4, "Number of towers (devices) on this worker "
+                                  f"(at most {MAX_TOWERS}).", lower_bound=1,
+                                  upper_bound=MAX_TOWERS)
 DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", towers.devices.DEVICE_TYPES,
                                 "Tower device kind; auto = GPUs if any, else CPU devices.")
 GLOBAL_BATCH_SIZE = flags.DEFINE_integer("global_batch_size", 64,
@@ -53,7 +59,8 @@ EPOCHS = flags.DEFINE_integer("epochs", None,
 STEPS = flags.DEFINE_integer("steps", None, "Optimizer steps to train; not with --epochs.",
                              lower_bound=1)
 OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", OPTIMIZERS, "Optimizer.")
-LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Learning rate.", lower_bound=0.0)
+LEARNING_RATE = flags.DEFINE_float("learning_rate", 2e-3, "Learning rate (finite, >= 0).",
+                                   lower_bound=0.0)
 AGGREGATION = flags.DEFINE_enum("aggregation", "main", exchange.AGGREGATIONS,
                                 "How tower gradients meet: gathered on the main device, "
                                 "pairwise tree, collective all-reduce, or NCCL (GPUs).")
@@ -127,8 +134,8 @@ MIXED_PRECISION = flags.DEFINE_enum("mixed_precision", "none", MIXED_PRECISION_P
                                     "Keras dtype policy; mixed_float16 adds dynamic loss "
                                     "scaling shared by all towers.")
 CLIP_GLOBAL_NORM = flags.DEFINE_float("clip_global_norm", None,
-                                      "Clip the averaged gradient to this global norm.",
-                                      lower_bound=0.0)
+                                      "Clip the averaged gradient to this global norm (> 0); "
+                                      "without the flag, no clipping.", lower_bound=0.0)
 CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None,
                                      "Where checkpoints go; a rerun resumes from the newest.")
 CHECKPOINT_EVERY = flags.DEFINE_integer(
@@ -139,7 +146,8 @@ CHECKPOINT_EVERY = flags.DEFINE_integer(
 flags.FLAGS["log_dir"].help = "Where TensorBoard summaries go."
 flags.declare_key_flag("log_dir")  # listed by --help with the flags defined here
 OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write the final metrics here as JSON.")
-SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed for weights, data order and dropout.",
+                            lower_bound=0, upper_bound=2**32 - 1)  # what Keras's seed takes
 DETERMINISTIC = flags.DEFINE_bool("deterministic", False,
                                   "Also make TensorFlow's ops deterministic, so two runs of the "
                                   "same command give identical weights.")
@@ -148,12 +156,12 @@ INTRA_OP_THREADS = flags.DEFINE_integer(
     "Threads TensorFlow may use inside one op (a matmul, a convolution); 0 = TensorFlow's "
     "choice (about one per core). Logical CPU devices (towers or stages carved out of one "
     "CPU) all share this one process-wide pool, so more devices do not bring more threads.",
-    lower_bound=0)
+    lower_bound=0, upper_bound=MAX_THREADS)
 INTER_OP_THREADS = flags.DEFINE_integer(
     "inter_op_threads", 0,
     "Ops TensorFlow may run at the same time; 0 = TensorFlow's choice (about one per core). "
     "The process has one such pool for all logical CPU devices, so it bounds how many "
-    "towers' and stages' ops overlap.", lower_bound=0)
+    "towers' and stages' ops overlap.", lower_bound=0, upper_bound=MAX_THREADS)
 WORKER_HOSTS = flags.DEFINE_list("worker_hosts", None,
                                  "host:port of every worker, the chief first; builds the "
                                  "cluster instead of TF_CONFIG. Needs --task_index.")
@@ -173,6 +181,24 @@ STEP_TIMEOUT_S = flags.DEFINE_float("step_timeout_s", cluster_lib.DEFAULT_STEP_T
                                     "that no worker finishes for this many seconds stops every "
                                     "worker with an error.", lower_bound=1.0)
 flags.mark_flags_as_mutual_exclusive(["epochs", "steps"])
+flags.register_validator("learning_rate", math.isfinite,
+                         "the learning rate must be a finite number (not nan or inf)")
+flags.register_validator("clip_global_norm", lambda norm: norm is None or norm > 0,
+                         "a global norm of 0 would clip every gradient to zero; give a norm "
+                         "> 0, or leave the flag out for no clipping")
+for _path_flag in ("checkpoint_dir", "output_json"):
+    flags.register_validator(_path_flag, lambda path: path is None or path.strip() != "",
+                             "an empty path; give one, or leave the flag out to write none")
+flags.register_validator(
+    "recompute", lambda names: not names or "stages" not in names or len(names) == 1,
+    "'stages' recomputes every stage's whole forward and stands alone; give either "
+    "--recompute=stages or layer names")
+flags.register_multi_flags_validator(
+    ["split_plan", "num_parts", "pipeline_stages"],
+    lambda values: not values["split_plan"] or values["num_parts"] > 1
+    or values["pipeline_stages"] > 1,  # that one's line names --pipeline_stages (cli/job.py)
+    "--split_plan splits layers into --num_parts=T parts (alias --tensor_parallel), one "
+    "device each; give --num_parts=2 or more, or leave --split_plan out")
 
 
 def _define_alias(name, original):

@@ -232,6 +232,32 @@ def check_sparse_labels(objective, y_true):
                 "categorical_crossentropy.")
 
 
+def first_fractional_label(objective, y_true):
+    """check_sparse_labels for labels read only when a step runs, in its graph: the
+    first float label of a sparse categorical crossentropy term that is not a whole
+    number, as a float32 scalar, NaN where every one is; None where no such term reads
+    float labels (nothing to check). A step's labels after the first batch of their
+    structure are checked so, at the cost of a comparison of the labels."""
+    targets = tf.nest.flatten(y_true)
+    fractional = []
+    for index in objective.sparse_targets or ():
+        labels = targets[index]
+        if labels.dtype.is_floating:
+            flat = tf.reshape(tf.cast(labels, tf.float32), [-1])
+            fractional.append(tf.boolean_mask(flat, tf.not_equal(flat, tf.round(flat))))
+    if not fractional:
+        return None
+    return tf.concat(fractional + [[float("nan")]], 0)[0]
+
+
+def fractional_label_error(value):
+    """check_sparse_labels' error for a label `value` found by first_fractional_label."""
+    return ValueError(
+        f"the labels of a sparse categorical crossentropy loss hold {value:g}, not a class "
+        "id; give whole-number class ids 0..num_classes-1 (integers), or one-hot targets "
+        "with categorical_crossentropy. Nothing of that batch was applied.")
+
+
 def with_masks(outputs):
     """y_pred of (y_pred, masks) with each mask attached as Keras attaches it."""
     y_pred, masks = outputs

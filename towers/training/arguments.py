@@ -75,3 +75,24 @@ def _deserialized(value):
     if isinstance(value, (list, tuple)):
         return [_deserialized(entry) for entry in value]
     return value
+
+
+class SetOnce:
+    """A TowerTrainer attribute set once, in __init__, and refused in one line after:
+    what its steps were built from (the loss: trainer.objective computes it), which a
+    later assignment would otherwise leave silently unused."""
+
+    def __set_name__(self, owner, name):
+        self._name = name
+
+    def __get__(self, trainer, owner=None):
+        return self if trainer is None else trainer.__dict__[self._name]
+
+    def __set__(self, trainer, value):
+        if self._name in trainer.__dict__:
+            raise AttributeError(
+                f"trainer.{self._name} cannot be changed once the trainer is built: its "
+                f"steps compute the {self._name} it was given. Build a new TowerTrainer("
+                f"model, {self._name}=..., optimizer=...) with the new one; the model and "
+                "the optimizer carry on.")
+        trainer.__dict__[self._name] = value

@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, split
-from towers.engine import forward
+from towers.engine import forward, losses
 from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.placement import worker_owners
@@ -28,7 +28,10 @@ def train_step(trainer, batch, may_be_empty):
     "examples" (the rows the logs cover: the batch's, with a cluster every
     worker's; 0 for a step that is not finite, which enters no log), "finite"
     (loss and gradients finite, or with loss scaling the loss), "applied"
-    (whether the optimizer applied the step; never for a batch of no rows),
+    (whether the optimizer applied the step; never for a batch of no rows, nor for
+    one whose float class ids are not whole numbers), where a loss reads float
+    class ids "fractional_label" (the first that is not whole, NaN where none: the
+    caller refuses the batch; first_batch checks only a structure's first batch),
     each metric's result, with loss scaling "loss_scale", and with a cluster
     "stop_requested" and "data_ended" (every worker's signals.data_ended is
     set: the step trained on nothing).
@@ -96,9 +99,41 @@ def loss_scale(optimizer):
     return None
 
 
+def _fractional_label(trainer, batch):
+    """losses.first_fractional_label of the batch's labels (each shard's), on the main
+    device; None where no loss reads float class ids, or with a cluster."""
+    if trainer.cluster is not None:  # each worker has only its own labels: not yet
+        return None
+    parts = list(batch) if isinstance(batch, split.Shards) else [batch]
+    with tf.device(trainer.setup.main_device):
+        found = [losses.first_fractional_label(trainer.objective, split.unpack_batch(part)[1])
+                 for part in parts]
+        found = [value for value in found if value is not None]
+        if not found:
+            return None
+        values = tf.stack(found)
+        return tf.concat([values[~tf.math.is_nan(values)], [float("nan")]], 0)[0]
+
+
+def _check_some_gradient(trainer, result):
+    """Raises ValueError, as the step is traced, where no weight gets a gradient (the
+    optimizer's own "No gradients provided for any variable" names no cause)."""
+    if result.grads and all(grad is None for grad in result.grads):
+        integer = {tensor.dtype.name for tensor in tf.nest.flatten(result.y_pred[0])
+                   if not tensor.dtype.is_floating}
+        cause = (f"the model's outputs are {sorted(integer)}, and no gradient flows "
+                 "through an integer: return floats (argmax or a cast after the loss, in "
+                 "predict)" if integer else "check that the loss reads the model's outputs")
+        raise ValueError(f"no trainable weight of model {trainer.model.name!r} gets a "
+                         f"gradient from the loss: {cause}.")
+
+
 def _train_step(trainer, batch, may_be_empty):
     setup, scale = trainer.setup, loss_scale(trainer.optimizer)
+    fractional = _fractional_label(trainer, batch)
+    labels_whole = True if fractional is None else tf.math.is_nan(fractional)
     result = run_towers(setup, trainer.objective, batch, scale, may_be_empty)      # 1-6
+    _check_some_gradient(trainer, result)
     with tf.device(setup.main_device):
         grads = aggregate.clip_gradients(result.grads, setup.options.clip_global_norm, scale)
         grads_finite = aggregate.all_finite(grads)
@@ -120,7 +155,7 @@ def _train_step(trainer, batch, may_be_empty):
         return grads_finite
 
     metric_logs = trainer.metrics.update(batch, result.y_pred, setup.main_device,
-                                         trainer.cluster, keep_if=finite)
+                                         trainer.cluster, keep_if=finite & labels_whole)
     exchanged = list(metric_logs.values())
     if trainer.cluster is not None:
         # One all-reduce carries both signals: a stop signal to any worker stops every
@@ -136,7 +171,7 @@ def _train_step(trainer, batch, may_be_empty):
         # its mean gradients and state would be zeros.
         finite_with_rows = finite & (result.examples > 0)
     else:
-        finite_with_rows = finite  # the trainer refuses an empty batch
+        finite_with_rows = finite & labels_whole  # the trainer refuses an empty batch
     # Across workers the metrics have an all-reduce of their own: it too comes
     # before the update, so a worker lost during the step leaves the weights alone.
     with tf.control_dependencies(exchanged):
@@ -147,6 +182,8 @@ def _train_step(trainer, batch, may_be_empty):
             "finite": finite, "applied": applied, "examples": logged_examples, **metric_logs}
     if trainer.cluster is not None:
         logs.update(stop_requested=stop_requested, data_ended=data_ended)
+    if fractional is not None:
+        logs["fractional_label"] = fractional
     if scale is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     return logs
@@ -154,9 +191,9 @@ def _train_step(trainer, batch, may_be_empty):
 
 def eval_step(trainer, batch, may_be_empty):
     """The loss of `batch` as train_step computes it, on the main device, without
-    gradients: logs {"loss", each loss term's, "examples", the metrics' results}
-    as scalar Tensors, the metrics updated with the towers' outputs. No other
-    variable changes."""
+    gradients: logs {"loss", each loss term's, "examples", the metrics' results,
+    "fractional_label" as train_step's} as scalar Tensors, the metrics updated with
+    the towers' outputs. No other variable changes."""
     setup, objective = trainer.setup, trainer.objective
     split_batch = SplitBatch(setup, batch)                                          # 1
     terms, outputs, regularizations = [], [], []
@@ -181,9 +218,12 @@ def eval_step(trainer, batch, may_be_empty):
         # Each tower's share of the regularisation, as in training (an empty tower's is 0).
         loss = tf.add_n([weight * value for weight, value in zip(objective.weights, term_losses)]
                         + [tf.identity(r) for r in regularizations if r is not None])
-        return {"loss": loss, **dict(zip(objective.names, term_losses)),
-                "examples": split_batch.batch_rows,
-                **metric_logs}
+        logs = {"loss": loss, **dict(zip(objective.names, term_losses)),
+                "examples": split_batch.batch_rows, **metric_logs}
+    fractional = _fractional_label(trainer, batch)
+    if fractional is not None:
+        logs["fractional_label"] = fractional
+    return logs
 
 
 def predict_step(trainer, batch, may_be_empty):

@@ -29,12 +29,18 @@ def compiled_loop(trainer, iterator, num_steps):
     it: the worker takes part with an empty part until every worker's data has
     ended. That last step, which trains on nothing, ends the loop uncounted with
     data_ended; worker_batches counts the steps this worker had a batch for.
+
+    A batch the step refuses ends the loop before it, uncounted, the steps before it
+    applied: without a cluster, a batch of no rows (empty_batch; Keras's fit would
+    apply an optimizer step of zero gradients, which moves Adam's weights), and
+    float class ids that are not whole numbers (fractional_label, NaN where none).
     """
     names = trainer.objective.names
     steps, skipped, logged_steps = tf.constant(0), tf.constant(0), tf.constant(0.0)
     examples, nonfinite = tf.constant(0.0), tf.constant(False)
     loss_sum, sums = tf.constant(0.0), {name: tf.constant(0.0) for name in names}
     stop_requested, data_ended = tf.constant(False), tf.constant(False)
+    empty_batch, fractional_label = tf.constant(False), tf.constant(float("nan"))
     worker_batches = tf.constant(0)
     for _ in tf.range(num_steps):
         has_batch, get_batch = prefetch.get_next_as_optional(
@@ -44,9 +50,16 @@ def compiled_loop(trainer, iterator, num_steps):
         if trainer.cluster is not None:
             trainer.signals.data_ended.assign(tf.cast(tf.logical_not(has_batch), tf.float32))
             worker_batches += tf.cast(has_batch, tf.int32)
-        logs = compiled_steps.train_step_any_rows(trainer, get_batch())
+        batch = get_batch()
+        if trainer.cluster is None and split.batch_size(batch) == 0:
+            empty_batch = tf.constant(True)  # no step: train_step refuses it too
+            break
+        logs = compiled_steps.train_step_any_rows(trainer, batch)
         if trainer.cluster is not None and logs["data_ended"]:
             data_ended = tf.constant(True)
+            break
+        if "fractional_label" in logs and not tf.math.is_nan(logs["fractional_label"]):
+            fractional_label = logs["fractional_label"]  # the step applied nothing
             break
         size = logs["examples"]  # 0 for a step that is not finite (its loss may be NaN)
         logged = tf.cast(size > 0, tf.float32)
@@ -63,7 +76,8 @@ def compiled_loop(trainer, iterator, num_steps):
     logs = {"loss": tf.math.divide_no_nan(loss_sum, examples),
             **{name: tf.math.divide_no_nan(sums[name], logged_steps) for name in names},
             "steps": steps, "examples": examples, "logged_steps": logged_steps,
-            "skipped": skipped, "nonfinite": nonfinite, **trainer.metrics.results()}
+            "skipped": skipped, "nonfinite": nonfinite, "empty_batch": empty_batch,
+            "fractional_label": fractional_label, **trainer.metrics.results()}
     if trainer.cluster is not None:
         logs.update(stop_requested=stop_requested, data_ended=data_ended,
                     worker_batches=worker_batches)

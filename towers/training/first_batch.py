@@ -164,11 +164,32 @@ def check_spec(trainer, spec):
     if not all(isinstance(leaf, tf.TensorSpec) and leaf.shape.rank
                for leaf in tf.nest.flatten(spec)):
         return
+    x_shape = _input_shape(trainer.model, spec[0])
     examples = split.as_batch(tf.nest.map_structure(
         lambda leaf: tf.zeros([2] + [1 if d is None else d for d in leaf.shape[1:]],
                               leaf.dtype), tuple(spec)))
+    if x_shape is not None:  # a dim the spec leaves unknown, as the model's input has it
+        examples = (tf.zeros([2, *x_shape], spec[0].dtype), *examples[1:])
     with tf.device(trainer.setup.main_device):
         check_examples(trainer, examples, shown=spec)
+
+
+def _input_shape(model, x_spec):
+    """The feature shape of examples of `x_spec` (one tf.TensorSpec) for a model of one
+    input of that rank: the spec's dims, each it leaves unknown (a generator's dataset:
+    tf.TensorSpec([None, None])) as the model's input has it; None where there is
+    nothing to fill in, or no such input."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not isinstance(x_spec, tf.TensorSpec) or not inputs or len(inputs) != 1 or (
+            len(inputs[0].shape) != x_spec.shape.rank):
+        return None
+    dims = list(zip(x_spec.shape[1:], inputs[0].shape[1:]))
+    if all(spec_dim is not None for spec_dim, _ in dims):
+        return None
+    return [model_dim if spec_dim is None else spec_dim for spec_dim, model_dim in dims]
 
 
 def check_examples(trainer, batch, shown=None):
@@ -244,8 +265,10 @@ def _check_inputs(model, x, whole_x):
             f"x holds {len(leaves)} arrays, {_shapes(whole_x)}, but model {model.name!r} "
             f"takes {len(inputs)} input(s), of shapes {expected}: give one array per input.")
     got = x.shape.as_list() if tf.is_tensor(x) else []
-    if len(inputs) == 1 and len(expected[0]) == len(got) and any(
-            e is not None and e != g for e, g in zip(expected[0][1:], got[1:])):
+    shown = whole_x.shape.as_list() if isinstance(whole_x, tf.TensorSpec) else got
+    if len(inputs) == 1 and len(expected[0]) == len(got) == len(shown) and any(
+            e is not None and s is not None and e != g
+            for e, g, s in zip(expected[0][1:], got[1:], shown[1:])):
         raise ValueError(
             f"x has shape {tuple(whole_x.shape)} but model {model.name!r} takes inputs of "
             f"shape {expected[0]} (dim 0 the batch): give every example the shape "

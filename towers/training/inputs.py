@@ -15,6 +15,7 @@
 """
 
 import collections
+import inspect
 import numbers
 
 import keras
@@ -48,8 +49,23 @@ def data(name, x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
         if value is not None:
             raise ValueError(_carried(argument, value, name, x))
     if callable(x) and not isinstance(x, keras.utils.PyDataset):
+        _check_takes_epoch(name, x)
         return Data(x, None)
     return Data(x, num_batches(x))
+
+
+def _check_takes_epoch(name, x):
+    """Raises ValueError where fit's callable `x` cannot be called as x(epoch): a
+    generator function of no argument, say, whose TypeError would blame its call."""
+    try:
+        inspect.signature(x).bind(0)
+    except TypeError:
+        raise ValueError(
+            f"{name} is a callable that takes no epoch: fit calls {name}(epoch) for each "
+            f"epoch's batches; pass {name}() (a generator's batches, for one epoch), or "
+            f"a function of the epoch, e.g. lambda epoch: {name}().") from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
 
 
 def predict_data(x, batch_size=None, steps=None):

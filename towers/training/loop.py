@@ -156,7 +156,10 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
     epoch_hooks.before_fit()
     epoch_logs = None
     with preemption.StopSignals() as signals:
+        callbacks = preemption.InterruptibleCallbacks(callbacks, signals)
         while epoch < epochs and not _reached(trainer, max_steps):
+            if signals.received and trainer.cluster is None:  # between epochs
+                _stop(trainer, checkpointer, saver, signals, (epoch, skip))
             trainer.metrics.reset()
             callbacks.on_epoch_begin(epoch)
             epoch_hooks.epoch_begins()

@@ -1,6 +1,8 @@
 """The trainer's metrics, as keras.Model.compile takes them: checked, built on the first
 batch, updated on the main device every step (summed across workers with a cluster)."""
 
+import inspect
+
 import keras
 import tensorflow as tf
 
@@ -72,9 +74,9 @@ class Metrics:
             with keras.StatelessScope():
                 self._keras.update_state(y, losses.with_masks(outputs), sample_weight)
         except (ValueError, TypeError, KeyError, tf.errors.OpError) as error:
-            raise ValueError(
-                f"the metrics do not fit the model's outputs: {errors.root_cause(error)}"
-            ) from None
+            raise ValueError(f"the metrics do not fit the model's outputs: "
+                             f"{self._which_fails(y, outputs)}{errors.root_cause(error)}"
+                             ) from None
         self.names = list(self._keras.result())
         self._keras.reset_state()  # a metric object given with a state of its own starts afresh
 
@@ -104,6 +106,26 @@ class Metrics:
                 variable.assign(value if keep_if is None else tf.where(keep_if, value, old))
             return self.results()
 
+    def _which_fails(self, y, outputs):
+        """For a model of one output: 'metric NAME (CLASS) on labels of shape ... and
+        outputs of shape ... per example: ' of the first metric that fails alone on
+        them, with a hint for AUC; else ''."""
+        y_pred = tf.nest.flatten(outputs[0])
+        if len(y_pred) != 1 or not tf.is_tensor(y):
+            return ""
+        for metric in getattr(self._keras, "metrics", []):
+            try:
+                with keras.StatelessScope():
+                    metric.update_state(y, y_pred[0])
+            except (ValueError, TypeError, KeyError, tf.errors.OpError):
+                hint = (" (AUC takes one probability per label, of the labels' shape: a "
+                        "binary output, or multi_label=True with one-hot labels)"
+                        if isinstance(metric, keras.metrics.AUC) else "")
+                return (f"metric {metric.name!r} ({type(metric).__name__}) on labels of "
+                        f"shape {tuple(y.shape[1:])} and outputs of shape "
+                        f"{tuple(y_pred[0].shape[1:])} per example{hint}: ")
+        return ""
+
     def results(self):
         """{name: result Tensor} of every metric."""
         if not self.names:
@@ -116,6 +138,12 @@ class Metrics:
 
 
 def _check_metric(argument, metric):
+    if isinstance(metric, keras.metrics.Metric) and not _takes_targets(metric):
+        raise ValueError(
+            f"{argument} entry {type(metric).__name__} is a metric of one value "
+            "(update_state(values)); compile's metrics are called with (y_true, y_pred): "
+            "pass keras.metrics.MeanMetricWrapper(fn) of a function (y_true, y_pred), or "
+            "update it in a callback.")
     if metric is None or isinstance(metric, keras.metrics.Metric) or (
             callable(metric) and not isinstance(metric, str)):
         return
@@ -124,6 +152,20 @@ def _check_metric(argument, metric):
     raise ValueError(
         f"{argument} entry {metric!r} is not a keras.metrics.Metric, a metric function or "
         "a known metric name; pass e.g. 'accuracy' or keras.metrics.SparseCategoricalAccuracy().")
+
+
+def _takes_targets(metric):
+    """Whether metric.update_state takes (y_true, y_pred) by position, as compile calls
+    it (Mean, Sum take one value: `values`)."""
+    try:
+        parameters = inspect.signature(metric.update_state).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY,
+                                                       p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return True
+    return len(positional) >= 2 and positional[1].name != "sample_weight"
 
 
 def _known_metric(name):

@@ -46,3 +46,32 @@ class StopSignals:
         if self.received is None:
             self.received = signal.Signals(number).name
             logging.warning("got %s: stopping after the running step.", self.received)
+
+
+# What a KeyboardInterrupt raised by a callback is recorded as (Preempted names it).
+CALLBACK_INTERRUPT = "KeyboardInterrupt from a callback"
+
+
+class InterruptibleCallbacks:
+    """A keras.callbacks.CallbackList whose hooks may raise KeyboardInterrupt (a callback
+    stopping the run as Ctrl-C would): it is recorded in `signals` as a stop signal is,
+    so fit stops as on SIGINT, after the step, with a checkpoint at the exact position
+    and towers.Preempted, instead of leaving the run unsaved."""
+
+    def __init__(self, callbacks, signals):
+        self._callbacks, self._signals = callbacks, signals
+
+    def __getattr__(self, name):
+        hook = getattr(self._callbacks, name)
+        if not name.startswith("on_") or name == "on_train_end":  # nothing left to stop
+            return hook
+
+        def called(*args, **kwargs):
+            try:
+                return hook(*args, **kwargs)
+            except KeyboardInterrupt:
+                if self._signals.received is None:
+                    self._signals.received = CALLBACK_INTERRUPT
+                    logging.warning("a callback raised KeyboardInterrupt in %s: stopping "
+                                    "after the running step, as on SIGINT.", name)
+        return called

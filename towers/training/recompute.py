@@ -73,6 +73,10 @@ def recomputed_layers(model, recompute, jit_compile):
                          "rerun with the first forward (it rematerialises on its own).")
     if recompute == STAGES:
         return []
+    if STAGES in recompute:  # would be looked up as a layer path, and not found
+        raise ValueError(f"recompute={list(recompute)!r}: {STAGES!r} recomputes every "
+                         "stage's whole forward and stands alone; give recompute="
+                         f"{STAGES!r} or layer names.")
     try:
         targets = paths.resolve(model, dict.fromkeys(recompute, STAGES))
     except ValueError as error:

@@ -10,13 +10,13 @@ from towers import errors
 from towers.data_parallel import split
 from towers.engine import losses
 from towers.engine.options import TowerOptions
-from towers.errors import NonFiniteError
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import arguments, callbacks as callbacks_lib, compiled, compiled_steps
 from towers.training import executions, first_batch, inputs, loop, metrics as metrics_lib
-from towers.training import on_batch, overrides, placement, predict as predict_lib, prefetch
+from towers.training import on_batch, outcomes, overrides, placement, predict as predict_lib
+from towers.training import prefetch
 from towers.training import recompute as recompute_lib, trainable, worker_signals
 
 
@@ -24,7 +24,7 @@ class TowerTrainer:
     """Trains a Keras model data-parallel over tower devices, one explicit step at a time.
 
     Attributes:
-      model, loss: as given.
+      model, loss: as given (loss set once: reassigning it is refused).
       objective: the loss as computed (a losses.Objective): `loss` and
         `loss_weights` in every form keras.Model.compile takes them.
       optimizer: as given, wrapped in keras.optimizers.LossScaleOptimizer when
@@ -60,6 +60,7 @@ class TowerTrainer:
       signals: with a cluster, its worker_signals.WorkerSignals (the stop request
         and the end of this worker's data, which every step all-reduces), else None.
     """
+    loss = arguments.SetOnce()
 
     def __init__(self, model, loss=None, optimizer=None, devices=None, main_device=None, *,
                  options=None, **keywords):
@@ -170,7 +171,8 @@ class TowerTrainer:
           WorkerLostError: with a cluster, another worker stopped answering.
           NonFiniteError: on_nonfinite="raise" and the loss or gradients are
             NaN/Inf (with loss scaling: the loss); weights and optimizer state
-            are left as they were.
+            are left as they were. With "skip": weights made NaN/Inf outside the
+            step (outcomes.check_weights_finite).
         """
         if not isinstance(data_ended, bool):
             raise ValueError(f"data_ended must be True or False, got {type(data_ended).__name__}; "
@@ -184,10 +186,7 @@ class TowerTrainer:
             batch, key = self._prepare(batch, "train")
             logs = self._call(key, batch)
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
-        if not finite and self.options.on_nonfinite == "raise":
-            raise self._nonfinite_error()
-        # A step of no rows (every worker's data ended) is not a skipped one.
-        self._skipped_steps += not applied and not logs.get("data_ended")
+        self._skipped_steps += outcomes.after_step(self, logs, finite, applied)
         logs["skipped_steps"] = self._skipped_steps
         return logs
 
@@ -234,8 +233,9 @@ class TowerTrainer:
             `num_steps` not an integer >= 1, or its batches (their element_spec,
             of a structure not seen before) do not fit the model or the loss, as
             train_step says of such a batch; nothing runs, no batch is taken.
-          NonFiniteError: on_nonfinite="raise" and a step was not finite; the
-            steps before it in this call are applied, it and later ones not.
+          ValueError / NonFiniteError: a batch of no rows or fractional class ids
+            (outcomes.py), or on_nonfinite="raise" and a step not finite; the steps
+            before it in this call are applied, it and later ones not.
         """
         executions.check_call(iterator, num_steps)
         if self.setup.trainable_ids is None:
@@ -254,8 +254,7 @@ class TowerTrainer:
             self.signals.looped()
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
-        if logs.pop("nonfinite"):
-            raise self._nonfinite_error()
+        outcomes.after_steps(self, logs, steps, skipped)
         return {**logs, "steps": steps, "skipped_steps": self._skipped_steps}
 
     def request_stop(self):
@@ -319,7 +318,7 @@ class TowerTrainer:
         """One evaluation batch: its logs as train_step computes them, without a step
         ("loss", each loss term's, "examples", the metrics' results), as floats."""
         batch, key = self._prepare(batch, "eval")
-        return self._call(key, batch)
+        return outcomes.after_eval(self._call(key, batch))
 
     def _call(self, key, *args):
         """Calls the compiled function of `key`; an error that the batch or the model
@@ -336,12 +335,6 @@ class TowerTrainer:
     def _watched(self):
         """With a cluster: the next call under the watchdog (a lost worker ends it)."""
         return self._watchdog.step(self.step + 1) if self._watchdog else contextlib.nullcontext()
-
-    def _nonfinite_error(self):
-        return NonFiniteError(
-            f"step {self.step + 1}: the loss or the averaged gradients are NaN or "
-            "Inf, so nothing was applied. Lower the learning rate, check the data, "
-            "or pass on_nonfinite='skip' to skip such steps.")
 
     def sync_replicas(self):
         """Does nothing: kept for code written when replicas (variable_placement=
