@@ -335,6 +335,25 @@ class OpParallelHubAndVocabLossTest(tf.test.TestCase):
         self.assertEqual(row["gathered_columns"], 0)
         self.assertAllClose(row["moved"], row["formula"], rtol=0.05)
 
+    def test_grouped_query_attention_moves_what_the_formula_says_both_ways(self):
+        from benchmarks.harness import grouped_heads
+        results = grouped_heads.run_grouped_heads_benchmark(
+            [2], DEVICES, vocab=40, layers=1, query_heads=4, kv_heads=2, width=8,
+            intermediate=8, length=4, global_batch_size=2, steps=1, rounds=1)
+        rows = {row["plan"]: row for row in results["rows"]}
+        self.assertEqual(list(rows), ["unsplit", "heads", "projections"])
+        self.assertEqual((rows["unsplit"]["moved"], rows["unsplit"]["x_unsplit"]), (0, 1.0))
+        # 8 tokens of width 8, heads of 2: heads sends h (8 x 8) to part 1 and its
+        # partial output back, and both gradients, and the mask (2 x 4 x 4 int32) once;
+        # projections also sends q, k, v's part-1 heads (2 query, 1 key/value) back, the
+        # output's slice (2 heads) out, their gradients, and the gradient of h from each
+        # of the three column splits back. Adam's 12 bytes to each of the 4 kernels.
+        adam = 4 * 12
+        self.assertEqual(rows["heads"]["moved"], 4 * 8 * 8 * 4 + 4 * 2 * 4 * 4 + adam)
+        self.assertEqual(rows["projections"]["moved"], 4 * 8 * (6 * 8 + 4 * (2 + 1) * 2) + adam)
+        for row in rows.values():
+            self.assertEqual(row["moved"], row["formula"], row["plan"])
+
     def test_vocab_loss_both_ways_equal_one_device_and_move_what_the_formula_says(self):
         from benchmarks.harness import vocab_loss
         results = vocab_loss.run_vocab_loss_benchmark(
