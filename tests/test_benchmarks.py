@@ -245,6 +245,8 @@ class PipelineBenchmarkTest(tf.test.TestCase):
              "--stages=1,2", "--micro_batches=1,2", "--timeline=2,2", "--steps=2", "--rounds=1",
              "--warmup_steps=0", "--trace_steps=2", "--global_batch_size=8",
              "--input_shape=" + ",".join(map(str, cls.input_shape)),
+             "--tied_layers=2", "--tied_vocab=40", "--tied_heads=2", "--tied_width=8",
+             "--tied_length=4", "--tied_batch_size=4", "--tied_micro_batches=1,2",
              f"--output_dir={cls.output_dir}"],
             capture_output=True, text=True, cwd=ROOT, timeout=240,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
@@ -295,6 +297,19 @@ class PipelineBenchmarkTest(tf.test.TestCase):
                                    row["total_bytes"] / row["num_stages"])
         stage_bytes = self.rows[2, 2, "gpipe"]["bytes_per_device"]
         self.assertTrue(all(stage_bytes.values()), stage_bytes)  # both stages hold weights
+
+    def test_tied_table_moves_once_per_micro_batch_and_its_gradient_once(self):
+        rows = self.results["tied_table"]["rows"]
+        self.assertEqual([(r["stages"], r["micro_batches"]) for r in rows],
+                         [(1, 1), (2, 1), (2, 2)])
+        self.assertEqual(rows[0]["x_one_device"], 1.0)
+        for row in rows[1:]:
+            # The table (40 x 8 floats) out to stage 1 per micro-batch, its gradient back.
+            self.assertEqual(row["moved_table"], (row["micro_batches"] + 1) * 40 * 8 * 4)
+            self.assertEqual(row["moved"], row["formula"])
+            self.assertGreater(row["median_ms"], 0.0)
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            self.assertIn("## A layer called in two stages", f.read())
 
     def test_timeline_boxes_one_per_micro_batch_forward_and_backward(self):
         for schedule in ("gpipe", "1f1b"):
