@@ -9,7 +9,7 @@ and trained with M micro-batches. Writes DIR/results.json, DIR/results.md (step
 time, measured bubble next to (K-1)/(M+K-1), bytes of variables per device)
 and DIR/timeline.png (one row per stage device, one box per micro-batch's
 forward and backward, for --timeline=K,M under gpipe and 1f1b, over their
-ideal timetables). Traces and compiled graphs stay under DIR/trace. Then
+ideal timetables). Traces and compiled graphs stay under DIR/trace. Also
 keras_hub's GPT-2 (--tied_* sizes, random weights) on 1 tower x 2 stages, its
 tied token table looked up in stage 0 and read by stage 1's LM head: the bytes
 a step moves, the table's share next to its formula, and the step time against

@@ -233,7 +233,8 @@ class UserModelBenchmarkTest(tf.test.TestCase):
 
 
 class PipelineBenchmarkTest(tf.test.TestCase):
-    """benchmarks/pipeline.py run as its users run it, on tiny sizes (about 20 s)."""
+    """benchmarks/pipeline.py run as its users run it, on tiny sizes (about 20 s, and
+    about 35 s more for the tied table's GPT-2, most of it tfdbg recording its step)."""
 
     @classmethod
     def setUpClass(cls):
@@ -246,7 +247,7 @@ class PipelineBenchmarkTest(tf.test.TestCase):
              "--warmup_steps=0", "--trace_steps=2", "--global_batch_size=8",
              "--input_shape=" + ",".join(map(str, cls.input_shape)),
              "--tied_layers=2", "--tied_vocab=40", "--tied_heads=2", "--tied_width=8",
-             "--tied_length=4", "--tied_batch_size=4", "--tied_micro_batches=1,2",
+             "--tied_length=4", "--tied_batch_size=4", "--tied_micro_batches=2",
              f"--output_dir={cls.output_dir}"],
             capture_output=True, text=True, cwd=ROOT, timeout=240,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
@@ -299,9 +300,10 @@ class PipelineBenchmarkTest(tf.test.TestCase):
         self.assertTrue(all(stage_bytes.values()), stage_bytes)  # both stages hold weights
 
     def test_tied_table_moves_once_per_micro_batch_and_its_gradient_once(self):
+        # One measured configuration: tfdbg's record of a keras_hub step takes most of
+        # the seconds this adds.
         rows = self.results["tied_table"]["rows"]
-        self.assertEqual([(r["stages"], r["micro_batches"]) for r in rows],
-                         [(1, 1), (2, 1), (2, 2)])
+        self.assertEqual([(r["stages"], r["micro_batches"]) for r in rows], [(1, 1), (2, 2)])
         self.assertEqual(rows[0]["x_one_device"], 1.0)
         for row in rows[1:]:
             # The table (40 x 8 floats) out to stage 1 per micro-batch, its gradient back.
