@@ -3,9 +3,9 @@ bytes of variables and optimizer slots per device and its step time, next to the
 unsplit block's, timed interleaved in one run; the same for keras_hub's GPT-2 split by
 a plan of layer paths, with the bytes each step moves against the formula;
 keras_hub's Mistral, its grouped-query attention split by heads or by its projections
-(grouped_heads.py); a vocab-split LM head's loss with its logits gathered or kept split (vocab_loss.py);
-and the 1M-row embedding step, its rows looked up where the table lives, against one
-device and against copying the table to every tower."""
+(grouped_heads.py); a vocab-split LM head's loss with its logits gathered or kept
+split (vocab_loss.py); and the 1M-row embedding step, its rows looked up where the
+table lives, against one device and against copying the table to every tower."""
 
 import collections
 import functools
