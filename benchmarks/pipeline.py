@@ -9,8 +9,12 @@ and trained with M micro-batches. Writes DIR/results.json, DIR/results.md (step
 time, measured bubble next to (K-1)/(M+K-1), bytes of variables per device)
 and DIR/timeline.png (one row per stage device, one box per micro-batch's
 forward and backward, for --timeline=K,M under gpipe and 1f1b, over their
-ideal timetables). Traces and compiled graphs stay under DIR/trace. The work
-is in benchmarks/harness/pipeline.py; this file only reads the flags.
+ideal timetables). Traces and compiled graphs stay under DIR/trace. Also
+keras_hub's GPT-2 (--tied_* sizes, random weights) on 1 tower x 2 stages, its
+tied token table looked up in stage 0 and read by stage 1's LM head: the bytes
+a step moves, the table's share next to its formula, and the step time against
+one device. The work is in benchmarks/harness/pipeline.py and tied_table.py;
+this file only reads the flags.
 """
 
 import os
@@ -58,6 +62,20 @@ DEVICE_TYPE = flags.DEFINE_enum("device_type", "auto", towers.devices.DEVICE_TYP
                                 "Stage device kind; auto = GPUs if any, else logical CPU devices.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights (the same in every configuration) "
                             "and of the synthetic data.")
+TIED_LAYERS = flags.DEFINE_integer("tied_layers", 2, "Transformer blocks of keras_hub's GPT-2 "
+                                   "whose tied table two stages share; 0 skips it.",
+                                   lower_bound=0)
+TIED_MICRO_BATCHES = flags.DEFINE_list("tied_micro_batches", ["1", "2"],
+                                       "Micro-batch counts M of GPT-2 on 2 stages.")
+TIED_VOCAB = flags.DEFINE_integer("tied_vocab", 8192, "GPT-2's vocabulary (the table's rows).",
+                                  lower_bound=1)
+TIED_HEADS = flags.DEFINE_integer("tied_heads", 4, "GPT-2's attention heads.", lower_bound=1)
+TIED_WIDTH = flags.DEFINE_integer("tied_width", 128, "GPT-2's hidden width (divisible by "
+                                  "--tied_heads; feed-forward 4x).", lower_bound=1)
+TIED_LENGTH = flags.DEFINE_integer("tied_length", 64, "GPT-2's tokens per sequence.",
+                                   lower_bound=1)
+TIED_BATCH_SIZE = flags.DEFINE_integer("tied_batch_size", 8, "GPT-2's sequences per step.",
+                                       lower_bound=1)
 OUTPUT_DIR = flags.DEFINE_string("output_dir", "benchmarks/results/pipeline",
                                  "Where results.json, results.md, timeline.png and trace/ go.")
 
@@ -74,9 +92,17 @@ def _positive_ints(values, count=None):
 
 
 for _name, _count, _example in (("stages", None, "1,2,4"), ("micro_batches", None, "1,2,4,8"),
+                                ("tied_micro_batches", None, "1,2"),
                                 ("timeline", 2, "4,4 (K,M)"), ("input_shape", 3, "32,32,3")):
     flags.register_validator(_name, lambda v, count=_count: _positive_ints(v, count) is not None,
                              f"must be comma-separated positive integers, e.g. {_example}")
+flags.register_multi_flags_validator(
+    ["tied_layers", "tied_width", "tied_heads", "tied_batch_size", "tied_micro_batches"],
+    lambda f: not f["tied_layers"] or not _positive_ints(f["tied_micro_batches"]) or (
+        f["tied_width"] % f["tied_heads"] == 0
+        and f["tied_batch_size"] >= max(_positive_ints(f["tied_micro_batches"]))),
+    "--tied_width must be divisible by --tied_heads, and --tied_batch_size at least the "
+    "largest --tied_micro_batches (every micro-batch needs a sequence)")
 flags.register_multi_flags_validator(
     ["steps", "rounds"], lambda f: f["rounds"] <= f["steps"],
     "--rounds must be at most --steps (each round times at least one step)")
@@ -97,15 +123,22 @@ def main(argv):
     # step function "retraced" 5 times in a row is expected here.
     tf.get_logger().setLevel("ERROR")
     try:
-        devices = towers.configure_devices(NUM_TOWERS.value * max(stages + timeline[:1]),
-                                           DEVICE_TYPE.value)  # before TensorFlow starts
+        tied = None
+        if TIED_LAYERS.value:
+            tied = {"micro_batches": _positive_ints(TIED_MICRO_BATCHES.value),
+                    "vocab": TIED_VOCAB.value, "layers": TIED_LAYERS.value,
+                    "heads": TIED_HEADS.value, "width": TIED_WIDTH.value,
+                    "length": TIED_LENGTH.value, "global_batch_size": TIED_BATCH_SIZE.value}
+        devices = towers.configure_devices(
+            max(NUM_TOWERS.value * max(stages + timeline[:1]), 2 if tied else 1),
+            DEVICE_TYPE.value)  # before TensorFlow starts
         results = pipeline_harness.run_pipeline_benchmark(
             MODEL.value, stages, _positive_ints(MICRO_BATCHES.value), devices, OUTPUT_DIR.value,
             schedule_name=SCHEDULE.value, num_towers=NUM_TOWERS.value,
             global_batch_size=GLOBAL_BATCH_SIZE.value, steps=STEPS.value,
             warmup_steps=WARMUP_STEPS.value, rounds=ROUNDS.value, trace_steps=TRACE_STEPS.value,
             timeline=tuple(timeline), input_shape=tuple(_positive_ints(INPUT_SHAPE.value, 3)),
-            seed=SEED.value)
+            seed=SEED.value, tied=tied)
     except (ValueError, towers.DeviceConfigError) as error:
         print(f"pipeline: error: {error}", file=sys.stderr)
         return 1

@@ -233,7 +233,8 @@ class UserModelBenchmarkTest(tf.test.TestCase):
 
 
 class PipelineBenchmarkTest(tf.test.TestCase):
-    """benchmarks/pipeline.py run as its users run it, on tiny sizes (about 20 s)."""
+    """benchmarks/pipeline.py run as its users run it, on tiny sizes (about 20 s, and
+    about 35 s more for the tied table's GPT-2, most of it tfdbg recording its step)."""
 
     @classmethod
     def setUpClass(cls):
@@ -245,6 +246,8 @@ class PipelineBenchmarkTest(tf.test.TestCase):
              "--stages=1,2", "--micro_batches=1,2", "--timeline=2,2", "--steps=2", "--rounds=1",
              "--warmup_steps=0", "--trace_steps=2", "--global_batch_size=8",
              "--input_shape=" + ",".join(map(str, cls.input_shape)),
+             "--tied_layers=2", "--tied_vocab=40", "--tied_heads=2", "--tied_width=8",
+             "--tied_length=4", "--tied_batch_size=4", "--tied_micro_batches=2",
              f"--output_dir={cls.output_dir}"],
             capture_output=True, text=True, cwd=ROOT, timeout=240,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
@@ -296,6 +299,20 @@ class PipelineBenchmarkTest(tf.test.TestCase):
         stage_bytes = self.rows[2, 2, "gpipe"]["bytes_per_device"]
         self.assertTrue(all(stage_bytes.values()), stage_bytes)  # both stages hold weights
 
+    def test_tied_table_moves_once_per_micro_batch_and_its_gradient_once(self):
+        # One measured configuration: tfdbg's record of a keras_hub step takes most of
+        # the seconds this adds.
+        rows = self.results["tied_table"]["rows"]
+        self.assertEqual([(r["stages"], r["micro_batches"]) for r in rows], [(1, 1), (2, 2)])
+        self.assertEqual(rows[0]["x_one_device"], 1.0)
+        for row in rows[1:]:
+            # The table (40 x 8 floats) out to stage 1 per micro-batch, its gradient back.
+            self.assertEqual(row["moved_table"], (row["micro_batches"] + 1) * 40 * 8 * 4)
+            self.assertEqual(row["moved"], row["formula"])
+            self.assertGreater(row["median_ms"], 0.0)
+        with open(os.path.join(self.output_dir, "results.md")) as f:
+            self.assertIn("## A layer called in two stages", f.read())
+
     def test_timeline_boxes_one_per_micro_batch_forward_and_backward(self):
         for schedule in ("gpipe", "1f1b"):
             boxes = self.rows[2, 2, schedule]["boxes"]
@@ -334,6 +351,25 @@ class OpParallelHubAndVocabLossTest(tf.test.TestCase):
         row = results["rows"][0]
         self.assertEqual(row["gathered_columns"], 0)
         self.assertAllClose(row["moved"], row["formula"], rtol=0.05)
+
+    def test_grouped_query_attention_moves_what_the_formula_says_both_ways(self):
+        from benchmarks.harness import grouped_heads
+        results = grouped_heads.run_grouped_heads_benchmark(
+            [2], DEVICES, vocab=40, layers=1, query_heads=4, kv_heads=2, width=8,
+            intermediate=8, length=4, global_batch_size=2, steps=1, rounds=1)
+        rows = {row["plan"]: row for row in results["rows"]}
+        self.assertEqual(list(rows), ["unsplit", "heads", "projections"])
+        self.assertEqual((rows["unsplit"]["moved"], rows["unsplit"]["x_unsplit"]), (0, 1.0))
+        # 8 tokens of width 8, heads of 2: heads sends h (8 x 8) to part 1 and its
+        # partial output back, and both gradients, and the mask (2 x 4 x 4 int32) once;
+        # projections also sends q, k, v's part-1 heads (2 query, 1 key/value) back, the
+        # output's slice (2 heads) out, their gradients, and the gradient of h from each
+        # of the three column splits back. Adam's 12 bytes to each of the 4 kernels.
+        adam = 4 * 12
+        self.assertEqual(rows["heads"]["moved"], 4 * 8 * 8 * 4 + 4 * 2 * 4 * 4 + adam)
+        self.assertEqual(rows["projections"]["moved"], 4 * 8 * (6 * 8 + 4 * (2 + 1) * 2) + adam)
+        for row in rows.values():
+            self.assertEqual(row["moved"], row["formula"], row["plan"])
 
     def test_vocab_loss_both_ways_equal_one_device_and_move_what_the_formula_says(self):
         from benchmarks.harness import vocab_loss

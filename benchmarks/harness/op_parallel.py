@@ -1,10 +1,11 @@
 """run_op_parallel_benchmark: a transformer block split into T parts, for each T its
 bytes of variables and optimizer slots per device and its step time, next to the
 unsplit block's, timed interleaved in one run; the same for keras_hub's GPT-2 split by
-a plan of layer paths, with the bytes each step moves against the formula; a
-vocab-split LM head's loss with its logits gathered or kept split (vocab_loss.py);
-and the 1M-row embedding step, its rows looked up where the table lives, against one
-device and against copying the table to every tower."""
+a plan of layer paths, with the bytes each step moves against the formula;
+keras_hub's Mistral, its grouped-query attention split by heads or by its projections
+(grouped_heads.py); a vocab-split LM head's loss with its logits gathered or kept
+split (vocab_loss.py); and the 1M-row embedding step, its rows looked up where the
+table lives, against one device and against copying the table to every tower."""
 
 import collections
 import functools
@@ -15,8 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 import towers
-from benchmarks.harness import (measure, mode as mode_lib, report, split_bytes, transfers,
-                                vocab_loss as vocab_loss_lib)
+# grouped_heads builds on run_plans and lm_batch here: each module imports the other and
+# uses it only when called.
+from benchmarks.harness import (grouped_heads as grouped_heads_lib, measure, mode as mode_lib,
+                                report, split_bytes, transfers, vocab_loss as vocab_loss_lib)
 from towers.op_parallel import dense as op_dense, layers as op_layers
 
 PLAN = {"table": "vocab", "att": "heads", "up": "column", "down": "row"}
@@ -50,13 +53,15 @@ def transformer_block(vocab, width, heads, hidden, length, seed=0):
 def run_op_parallel_benchmark(parts, devices, output_dir, *, vocab=20000, width=64, heads=4,
                               hidden=256, length=16, global_batch_size=64, steps=50, rounds=5,
                               seed=0, embedding_rows=1_000_000, embedding_towers=4, hub=None,
-                              vocab_loss=None):
+                              grouped_heads=None, vocab_loss=None):
     """Every T in `parts` (1 = the unsplit block) on devices[:T]; keras_hub's GPT-2 at
     the same T (run_hub_benchmark with the sizes in `hub`, a dict of its keyword
-    arguments; None skips it); the LM head's loss both ways (vocab_loss.
-    run_vocab_loss_benchmark with `vocab_loss`'s keyword arguments; None skips it); and
-    the embedding step (run_embedding_benchmark; embedding_rows 0 skips it). Returns the
-    results dict and writes results.json and results.md to output_dir."""
+    arguments; None skips it); keras_hub's Mistral, its grouped-query attention split by
+    heads and by its projections (grouped_heads.run_grouped_heads_benchmark with the
+    keyword arguments in `grouped_heads`; None skips it); the LM head's loss both ways
+    (vocab_loss.run_vocab_loss_benchmark with `vocab_loss`'s keyword arguments; None
+    skips it); and the embedding step (run_embedding_benchmark; embedding_rows 0 skips
+    it). Returns the results dict and writes results.json and results.md to output_dir."""
     rng = np.random.default_rng(seed)
     batch = (tf.constant(rng.integers(0, vocab, (global_batch_size, length), dtype=np.int32)),
              tf.constant(rng.integers(0, 10, global_batch_size)))
@@ -75,6 +80,9 @@ def run_op_parallel_benchmark(parts, devices, output_dir, *, vocab=20000, width=
     if hub is not None:
         results["hub"] = run_hub_benchmark(parts, devices, **hub, steps=steps, rounds=rounds,
                                            seed=seed)
+    if grouped_heads is not None:
+        results["grouped_heads"] = grouped_heads_lib.run_grouped_heads_benchmark(
+            devices=devices, **grouped_heads, steps=steps, rounds=rounds, seed=seed)
     if vocab_loss is not None:
         results["vocab_loss"] = vocab_loss_lib.run_vocab_loss_benchmark(
             devices, **vocab_loss, rounds=rounds, seed=seed)
@@ -90,17 +98,23 @@ def run_op_parallel_benchmark(parts, devices, output_dir, *, vocab=20000, width=
 
 def run_splits(make_model, plan, batch, parts, devices, *, steps, rounds, seed,
                bytes_moved=False):
-    """Each T in `parts`: make_model() built on devices[0], split by `plan` on
+    """Each T in `parts` (T = 1: unsplit) split by `plan`: run_plans."""
+    return run_plans(make_model, [(num_parts, plan) for num_parts in parts], batch, devices,
+                     steps=steps, rounds=rounds, seed=seed, bytes_moved=bytes_moved)
+
+
+def run_plans(make_model, splits, batch, devices, *, steps, rounds, seed, bytes_moved=False):
+    """Each (T, plan) in `splits`: make_model() built on devices[0], split by `plan` on
     devices[:T] (T = 1: unsplit), trained on one tower (sparse cross-entropy from
-    logits, Adam) on `batch`, all timed interleaved. Returns one row per T: {"parts",
+    logits, Adam) on `batch`, all timed interleaved. Returns one row per split: {"parts",
     "bytes_per_device" (_bytes_per_device), median_ms..., "x_unsplit" (over the first
-    T's median)}; with bytes_moved, also "moved" (bytes one step sends between
+    split's median)}; with bytes_moved, also "moved" (bytes one step sends between
     devices, transfers.trainer_step_bytes), "variables_elsewhere" (trainable variables
     not on devices[0]) and "gathered_columns" (column splits whose activation towers
     does not know to be elementwise: their output is gathered, activated on the tower
     and split again for the row layer after, dense.ColumnDense.call)."""
     built, rows = [], []
-    for num_parts in parts:
+    for num_parts, plan in splits:
         with tf.device(devices[0]):
             model = make_model()
         if num_parts > 1:
@@ -121,6 +135,8 @@ def run_splits(make_model, plan, batch, parts, devices, *, steps, rounds, seed,
                 isinstance(layer, op_dense.ColumnDense)
                 and not op_dense.is_elementwise(layer.activation)
                 for layer in towers.compat.nested_layers(trainer.model))
+    for mode in built:  # a step's first call after the others were built is slow once
+        mode.run(1)
     base = None
     for row, samples in zip(rows, measure.time_interleaved(built, steps, rounds, seed)):
         row.update(measure.step_time_stats(samples))
@@ -187,18 +203,14 @@ def run_hub_benchmark(parts, devices, *, vocab=8192, layers=2, heads=4, width=12
     each T's bytes moved per step measured and by hub_formula_bytes, as split
     ("formula") and with every column -> row pair paired ("formula_paired"). Returns
     {"config", "rows"}."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, (global_batch_size, length + 1), dtype=np.int32)
-    batch = ({"token_ids": tf.constant(ids[:, :-1]),
-              "padding_mask": tf.ones((global_batch_size, length), tf.int32)},
-             tf.constant(ids[:, 1:]))
+    ids, batch = lm_batch(vocab, global_batch_size, length, seed)
     sizes = {"vocab": vocab, "layers": layers, "heads": heads, "width": width,
              "intermediate": intermediate, "length": length}
     rows = run_splits(lambda: gpt2(**sizes, seed=seed), HUB_PLAN, batch, parts, devices,
                       steps=steps, rounds=rounds, seed=seed, bytes_moved=True)
     for row in rows:
         formula = functools.partial(
-            hub_formula_bytes, HUB_PLAN, row["parts"], ids[:, :-1], vocab=vocab,
+            hub_formula_bytes, HUB_PLAN, row["parts"], ids, vocab=vocab,
             layers=layers, width=width, intermediate=intermediate,
             variables_elsewhere=row["variables_elsewhere"])
         row["formula"] = formula(gathered_columns=row["gathered_columns"])
@@ -206,6 +218,17 @@ def run_hub_benchmark(parts, devices, *, vocab=8192, layers=2, heads=4, width=12
     return {"config": {**sizes, "global_batch_size": global_batch_size, "plan": HUB_PLAN,
                        "steps": steps, "rounds": rounds},
             "rows": rows}
+
+
+def lm_batch(vocab, global_batch_size, length, seed=0):
+    """(ids, batch): global_batch_size x length random ids (no padding), as a keras_hub
+    causal LM takes them ({"token_ids", "padding_mask"}), labelled with the next ids."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (global_batch_size, length + 1), dtype=np.int32)
+    batch = ({"token_ids": tf.constant(ids[:, :-1]),
+              "padding_mask": tf.ones((global_batch_size, length), tf.int32)},
+             tf.constant(ids[:, 1:]))
+    return ids[:, :-1], batch
 
 
 def bag_of_words(rows, width, length):
@@ -292,6 +315,8 @@ def markdown(results):
         lines += _bytes_markdown(results["bytes"], config)
     if "hub" in results:
         lines += _hub_markdown(results["hub"])
+    if "grouped_heads" in results:
+        lines += grouped_heads_lib.markdown(results["grouped_heads"])
     if "vocab_loss" in results:
         lines += vocab_loss_lib.markdown(results["vocab_loss"])
     if "embedding" in results:

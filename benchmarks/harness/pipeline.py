@@ -19,7 +19,7 @@ from absl import logging
 
 import towers
 from benchmarks.harness import compare, measure, mode as mode_lib, pipeline_profile, report
-from benchmarks.harness import traces
+from benchmarks.harness import tied_table, traces
 from towers.cli import models as models_lib
 from towers.model_parallel import schedule
 
@@ -65,7 +65,7 @@ class _Built:
 def run_pipeline_benchmark(model_name, stages, micro_batches, devices, output_dir, *,
                            schedule_name="gpipe", num_towers=1, global_batch_size=256, steps=30,
                            warmup_steps=3, rounds=5, trace_steps=3, timeline=(4, 4),
-                           input_shape=(32, 32, 3), seed=0):
+                           input_shape=(32, 32, 3), seed=0, tied=None):
     """Times, traces and weighs every (K, M); writes the outputs; returns the results dict.
 
     Args:
@@ -83,9 +83,15 @@ def run_pipeline_benchmark(model_name, stages, micro_batches, devices, output_di
       timeline: (K, M) drawn in timeline.png, under every schedule (added to the
         configurations if not among them).
       input_shape: (H, W, C) of the synthetic images; seed: weights and data.
+      tied: keyword arguments of tied_table.run_tied_table_benchmark (keras_hub's GPT-2,
+        its tied table read in two stages, on devices[:2]); None skips it.
     """
     configs = _configs(stages, micro_batches, schedule_name, timeline)
     _check_arguments(configs, devices, num_towers, global_batch_size, steps, rounds, trace_steps)
+    # Before the sweep: once its graphs were collected and its steps profiled, tfdbg no
+    # longer records the sizes of some tensors a later step sends (transfers.py raises).
+    tied_results = None if tied is None else tied_table.run_tied_table_benchmark(
+        devices[:2], **tied, steps=steps, rounds=rounds, seed=seed)
     rng = np.random.default_rng(seed)
     with tf.device(devices[0]):
         batch = (tf.constant(rng.uniform(size=(global_batch_size, *input_shape)), tf.float32),
@@ -110,6 +116,8 @@ def run_pipeline_benchmark(model_name, stages, micro_batches, devices, output_di
         "machine": measure.machine_info(devices),
         "rows": rows,
     }
+    if tied_results is not None:
+        results["tied_table"] = tied_results
     _write_all(results, output_dir)
     return results
 
@@ -295,4 +303,6 @@ def markdown(results):
             + (" / ".join(f"{v:.2f}" for v in idle.values()) if idle else row["trace_error"])
             + f" | {' / '.join(f'{b / 1024:.0f}' for b in row['bytes_per_device'].values())} | "
             f"{row['ideal_bytes_per_stage'] / 1024:.0f} |")
+    if "tied_table" in results:
+        lines += tied_table.markdown(results["tied_table"])
     return "\n".join(lines) + "\n"
