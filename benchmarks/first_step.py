@@ -11,14 +11,15 @@ process, the order shuffled per round; the tables give medians of seconds since 
 process was launched, to: TensorFlow and Keras imported, towers imported, built, first
 step, first epoch (--steps steps of --batch_size), and a second fit's seconds; then the
 time to the first step at the most towers over Keras's and over one tower's.
-Writes DIR/results.json and DIR/results.md.
+Writes DIR/results.json, DIR/results.md and DIR/first_step.png (fit's share of the
+time to the first step against the number of towers; benchmarks/figures/first_step.png).
 """
 
 import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import child_process, first_step, report  # noqa: E402
@@ -56,6 +57,10 @@ def main(argv):
     text = first_step.markdown(median, ratios, config)
     report.write_json_and_markdown(results, text, OUTPUT_DIR.value)
     print(text)
+    figure = os.path.join(OUTPUT_DIR.value, "first_step.png")
+    if not first_step.draw(median, config, figure):
+        logging.warning("matplotlib is not installed, so %s is not drawn; install it with "
+                        "`pip install matplotlib` (or `pip install -e .[bench]`).", figure)
 
 
 def _checked_flags():

@@ -337,6 +337,9 @@ class FirstStepBenchmarkTest(tf.test.TestCase):
             "first_step"] / medians["mlp/keras/1"]["first_step"])
         with open(os.path.join(output_dir, "results.md")) as f:
             self.assertIn("| mlp | towers | 2 | 2 |", f.read())
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(output_dir, "first_step.png")),
+                         has_matplotlib)
 
 
 class OpParallelHubAndVocabLossTest(tf.test.TestCase):

@@ -233,3 +233,45 @@ def markdown(median, table, config):
         lines.append(f"| {model} | " + " | ".join(
             "–" if row.get(n) is None else f"{row[n]:.2f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
+
+
+def draw(median, config, path):
+    """Per model, fit's share of the time to the first step (first step − built) against
+    the number of towers, Keras on one device and MirroredStrategy as marks beside it;
+    writes a PNG to `path`. Returns False (and draws nothing) without matplotlib."""
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use("Agg")
+        from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        return False
+
+    def share(model, way, n):
+        row = median.get(f"{model}/{way}/{n}")
+        return None if row is None else row["first_step"] - row["built"]
+
+    figure, axis = pyplot.subplots(figsize=(7, 4.5))
+    palette = matplotlib.colormaps["tab10"].colors
+    for color, model in zip(palette, config["models"]):
+        counts = [n for n in config["num_towers"] if share(model, "towers", n) is not None]
+        axis.plot(counts, [share(model, "towers", n) for n in counts], "o-", color=color,
+                  label=f"{model}, towers")
+        base = BASE_MODEL.get(model, model)
+        if model == base and share(model, "keras", 1) is not None:
+            axis.plot([1], [share(model, "keras", 1)], "s", color=color, markersize=9,
+                      markerfacecolor="none", label=f"{model}, Keras fit, 1 device")
+        for n in config["mirrored_towers"] if model == base else []:
+            if share(model, "mirrored", n) is not None:
+                axis.plot([n], [share(model, "mirrored", n)], "x", color=color, markersize=9,
+                          label=f"{model}, MirroredStrategy" if n == config["mirrored_towers"][0]
+                          else None)
+    axis.set(xlabel="towers (logical CPU devices)", xticks=config["num_towers"],
+             ylabel="seconds", title="Time to the first step inside fit (first step − built), "
+                                     f"medians of {config['rounds']} fresh processes")
+    axis.title.set_fontsize(9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+    return True
