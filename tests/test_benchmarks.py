@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from benchmarks.harness import compare, mode as mode_lib, model_setup, modes, phases
+from benchmarks.harness import compare, first_step, mode as mode_lib, model_setup, modes, phases
 from towers.cli import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -325,6 +325,38 @@ class PipelineBenchmarkTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class FirstStepBenchmarkTest(tf.test.TestCase):
+    """benchmarks/first_step.py run as its users run it, on tiny sizes: three fresh
+    processes (Keras on one device, towers on 1 and 2), one round; no speed asserted."""
+
+    def test_every_configuration_reports_its_stamps_in_order_and_the_ratios(self):
+        output_dir = tempfile.mkdtemp(prefix="test_first_step_")
+        self.addCleanup(shutil.rmtree, output_dir, ignore_errors=True)
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "first_step.py"), "--models=mlp",
+             "--num_towers=1,2", "--mirrored_towers=", "--steps=2", "--batch_size=4",
+             "--rounds=1", f"--output_dir={output_dir}"],
+            capture_output=True, text=True, cwd=ROOT, timeout=240,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(os.path.join(output_dir, "results.json")) as f:
+            results = json.load(f)
+        self.assertCountEqual(results["medians"], ["mlp/keras/1", "mlp/towers/1", "mlp/towers/2"])
+        for row in results["medians"].values():
+            stamps = [row[name] for name in first_step.STAMPS]
+            self.assertEqual(stamps, sorted(stamps))  # imported, ..., first epoch: in turn
+            self.assertGreater(row["second_fit"], 0.0)
+        ratios = results["ratios"]["mlp"]
+        medians = results["medians"]
+        self.assertAlmostEqual(ratios["towers_2_over_keras"], medians["mlp/towers/2"][
+            "first_step"] / medians["mlp/keras/1"]["first_step"])
+        with open(os.path.join(output_dir, "results.md")) as f:
+            self.assertIn("| mlp | towers | 2 | 2 |", f.read())
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        self.assertEqual(os.path.exists(os.path.join(output_dir, "first_step.png")),
+                         has_matplotlib)
 
 
 class OpParallelHubAndVocabLossTest(tf.test.TestCase):
