@@ -79,9 +79,9 @@ def _feedforward(block, up, down, gate=None):
 
 
 # The plan each family gets by hand. Its attention "heads" where towers splits its class
-# (Keras's MultiHeadAttention, keras_hub's CachedMultiHeadAttention); Bloom's, Falcon's,
-# DeBERTa's, T5's and Whisper's own classes (Whisper's MultiHeadAttention subclass has
-# its own call) by their projections, along the heads letter of each equation.
+# (Keras's MultiHeadAttention, keras_hub's CachedMultiHeadAttention and Whisper's
+# subclass of it); Bloom's, Falcon's, DeBERTa's and T5's own classes by their
+# projections, along the heads letter of each equation.
 HAND_PLANS = {
     "distil_bert": {"token_and_position_embedding/token_embedding": "vocab", **ENCODER},
     "roberta": {"embeddings/token_embedding": "vocab", **ENCODER},
@@ -127,12 +127,9 @@ HAND_PLANS = {
              **_feedforward("{}/transformer_layer_0", "feedforward_intermediate_dense",
                             "feedforward_output_dense", gate="feedforward_gate_dense")},
     "whisper": {"decoder_token_and_position_embedding/token_embedding": "vocab",
-                **_projections("transformer_encoder_layer_*/self_attention_layer",
-                               query="column:d", output="row:c"),
-                **_projections("transformer_decoder_layer_*/self_attention",
-                               query="column:d", output="row:c"),
-                **_projections("transformer_decoder_layer_*/cross_attention",
-                               query="column:d", output="row:c"),
+                "transformer_encoder_layer_*/self_attention_layer": "heads",
+                "transformer_decoder_layer_*/self_attention": "heads",
+                "transformer_decoder_layer_*/cross_attention": "heads",
                 **_feedforward("transformer_encoder_layer_*", "feedforward_intermediate_dense",
                                "feedforward_output_dense"),
                 **_feedforward("transformer_decoder_layer_*", "feedforward_intermediate_dense",
