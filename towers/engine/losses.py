@@ -67,7 +67,7 @@ class Objective:
         terms whose denominator is counted (a Keras mask on the output).
       sparse_targets: None before the first call of `terms`, then the indices in
         tf.nest.flatten(y_true) of the targets a sparse categorical crossentropy
-        term reads (class ids; `check_sparse_labels`).
+        term reads (class ids; `sparse_labels.check_sparse_labels`).
       model_loss_forms: None (every term of model.losses counts as a mean over
         rows), or {key: model_losses.MEAN or SUM} per loss the model adds in its
         call, as measured on the first batch (training/model_loss_forms.py).
@@ -207,55 +207,6 @@ def _term(loss, values, weight, mask):
     mask_size = tf.cast(tf.size(mask), tf.float32)
     valid = tf.reduce_sum(tf.cast(mask, tf.float32))
     return Term(total, tf.math.divide_no_nan(rows * per_row * valid, mask_size), None)
-
-
-def check_sparse_labels(objective, y_true):
-    """Raises ValueError if a sparse categorical crossentropy term's labels are floats
-    that are not whole numbers, which Keras would cast to class ids silently (1.7 -> 1).
-
-    Eager, once per batch structure (its first batch: nothing per step), after
-    `objective.terms` was called with targets of y_true's structure. Whole-number
-    floats are class ids.
-    """
-    targets = tf.nest.flatten(y_true)
-    for index in objective.sparse_targets or ():
-        labels = tf.convert_to_tensor(targets[index])
-        if not labels.dtype.is_floating:
-            continue
-        not_whole = tf.boolean_mask(labels, tf.not_equal(labels, tf.round(labels)))
-        if tf.size(not_whole):
-            which = f" (target {index} of {len(targets)})" if len(targets) > 1 else ""
-            raise ValueError(
-                f"the labels{which} of a sparse categorical crossentropy loss are "
-                f"{labels.dtype.name} and hold {float(not_whole[0]):g}, not a class id; give "
-                "whole-number class ids 0..num_classes-1 (integers), or one-hot targets with "
-                "categorical_crossentropy.")
-
-
-def first_fractional_label(objective, y_true):
-    """check_sparse_labels for labels read only when a step runs, in its graph: the
-    first float label of a sparse categorical crossentropy term that is not a whole
-    number, as a float32 scalar, NaN where every one is; None where no such term reads
-    float labels (nothing to check). A step's labels after the first batch of their
-    structure are checked so, at the cost of a comparison of the labels."""
-    targets = tf.nest.flatten(y_true)
-    fractional = []
-    for index in objective.sparse_targets or ():
-        labels = targets[index]
-        if labels.dtype.is_floating:
-            flat = tf.reshape(tf.cast(labels, tf.float32), [-1])
-            fractional.append(tf.boolean_mask(flat, tf.not_equal(flat, tf.round(flat))))
-    if not fractional:
-        return None
-    return tf.concat(fractional + [[float("nan")]], 0)[0]
-
-
-def fractional_label_error(value):
-    """check_sparse_labels' error for a label `value` found by first_fractional_label."""
-    return ValueError(
-        f"the labels of a sparse categorical crossentropy loss hold {value:g}, not a class "
-        "id; give whole-number class ids 0..num_classes-1 (integers), or one-hot targets "
-        "with categorical_crossentropy. Nothing of that batch was applied.")
 
 
 def with_masks(outputs):

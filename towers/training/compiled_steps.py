@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, split
-from towers.engine import forward, losses
+from towers.engine import forward, sparse_labels
 from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.placement import worker_owners
@@ -100,19 +100,14 @@ def loss_scale(optimizer):
 
 
 def _fractional_label(trainer, batch):
-    """losses.first_fractional_label of the batch's labels (each shard's), on the main
-    device; None where no loss reads float class ids, or with a cluster."""
+    """sparse_labels.first_fractional_label of the batch's labels (every shard's), on the
+    main device; None where no loss reads float class ids, or with a cluster."""
     if trainer.cluster is not None:  # each worker has only its own labels: not yet
         return None
     parts = list(batch) if isinstance(batch, split.Shards) else [batch]
     with tf.device(trainer.setup.main_device):
-        found = [losses.first_fractional_label(trainer.objective, split.unpack_batch(part)[1])
-                 for part in parts]
-        found = [value for value in found if value is not None]
-        if not found:
-            return None
-        values = tf.stack(found)
-        return tf.concat([values[~tf.math.is_nan(values)], [float("nan")]], 0)[0]
+        return sparse_labels.first_fractional_label(
+            trainer.objective, [split.unpack_batch(part)[1] for part in parts])
 
 
 def _check_some_gradient(trainer, result):

@@ -12,7 +12,7 @@ from absl import logging
 
 from towers import compat, devices as devices_lib, errors
 from towers.data_parallel import split
-from towers.engine import forward, losses, tower
+from towers.engine import forward, losses, sparse_labels, tower
 from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import plan as op_plan
@@ -36,7 +36,7 @@ def set_up(trainer, batch):
         trainer.objective.model_loss_forms = model_loss_forms.measure(
             trainer.model, _inputs(shards, first_shard), trainer.cluster)
         for shard in shards:  # the whole first batch's labels, once
-            losses.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
+            sparse_labels.check_sparse_labels(trainer.objective, split.unpack_batch(shard)[1])
         trainer.metrics.build(y, outputs, sample_weight)
         check_model(trainer)
         trainer.setup = dataclasses.replace(trainer.setup, dense_choices=(
@@ -151,7 +151,7 @@ def check_batch(trainer, batch):
             if len(parts[0]) == 1:  # predict's (x,): no labels
                 return
             for part in parts:
-                losses.check_sparse_labels(trainer.objective, split.unpack_batch(part)[1])
+                sparse_labels.check_sparse_labels(trainer.objective, split.unpack_batch(part)[1])
 
 
 def check_spec(trainer, spec):

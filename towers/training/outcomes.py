@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from towers.engine import losses
+from towers.engine import sparse_labels
 from towers.errors import NonFiniteError
 
 
@@ -74,4 +74,4 @@ def check_weights_finite(trainer):
 def _check_labels(logs):
     value = logs.pop("fractional_label", math.nan)
     if not math.isnan(value):
-        raise losses.fractional_label_error(value)
+        raise sparse_labels.fractional_label_error(value)
