@@ -23,7 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from towers.cli import models
-from towers.training import checkpoint_folder
+from towers.training import checkpoint_folder, run_record
 
 KERAS_SUFFIX = ".keras"
 FORMS = (f"a built-in model ({'|'.join(models.MODELS)}), PACKAGE.MODULE:FUNCTION (your "
@@ -230,9 +230,7 @@ def claim_checkpoint_dir(directory, spec, writer=True):
         if writer:
             try:
                 os.makedirs(directory, exist_ok=True)
-                with open(record + ".tmp", "w") as f:
-                    json.dump({"model": name}, f)
-                os.replace(record + ".tmp", record)  # atomic: never a half-written record
+                run_record.write_json(record, {"model": name})
             except OSError as error:
                 raise ValueError(f"cannot write {record}: {error.strerror or error}; choose a "
                                  "writable checkpoint directory.") from None

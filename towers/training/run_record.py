@@ -138,13 +138,19 @@ def changes(recorded, current, prefix):
 
 
 def write(directory, record):
-    """Writes `record` as the folder's RECORD_FILE, atomically; no temporary file is
-    left behind, written or not."""
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{RECORD_FILE}.", suffix=".tmp")
+    """Writes `record` as the folder's RECORD_FILE (write_json)."""
+    write_json(os.path.join(directory, RECORD_FILE), record)
+
+
+def write_json(path, value):
+    """Writes `value` as JSON to `path` atomically (a temporary file beside it renamed
+    over it: never half a file); no temporary file is left behind, written or not."""
+    folder, name = os.path.split(path)
+    handle, temporary = tempfile.mkstemp(dir=folder or ".", prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(temporary, os.path.join(directory, RECORD_FILE))
+            json.dump(value, f, indent=1)
+        os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
