@@ -9,6 +9,8 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import towers
+from towers import compat
+from towers.training import graph_rewrites
 from benchmarks.harness import transfers
 from tests import reference
 
@@ -259,3 +261,57 @@ class StepBytesTest(tf.test.TestCase, parameterized.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class GraphRewritesTest(tf.test.TestCase):
+    """training/graph_rewrites.py: a trainer's functions are optimised by one grappler
+    pass, without the memory optimiser on CPUs, and nothing else is touched."""
+
+    def _rewrite_options(self):
+        config = tf.compat.v1.ConfigProto.FromString(compat.current_call_config())
+        return config.graph_options.rewrite_options
+
+    def test_one_pass_and_no_memory_optimiser_on_cpus_only_within_calls(self):
+        RewriterConfig = graph_rewrites.RewriterConfig
+        before = self._rewrite_options()
+        with graph_rewrites.GraphRewrites(DEVICES).calls():
+            within = self._rewrite_options()
+        self.assertEqual(within.meta_optimizer_iterations, RewriterConfig.ONE)
+        self.assertEqual(within.memory_optimization, RewriterConfig.NO_MEM_OPT)
+        self.assertEqual(self._rewrite_options(), before)  # the thread's own, back
+
+        on_gpu = RewriterConfig()
+        graph_rewrites.GraphRewrites(DEVICES + ["/device:GPU:0"]).edit(on_gpu)
+        self.assertEqual(on_gpu.memory_optimization, RewriterConfig.DEFAULT_MEM_OPT)
+        chosen = RewriterConfig(meta_optimizer_iterations=RewriterConfig.TWO,
+                                memory_optimization=RewriterConfig.MANUAL)
+        graph_rewrites.GraphRewrites(DEVICES).edit(chosen)  # set on purpose: kept
+        self.assertEqual((chosen.meta_optimizer_iterations, chosen.memory_optimization),
+                         (RewriterConfig.TWO, RewriterConfig.MANUAL))
+
+    def test_steps_are_optimised_with_the_rewrites_and_equal_single_steps(self):
+        """An in-graph loop is traced inside its call: its layers see the call's options."""
+        seen = []
+
+        class Recording(keras.layers.Layer):
+            def call(inner, x):
+                seen.append(self._rewrite_options().meta_optimizer_iterations)
+                return x
+
+        def model():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([keras.Input((reference.NUM_FEATURES,)), Recording(),
+                                     keras.layers.Dense(reference.NUM_CLASSES)])
+
+        batches = reference.make_batches(12, num_steps=3)
+        looped, single = _trainer(model()), _trainer(model())
+        dataset = tf.data.Dataset.from_tensor_slices(
+            tuple(np.concatenate(part) for part in zip(*batches)))
+        iterator = iter(dataset.batch(12))
+        while looped.train_steps(iterator, 2)["steps"]:
+            pass
+        for batch in batches:
+            single.train_step(batch)
+        self.assertIn(graph_rewrites.RewriterConfig.ONE, seen)
+        for want, got in zip(single.model.weights, looped.model.weights):
+            self.assertAllClose(want, got, atol=1e-6)

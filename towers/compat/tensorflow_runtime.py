@@ -1,7 +1,9 @@
 """Private TensorFlow names, each beside the public alternative it stands in for
 (towers/compat/__init__.py says why they live here)."""
 
-from tensorflow.core.protobuf import trackable_object_graph_pb2
+import contextlib
+
+from tensorflow.core.protobuf import config_pb2, trackable_object_graph_pb2
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.training.saving import saveable_object_util
@@ -25,6 +27,41 @@ def eager_runtime():
     the collective group leader nor device filters, and has no abort or health check.
     """
     return eager_context.context()
+
+
+def call_options_edited(edit):
+    """The options a tf.function called eagerly on this thread now is run with (its
+    first call optimises its graph by them), its config's RewriterConfig (grappler's
+    settings) changed by edit(rewriter_config) in place; for calls_with.
+
+    Private: the eager context's thread-local FunctionCallOptions. Public alternative:
+    tf.config.optimizer.set_experimental_options, which sets the whole process's
+    grappler options (every function of the user's too) and not the number of its
+    passes.
+    """
+    config = config_pb2.ConfigProto.FromString(
+        eager_context.context().function_call_options.config_proto_serialized)
+    edit(config.graph_options.rewrite_options)
+    return eager_context.FunctionCallOptions(config_proto=config)
+
+
+def current_call_config():
+    """The serialized ConfigProto a tf.function called eagerly now is run with (the
+    process's, with the user's tf.config settings): what call_options_edited edits."""
+    return eager_context.context().function_call_options.config_proto_serialized
+
+
+@contextlib.contextmanager
+def calls_with(options):
+    """Within it, a tf.function called eagerly on this thread runs with `options` (from
+    call_options_edited); the thread's own are back on exit."""
+    context = eager_context.context()
+    previous = context.function_call_options
+    context.function_call_options = options
+    try:
+        yield
+    finally:
+        context.function_call_options = previous
 
 
 def gather_hooks(params, gather):

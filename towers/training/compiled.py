@@ -26,10 +26,12 @@ class CompiledFunctions:
 
     `tracing`: fn() -> a context manager entered wherever a function may be traced
     (placement.step_hooks): a traced graph keeps what it placed, and runs without it.
+    `calling`: fn() -> a context manager entered around every call (the first
+    optimises the function's graph: graph_rewrites.GraphRewrites.calls).
     """
 
-    def __init__(self, tracing):
-        self._tracing = tracing
+    def __init__(self, tracing, calling):
+        self._tracing, self._calling = tracing, calling
         self._functions = {}  # key -> tf.function
         self._graphs = {}  # key -> its one traced graph (functions of a batch)
         self._log_names = {}  # key -> the names of its packed logs, in order
@@ -92,12 +94,13 @@ class CompiledFunctions:
     def call(self, key, *args):
         """Calls the function of `key`; its logs come back as Python floats (a function
         compiled with packed=False: its outputs, as NumPy arrays in their nest)."""
-        if key in self._graphs:
-            # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
-            result = self._graphs[key](*args)
-        else:
-            with self._tracing():  # a function added (not traced) yet traces when called
-                result = self._functions[key](*args)
+        with self._calling():
+            if key in self._graphs:
+                # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
+                result = self._graphs[key](*args)
+            else:
+                with self._tracing():  # a function added (not traced) yet traces when called
+                    result = self._functions[key](*args)
         if key not in self._log_names:
             return tf.nest.map_structure(lambda t: t.numpy(), result)
         values = result.numpy()  # the call's one device-to-host read

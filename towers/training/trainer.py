@@ -14,9 +14,9 @@ from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import arguments, callbacks as callbacks_lib, compiled, compiled_steps
-from towers.training import executions, first_batch, inputs, loop, metrics as metrics_lib
-from towers.training import on_batch, outcomes, overrides, placement, predict as predict_lib
-from towers.training import prefetch
+from towers.training import executions, first_batch, graph_rewrites, inputs, loop
+from towers.training import metrics as metrics_lib, on_batch, outcomes, overrides, placement
+from towers.training import predict as predict_lib, prefetch
 from towers.training import recompute as recompute_lib, trainable, worker_signals
 
 
@@ -389,5 +389,8 @@ class TowerTrainer:
             self._compiled = self._no_compiled_functions()
 
     def _no_compiled_functions(self):
-        """A fresh set of compiled functions: traced under the step's hooks (placement)."""
-        return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self))
+        """A fresh set of compiled functions: traced under the step's hooks (placement),
+        optimised with graph_rewrites'."""
+        rewrites = graph_rewrites.GraphRewrites(self.setup.mesh.all_devices() + [self.main_device])
+        return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self),
+                                          rewrites.calls)
