@@ -182,31 +182,33 @@ def plain_keras_steps(model, optimizer, loss, batch):
 
 def traced_nodes(trainer):
     """The NodeDefs of every function a TowerTrainer has traced, a nested function's (a
-    tf.cond's branches, the tower's work traced once and called on each tower) once per
-    call, each node's device set to its caller's where it names none (as the runtime
-    places it)."""
+    tf.cond's branches, the tower's work traced once and called on each tower, or a
+    tower's copy of it) once per call, each named under its caller's name and on its
+    caller's device where it names none (as the runtime inlines and places it)."""
     nodes = []
     for function in trainer._compiled.functions():
         for concrete in function._list_all_concrete_functions():
             graph = concrete.graph.as_graph_def()
             library = {f.signature.name: f for f in graph.library.function}
-            nodes += _called_nodes(graph.node, library, "")
+            nodes += _called_nodes(graph.node, library, "", "")
     return nodes
 
 
-def _called_nodes(nodes, library, device):
-    """`nodes` and those of the library functions they call, each on `device` where it
-    names none."""
+def _called_nodes(nodes, library, device, scope):
+    """`nodes` and those of the library functions they call, each named `scope` + its
+    name and on `device` where it names none."""
     called = []
     for node in nodes:
-        if not node.device and device:
+        if (not node.device and device) or scope:
             node = copy.deepcopy(node)
-            node.device = device
+            node.device = node.device or device
+            node.name = scope + node.name
         called.append(node)
         for value in node.attr.values():
             for name in [value.func.name] + [f.name for f in value.list.func]:
                 if name in library:
-                    called += _called_nodes(library[name].node_def, library, node.device)
+                    called += _called_nodes(library[name].node_def, library, node.device,
+                                            node.name + "/")
     return called
 
 

@@ -332,18 +332,15 @@ class GridTest(tf.test.TestCase, parameterized.TestCase):
         # put the backward on the tower's device).
         placed, wholes = collections.defaultdict(set), {
             name: j for name, j in plan.items() if isinstance(j, int)}
-        for function in trainer._compiled.functions():
-            for concrete in function._list_all_concrete_functions():
-                for op in concrete.graph.get_operations():
-                    tower = re.search(r"tower_(\d+)/", op.name)
-                    part = re.search(r"/part_(\d+)(_\d+)?/", op.name) or next(
-                        (j for name, j in wholes.items()
-                         if re.search(f"/{name}(_\\d+)?/", op.name)), None)
-                    if tower and part is not None and op.type in ("MatMul", "BatchMatMulV2"):
-                        j = part if isinstance(part, int) else int(part[1])
-                        backward = op.name.startswith("gradient_tape/")
-                        placed[int(tower[1]), j, backward].add(
-                            towers.devices.canonical_name(op.device))
+        for node in reference.traced_nodes(trainer):  # the towers' work, in each copy
+            tower = re.search(r"tower_(\d+)/", node.name)
+            part = re.search(r"/part_(\d+)(_\d+)?/", node.name) or next(
+                (j for name, j in wholes.items()
+                 if re.search(f"/{name}(_\\d+)?/", node.name)), None)
+            if tower and part is not None and node.op in ("MatMul", "BatchMatMulV2"):
+                j = part if isinstance(part, int) else int(part[1])
+                backward = "gradient_tape/" in node.name
+                placed[int(tower[1]), j, backward].add(towers.devices.canonical_name(node.device))
         parts = set(wholes.values()) if len(wholes) == len(plan) else range(len(rows[0]))
         self.assertEqual(set(placed), {(i, j, backward) for i in range(2) for j in parts
                                        for backward in (False, True)})

@@ -315,3 +315,68 @@ class GraphRewritesTest(tf.test.TestCase):
         self.assertIn(graph_rewrites.RewriterConfig.ONE, seen)
         for want, got in zip(single.model.weights, looped.model.weights):
             self.assertAllClose(want, got, atol=1e-6)
+
+
+class CountedCalls(keras.layers.Layer):
+    """The identity, counting its Python calls: each trace of a forward calls it once."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking, self.calls = True, 0
+
+    def call(self, x):
+        self.calls += 1
+        return x
+
+
+class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
+    """A tower's work is traced once for every tower (engine/tower.py compiled_tower;
+    with split layers, each other tower calls a copy of the trace, tower_trace.py): a
+    layer is called as often at 2 towers as at 1, and the steps equal Keras's."""
+
+    def _model(self, kind):
+        keras.utils.set_random_seed(0)
+        masked = kind == "masked_loss"
+        inputs = keras.Input((3, reference.NUM_FEATURES) if masked else (reference.NUM_FEATURES,))
+        hidden = keras.layers.Masking()(inputs) if masked else inputs
+        hidden = keras.layers.Dense(8, activation="relu", name="up")(CountedCalls()(hidden))
+        hidden = keras.layers.Dense(7, activation="tanh", name="down")(hidden)
+        return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES, name="out")(hidden))
+
+    def _batches(self, kind):
+        batches = reference.make_batches(8, num_steps=2, sample_weights=False)
+        if kind != "masked_loss":
+            return batches
+        rng = np.random.default_rng(3)
+        x = rng.normal(size=(2, 8, 3, reference.NUM_FEATURES)).astype("float32")
+        x[:, :, 2] = 0.0  # every row's last token masked: a counted denominator
+        y = rng.integers(0, reference.NUM_CLASSES, size=(2, 8, 3))
+        return list(zip(x, y))
+
+    def _trained(self, kind, num_towers):
+        model, devices, options = self._model(kind), DEVICES[:num_towers], {}
+        if kind == "split_layers":  # 2 parts per tower
+            devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
+            model = towers.split_layers(model, {"up": "column", "down": "row"}, devices[0])
+        elif kind == "pipeline":
+            devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
+            options = {"pipeline_cuts": ["up"], "micro_batches": 2}
+        trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.SGD(0.1),
+                                      devices=devices, **options)
+        for batch in self._batches(kind):
+            trainer.train_step(batch)
+        counted = next(layer for layer in model.layers if isinstance(layer, CountedCalls))
+        return trainer, counted.calls
+
+    @parameterized.named_parameters(
+        (kind, kind) for kind in ("plain", "split_layers", "masked_loss", "pipeline"))
+    def test_layer_calls_do_not_grow_with_towers(self, kind):
+        (_, one_tower_calls), (trainer, calls) = (self._trained(kind, n) for n in (1, 2))
+        self.assertEqual(calls, one_tower_calls)
+        expected = self._model(kind)
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        for x, y in self._batches(kind):
+            expected.train_on_batch(x, y)
+        model = towers.join_layers(trainer.model) if kind == "split_layers" else trainer.model
+        for want, got in zip(expected.get_weights(), model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-6)

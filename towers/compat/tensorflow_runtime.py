@@ -3,9 +3,11 @@
 
 import contextlib
 
+import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, trackable_object_graph_pb2
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.eager import context as eager_context
+from tensorflow.python.eager.polymorphic_function import atomic_function
 from tensorflow.python.training.saving import saveable_object_util
 
 # ---------------------------------------------------------------------------------------
@@ -62,6 +64,47 @@ def calls_with(options):
         yield
     finally:
         context.function_call_options = previous
+
+
+def runtime_function(function_def, calls):
+    """A function the runtime runs, of `function_def` (a tf.function trace's, copied and
+    changed), registered while the returned object lives; `calls`: those of the
+    functions it calls, kept with it and added with it to a graph that calls it
+    (calling_instead).
+
+    Private: AtomicFunction, what a tf.function's trace is to the runtime. Public
+    alternative: none; a tf.function registers its own traces, and a trace changed
+    after tracing is not one.
+    """
+    context = eager_context.context()
+    context.add_function_def(function_def)
+    return atomic_function.AtomicFunction(function_def.signature.name, context, None,
+                                          children=list(calls))
+
+
+def calling_instead(trace, function, args):
+    """trace(*args) (a ConcreteFunction) called in the graph being built, its call op then
+    made to call `function` (runtime_function's: a copy of trace's FunctionDef under
+    another name, so with the same inputs and outputs) instead, which the graph's
+    library then holds, with the functions it calls.
+
+    Private: Graph._add_function_recursive and Operation._set_func_attr. Public
+    alternative: none; tf.raw_ops.StatefulPartitionedCall(args, Tout, f=name) takes a
+    function already in the graph's library, with the arguments flattened and the
+    captures and structured outputs handled by hand, as a ConcreteFunction's call does.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    known = len(graph.get_operations())
+    outputs = trace(*args)
+    traced_name = trace.function_def.signature.name
+    calls = [op for op in graph.get_operations()[known:]
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+             and op.get_attr("f").name == traced_name]
+    if len(calls) != 1:
+        raise RuntimeError(f"calling {traced_name} made {len(calls)} call ops, not one")
+    graph._add_function_recursive(function)
+    calls[0]._set_func_attr("f", function.name.decode())
+    return outputs
 
 
 def gather_hooks(params, gather):

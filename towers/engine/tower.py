@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from towers import compat
 from towers.data_parallel import split
-from towers.engine import losses
+from towers.engine import losses, tower_trace
 from towers.engine.forward import concat_rows, cross_cut, forward, regularization_share, shard_loss
 from towers.engine.forward import unless_empty
 from towers.model_parallel import flight
@@ -184,13 +184,15 @@ class Finished:
 def traced_once(setup, objective):
     """Whether one trace of a tower's work (compiled_tower) serves every tower of
     `setup` (a step.StepSetup, set up for the model's trainable variables) without
-    XLA: no split layers and no BatchNormalization meeting across the towers (each
-    names its tower's devices, or meets the others, inside the tower's work); with one
-    stage, also no loss term whose denominator is counted across the batch (the
-    tower's backward would wait for the count inside the trace: start_flight's
-    count_first)."""
-    return (setup.parts is None and not setup.statistics.layers
-            and (setup.stages.num_stages > 1 or objective.counted == []))
+    XLA: no BatchNormalization meeting across the towers (it meets the others inside
+    the tower's work), and the loss's counted terms known (objective.counted: the
+    first batch's forward gave them). Split layers only where the tower's whole work
+    is one trace (one stage, no counted term): each tower calls a copy with its parts'
+    devices renamed (tower_trace.py), and a copy has no gradient, which a traced
+    forward differentiated outside needs."""
+    whole = setup.stages.num_stages == 1 and objective.counted == []
+    return (not setup.statistics.layers and objective.counted is not None
+            and (setup.parts is None or whole))
 
 
 def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_compile=True):
@@ -205,17 +207,21 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     spans several devices and XLA compiles for one, so each stage's forward on a
     micro-batch is one function on the tower's device for it, and so is its backward
     (the gradient of a tf.function is one too); the flight between the stages stays
-    outside.
+    outside. So too, without XLA, for one stage whose loss has counted terms: the
+    tower's backward starts once every tower's count is known (start_flight's
+    count_first), outside the trace.
 
     One tf.function (per stage) serves every tower: the tower index is an argument
     and no device is named inside, so a call runs on the device it is called on, as
-    its ops without a device take their caller's. XLA compiles once per shape and may_be_empty:
+    its ops without a device take their caller's; where split layers name their
+    parts' devices inside, each other tower calls a copy of the trace with its own
+    (tower_trace.TowerTrace). XLA compiles once per shape and may_be_empty:
     split_batch gives at most two shard (and micro-batch) sizes per global
     batch size, so uneven and last batches add a few compilations, not one
     per step. Nothing is padded, since padding rows would change BatchNorm's
     statistics.
     """
-    if stages.num_stages > 1:
+    if stages.num_stages > 1 or (objective.counted and not jit_compile):
         forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
         return lambda step, tower: start_flight(dataclasses.replace(step, forwards=forwards),
                                                 tower)
@@ -231,9 +237,11 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         tower = TowerWork(shard, split.batch_size(shard), weights, state, [None], tower_index)
         return run_tower(step, tower, densify)
 
+    traced = tower_trace.TowerTrace(run_compiled_tower)
+
     def run_on_its_device(step, tower):
         with tf.device(tower.devices[0]):
-            return Finished(run_compiled_tower(
+            return Finished(traced(
                 tower.shard, step.batch_rows, tower.weights, tower.state,
                 tf.constant(tower.index), step.loss_scale, step.may_be_empty, step.sum_scale))
 

@@ -41,6 +41,11 @@ def parts_on(places):
     return _set_within("places", places)
 
 
+def current_places():
+    """The `places` of the parts_on in effect on this thread, or None outside any."""
+    return getattr(_tower, "places", None)
+
+
 def parts_recomputed(recompute):
     """Within it, run_part runs the work of part j as recompute(part, work, inputs, {}),
     inside the part's op on its device: training/recompute.py's recompute_call, one op
