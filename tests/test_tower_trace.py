@@ -1,0 +1,74 @@
+"""engine/tower_trace.py: one trace of a tower's work, each other tower calling a copy
+with its part devices renamed; a trace that captures a tower's own tensor is not copied."""
+
+import tensorflow as tf
+
+from towers.engine import tower_trace
+from towers.op_parallel import layers as op_layers
+from tests import reference
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+HOME = tuple(DEVICES[:2])  # the parts' own devices: tower 0's
+PLACES = [{HOME: DEVICES[:2]}, {HOME: DEVICES[2:]}]  # tower i's devices for them
+SHARDS = [tf.constant([1.0, 2.0]), tf.constant([2.0, 3.0])]
+
+
+def _work(x, scale):
+    """Part 0 doubles x, part 1 adds scale; each where parts_on places it."""
+    with tf.device(op_layers.part_device(list(HOME), 0)):
+        doubled = x * 2.0
+    with tf.device(op_layers.part_device(list(HOME), 1)):
+        return tf.cond(tf.reduce_sum(doubled) > 0.0, lambda: doubled + scale,
+                       lambda: doubled - scale)
+
+
+class TowerTraceTest(tf.test.TestCase):
+
+    def _placed(self, step, *args):
+        """{(op type, tower): the devices it runs on} for Mul and AddV2/Sub, every call."""
+        graph = step.get_concrete_function(*args).graph.as_graph_def()
+        library = {f.signature.name: f for f in graph.library.function}
+        placed = {}
+        for node in reference._called_nodes(graph.node, library, "", ""):
+            if node.op in ("Mul", "AddV2"):
+                tower = node.name.split("/")[0]
+                placed.setdefault((node.op, tower), set()).add(node.device)
+        return placed
+
+    def test_each_tower_runs_its_copy_on_its_devices_from_one_trace(self):
+        traced = tower_trace.TowerTrace(tf.function(_work, autograph=False))
+
+        @tf.function(autograph=False)
+        def step(shards, scale):
+            outputs = []
+            for i, places in enumerate(PLACES):
+                with tf.name_scope(f"tower_{i}"), op_layers.parts_on(places):
+                    outputs.append(traced(shards[i], scale))
+            return outputs
+
+        self.assertAllClose(step(SHARDS, 0.5), [[2.5, 4.5], [4.5, 6.5]])
+        self.assertEqual(traced.function.experimental_get_tracing_count(), 1)
+        self.assertEqual(self._placed(step, SHARDS, 0.5), {
+            ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
+            ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
+
+    def test_a_trace_capturing_a_towers_tensor_is_traced_per_tower(self):
+        """A copy would read tower 0's tensor: tower 1 runs its own Python instead."""
+        own = {}
+        traced = tower_trace.TowerTrace(tf.function(
+            lambda scale: _work(own["x"], scale), autograph=False))
+
+        @tf.function(autograph=False)
+        def step(shards, scale):
+            outputs = []
+            for i, places in enumerate(PLACES):
+                own["x"] = tf.identity(shards[i])  # this tower's tensor, captured
+                with tf.name_scope(f"tower_{i}"), op_layers.parts_on(places):
+                    outputs.append(traced(scale))
+            return outputs
+
+        scale = tf.constant(0.5)
+        self.assertAllClose(step(SHARDS, scale), [[2.5, 4.5], [4.5, 6.5]])
+        self.assertEqual(self._placed(step, SHARDS, scale), {
+            ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
+            ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
