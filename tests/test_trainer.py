@@ -265,29 +265,53 @@ if __name__ == "__main__":
 
 class GraphRewritesTest(tf.test.TestCase):
     """training/graph_rewrites.py: a trainer's functions are optimised by one grappler
-    pass, without the memory optimiser on CPUs, and nothing else is touched."""
+    pass, without the memory and layout optimisers on CPUs, and nothing else is touched."""
 
     def _rewrite_options(self):
         config = tf.compat.v1.ConfigProto.FromString(compat.current_call_config())
         return config.graph_options.rewrite_options
 
-    def test_one_pass_and_no_memory_optimiser_on_cpus_only_within_calls(self):
+    def test_one_pass_and_no_memory_or_layout_optimiser_on_cpus_only_within_calls(self):
         RewriterConfig = graph_rewrites.RewriterConfig
         before = self._rewrite_options()
         with graph_rewrites.GraphRewrites(DEVICES).calls():
             within = self._rewrite_options()
         self.assertEqual(within.meta_optimizer_iterations, RewriterConfig.ONE)
         self.assertEqual(within.memory_optimization, RewriterConfig.NO_MEM_OPT)
+        self.assertEqual(within.layout_optimizer, RewriterConfig.OFF)
         self.assertEqual(self._rewrite_options(), before)  # the thread's own, back
 
         on_gpu = RewriterConfig()
         graph_rewrites.GraphRewrites(DEVICES + ["/device:GPU:0"]).edit(on_gpu)
-        self.assertEqual(on_gpu.memory_optimization, RewriterConfig.DEFAULT_MEM_OPT)
+        self.assertEqual((on_gpu.memory_optimization, on_gpu.layout_optimizer),
+                         (RewriterConfig.DEFAULT_MEM_OPT, RewriterConfig.DEFAULT))
         chosen = RewriterConfig(meta_optimizer_iterations=RewriterConfig.TWO,
                                 memory_optimization=RewriterConfig.MANUAL)
         graph_rewrites.GraphRewrites(DEVICES).edit(chosen)  # set on purpose: kept
         self.assertEqual((chosen.meta_optimizer_iterations, chosen.memory_optimization),
                          (RewriterConfig.TWO, RewriterConfig.MANUAL))
+
+    def test_a_channels_first_convolution_on_cpus_trains_as_keras(self):
+        """Without the layout optimiser, which a CPU step does not need (NCHW included)."""
+        def model():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([
+                keras.Input((2, 6, 6)), keras.layers.Conv2D(3, 3, data_format="channels_first"),
+                keras.layers.MaxPooling2D(data_format="channels_first"), keras.layers.Flatten(),
+                keras.layers.Dense(reference.NUM_CLASSES)])
+
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(6, 2, 6, 6)).astype("float32"),
+                    rng.integers(0, reference.NUM_CLASSES, size=(6,))) for _ in range(2)]
+        trainer = towers.TowerTrainer(model(), reference.make_loss(),
+                                      keras.optimizers.SGD(0.1), devices=DEVICES[:2])
+        expected = model()
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        for x, y in batches:
+            trainer.train_step((x, y))
+            expected.train_on_batch(x, y)
+        for want, got in zip(expected.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-6)
 
     def test_steps_are_optimised_with_the_rewrites_and_equal_single_steps(self):
         """An in-graph loop is traced inside its call: its layers see the call's options."""
