@@ -31,26 +31,25 @@ def eager_runtime():
     return eager_context.context()
 
 
-def call_options_edited(edit):
-    """The options a tf.function called eagerly on this thread now is run with (its
-    first call optimises its graph by them), its config's RewriterConfig (grappler's
-    settings) changed by edit(rewriter_config) in place; for calls_with.
+def current_call_config():
+    """The serialized ConfigProto a tf.function called eagerly on this thread now is run
+    with (its first call optimises its graph by it: the process's, with the user's
+    tf.config settings); what call_options_edited edits.
 
     Private: the eager context's thread-local FunctionCallOptions. Public alternative:
     tf.config.optimizer.set_experimental_options, which sets the whole process's
     grappler options (every function of the user's too) and not the number of its
     passes.
     """
-    config = config_pb2.ConfigProto.FromString(
-        eager_context.context().function_call_options.config_proto_serialized)
+    return eager_context.context().function_call_options.config_proto_serialized
+
+
+def call_options_edited(config, edit):
+    """Call options (for calls_with) of `config` (current_call_config's), its
+    RewriterConfig (grappler's settings) changed by edit(rewriter_config) in place."""
+    config = config_pb2.ConfigProto.FromString(config)
     edit(config.graph_options.rewrite_options)
     return eager_context.FunctionCallOptions(config_proto=config)
-
-
-def current_call_config():
-    """The serialized ConfigProto a tf.function called eagerly now is run with (the
-    process's, with the user's tf.config settings): what call_options_edited edits."""
-    return eager_context.context().function_call_options.config_proto_serialized
 
 
 @contextlib.contextmanager

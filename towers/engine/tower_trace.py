@@ -44,7 +44,7 @@ class TowerTrace:
         trace = self.function.get_concrete_function(*args)
         if self.function.experimental_get_tracing_count() > traces_before:
             self._traced_for[trace.name] = places
-        renames = _device_renames(self._traced_for.get(trace.name, places), places)
+        renames = _device_renames(self._traced_for[trace.name], places)
         if not renames:
             return trace(*args)
         key = (trace.name, _places_key(places))

@@ -43,7 +43,7 @@ class GraphRewrites:
         this trainer's rewrites, on top of the thread's config now."""
         config = compat.current_call_config()
         if config not in self._options:
-            self._options[config] = compat.call_options_edited(self.edit)
+            self._options[config] = compat.call_options_edited(config, self.edit)
         return compat.calls_with(self._options[config])
 
     def edit(self, rewriter_config):
