@@ -180,6 +180,11 @@ def plain_keras_steps(model, optimizer, loss, batch):
     return [v.numpy() for v in model.weights + optimizer.variables]
 
 
+# A matrix product's ops in traced_nodes: as traced, or as grappler fused it with what
+# follows (a bias, an activation) in a tower's work optimised once (engine/tower_trace.py).
+MATMUL_OPS = ("MatMul", "BatchMatMulV2", "_FusedMatMul", "_FusedBatchMatMulV2")
+
+
 def traced_nodes(trainer):
     """The NodeDefs of every function a TowerTrainer has traced, a nested function's (a
     tf.cond's branches, the tower's work traced once and called on each tower, or a

@@ -337,7 +337,7 @@ class GridTest(tf.test.TestCase, parameterized.TestCase):
             part = re.search(r"/part_(\d+)(_\d+)?/", node.name) or next(
                 (j for name, j in wholes.items()
                  if re.search(f"/{name}(_\\d+)?/", node.name)), None)
-            if tower and part is not None and node.op in ("MatMul", "BatchMatMulV2"):
+            if tower and part is not None and node.op in reference.MATMUL_OPS:
                 j = part if isinstance(part, int) else int(part[1])
                 backward = "gradient_tape/" in node.name
                 placed[int(tower[1]), j, backward].add(towers.devices.canonical_name(node.device))

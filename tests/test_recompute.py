@@ -102,13 +102,13 @@ def _keras(model, optimizer="adam"):
 
 
 def _matmuls(trainer):
-    return sum(node.op == "MatMul" for node in reference.traced_nodes(trainer))
+    return sum(node.op in reference.MATMUL_OPS for node in reference.traced_nodes(trainer))
 
 
 def _matmuls_by_device(trainer):
     return collections.Counter(towers.devices.canonical_name(node.device)
                                for node in reference.traced_nodes(trainer)
-                               if node.op == "MatMul")
+                               if node.op in reference.MATMUL_OPS)
 
 
 class RecomputeTest(tf.test.TestCase, parameterized.TestCase):

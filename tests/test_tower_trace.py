@@ -1,10 +1,12 @@
 """engine/tower_trace.py: one trace of a tower's work, each other tower calling a copy
-with its part devices renamed; a trace that captures a tower's own tensor is not copied."""
+with its part devices renamed, optimised by grappler once where asked; a trace that
+captures a tower's own tensor is not copied."""
 
 import tensorflow as tf
 
 from towers.engine import tower_trace
 from towers.op_parallel import layers as op_layers
+from towers.training import graph_rewrites
 from tests import reference
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -35,20 +37,44 @@ class TowerTraceTest(tf.test.TestCase):
                 placed.setdefault((node.op, tower), set()).add(node.device)
         return placed
 
-    def test_each_tower_runs_its_copy_on_its_devices_from_one_trace(self):
-        traced = tower_trace.TowerTrace(tf.function(_work, autograph=False))
-
+    def _step(self, traced):
         @tf.function(autograph=False)
         def step(shards, scale):
             outputs = []
             for i, places in enumerate(PLACES):
-                with tf.name_scope(f"tower_{i}"), op_layers.parts_on(places):
-                    outputs.append(traced(shards[i], scale))
+                with (tf.name_scope(f"tower_{i}"), op_layers.parts_on(places),
+                      tf.device(places[HOME][0])):  # as compiled_tower calls it
+                    outputs.append(traced(places[HOME][0], shards[i], scale))
             return outputs
 
+        return step
+
+    def test_each_tower_runs_its_copy_on_its_devices_from_one_trace(self):
+        traced = tower_trace.TowerTrace(tf.function(_work, autograph=False))
+        step = self._step(traced)
         self.assertAllClose(step(SHARDS, 0.5), [[2.5, 4.5], [4.5, 6.5]])
         self.assertEqual(traced.function.experimental_get_tracing_count(), 1)
         self.assertEqual(self._placed(step, SHARDS, 0.5), {
+            ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
+            ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
+
+    def test_an_optimised_trace_is_optimised_once_and_copied_for_each_tower(self):
+        """grappler takes the trace once, for the devices it names and its tower's;
+        every tower, the first too, calls a copy of what it returns, placed as the
+        trace is."""
+        optimised = []
+
+        def optimise(function_defs, inputs, devices):
+            optimised.append(devices)
+            rewrites = graph_rewrites.GraphRewrites(DEVICES, lambda: True)
+            return rewrites.optimised_function(function_defs, inputs, devices)
+
+        traced = tower_trace.TowerTrace(tf.function(_work, autograph=False), optimise)
+        step = self._step(traced)
+        self.assertAllClose(step(SHARDS, tf.constant(0.5)), [[2.5, 4.5], [4.5, 6.5]])
+        self.assertAllClose(step(SHARDS, tf.constant(-9.0)), [[-7.0, -5.0], [-5.0, -3.0]])
+        self.assertEqual(optimised, [sorted(DEVICES[:2])])  # once, for tower 0's devices
+        self.assertEqual(self._placed(step, SHARDS, tf.constant(0.5)), {
             ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
             ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
 
@@ -64,7 +90,7 @@ class TowerTraceTest(tf.test.TestCase):
             for i, places in enumerate(PLACES):
                 own["x"] = tf.identity(shards[i])  # this tower's tensor, captured
                 with tf.name_scope(f"tower_{i}"), op_layers.parts_on(places):
-                    outputs.append(traced(scale))
+                    outputs.append(traced(places[HOME][0], scale))
             return outputs
 
         scale = tf.constant(0.5)

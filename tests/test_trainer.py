@@ -265,7 +265,8 @@ if __name__ == "__main__":
 
 class GraphRewritesTest(tf.test.TestCase):
     """training/graph_rewrites.py: a trainer's functions are optimised by one grappler
-    pass, without the memory and layout optimisers on CPUs, and nothing else is touched."""
+    pass, without the memory and layout optimisers on CPUs, and nothing else is touched;
+    on CPUs the tower's work is optimised once and the training step by cheap passes."""
 
     def _rewrite_options(self):
         config = tf.compat.v1.ConfigProto.FromString(compat.current_call_config())
@@ -274,22 +275,65 @@ class GraphRewritesTest(tf.test.TestCase):
     def test_one_pass_and_no_memory_or_layout_optimiser_on_cpus_only_within_calls(self):
         RewriterConfig = graph_rewrites.RewriterConfig
         before = self._rewrite_options()
-        with graph_rewrites.GraphRewrites(DEVICES).calls():
+        with graph_rewrites.GraphRewrites(DEVICES, lambda: False).calls("train"):
             within = self._rewrite_options()
         self.assertEqual(within.meta_optimizer_iterations, RewriterConfig.ONE)
         self.assertEqual(within.memory_optimization, RewriterConfig.NO_MEM_OPT)
         self.assertEqual(within.layout_optimizer, RewriterConfig.OFF)
+        self.assertEqual(list(within.optimizers), [])  # tower work not optimised: all passes
         self.assertEqual(self._rewrite_options(), before)  # the thread's own, back
 
-        on_gpu = RewriterConfig()
-        graph_rewrites.GraphRewrites(DEVICES + ["/device:GPU:0"]).edit(on_gpu)
-        self.assertEqual((on_gpu.memory_optimization, on_gpu.layout_optimizer),
+        on_gpu = graph_rewrites.GraphRewrites(DEVICES + ["/device:GPU:0"], lambda: True)
+        with on_gpu.calls("train"):
+            within = self._rewrite_options()
+        self.assertEqual((within.memory_optimization, within.layout_optimizer),
                          (RewriterConfig.DEFAULT_MEM_OPT, RewriterConfig.DEFAULT))
+        self.assertEqual(list(within.optimizers), [])
+        self.assertIsNone(on_gpu.function_optimiser())
         chosen = RewriterConfig(meta_optimizer_iterations=RewriterConfig.TWO,
-                                memory_optimization=RewriterConfig.MANUAL)
-        graph_rewrites.GraphRewrites(DEVICES).edit(chosen)  # set on purpose: kept
-        self.assertEqual((chosen.meta_optimizer_iterations, chosen.memory_optimization),
-                         (RewriterConfig.TWO, RewriterConfig.MANUAL))
+                                memory_optimization=RewriterConfig.MANUAL,
+                                optimizers=["constfold"])
+        graph_rewrites.GraphRewrites(DEVICES, lambda: True).edit(chosen, cheap=True)  # kept
+        self.assertEqual((chosen.meta_optimizer_iterations, chosen.memory_optimization,
+                          list(chosen.optimizers)),
+                         (RewriterConfig.TWO, RewriterConfig.MANUAL, ["constfold"]))
+
+    def test_cheap_passes_for_training_steps_whose_tower_work_is_optimised(self):
+        rewrites = graph_rewrites.GraphRewrites(DEVICES, lambda: True)
+        for kind, passes in [("train", graph_rewrites.CHEAP_PASSES),
+                             ("train_with_empty_parts", graph_rewrites.CHEAP_PASSES),
+                             ("steps", graph_rewrites.CHEAP_PASSES), ("eval", ()),
+                             ("predict", ())]:  # a forward outside the tower's trace
+            with rewrites.calls(kind):
+                self.assertEqual(tuple(self._rewrite_options().optimizers), passes, kind)
+
+    def test_tower_work_on_cpus_is_optimised_once_and_trains_as_keras(self):
+        """Four towers call copies of one optimised trace (an LSTM's while loop and a
+        convolution in it); the steps, optimised by the cheap passes, equal Keras's."""
+        def model():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6, 4))
+            convolved = keras.layers.Conv1D(5, 3, activation="relu")(inputs)
+            recurrent = keras.layers.LSTM(6)(convolved)
+            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
+
+        rng = np.random.default_rng(0)
+        batches = [(rng.normal(size=(8, 6, 4)).astype("float32"),
+                    rng.integers(0, reference.NUM_CLASSES, size=(8,))) for _ in range(2)]
+        trainer = towers.TowerTrainer(model(), reference.make_loss(),
+                                      keras.optimizers.SGD(0.1), devices=DEVICES[:4])
+        optimise, optimised = trainer.graph_rewrites.optimised_function, []
+        trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
+            args[2]) or optimise(*args)
+        expected = model()
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        for x, y in batches:
+            trainer.train_step((x, y))
+            expected.train_on_batch(x, y)
+        self.assertTrue(trainer.setup.compiled_tower.optimised)
+        self.assertEqual(optimised, [[DEVICES[0]]])  # once, for tower 0
+        for want, got in zip(expected.get_weights(), trainer.model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-6)
 
     def test_a_channels_first_convolution_on_cpus_trains_as_keras(self):
         """Without the layout optimiser, which a CPU step does not need (NCHW included)."""

@@ -4,10 +4,13 @@
 import contextlib
 
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2, trackable_object_graph_pb2
+from tensorflow.core.protobuf import (config_pb2, device_properties_pb2, meta_graph_pb2,
+                                     trackable_object_graph_pb2)
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager.polymorphic_function import atomic_function
+from tensorflow.python.grappler import cluster as grappler_cluster
+from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.training.saving import saveable_object_util
 
 # ---------------------------------------------------------------------------------------
@@ -117,6 +120,44 @@ def gather_hooks(params, gather):
     caller's device scope says, and a stateless call's value is a copy of the table.
     """
     return params, {"sparse_read": gather}
+
+
+def optimized_function(function_defs, inputs, devices, config):
+    """FunctionDefs of function_defs[0] (which calls the others, and takes `inputs`:
+    tf.TensorSpecs, one per argument) optimised by grappler under `config` (a
+    ConfigProto) as the runtime optimises a function it does not inline: the
+    optimised function first, under a new name, then those it calls. `devices`: the
+    device names its nodes name, each a CPU.
+
+    Private: tf_optimizer.OptimizeGraph, on a virtual grappler cluster of `devices` (a
+    default cluster starts a session of its own). Public alternative: none; the
+    runtime optimises a function's graph when it first runs it, together with the
+    graph that calls it and every copy of it that graph inlines.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        arguments = [tf.compat.v1.placeholder(spec.dtype, spec.shape) for spec in inputs]
+        call = tf.raw_ops.StatefulPartitionedCall(
+            args=arguments, f=function_defs[0].signature.name,
+            Tout=[arg.type for arg in function_defs[0].signature.output_arg])[0].op
+    graph_def = graph.as_graph_def()
+    graph_def.library.function.extend(function_defs)
+    graph_def.library.function[0].attr["_noinline"].b = True  # optimised as a function
+    meta_graph = meta_graph_pb2.MetaGraphDef(graph_def=graph_def)
+    meta_graph.collection_def["train_op"].node_list.value.append(call.name)  # grappler's fetch
+    cluster = grappler_cluster.Cluster(devices=[
+        device_properties_pb2.NamedDevice(
+            name=device, properties=device_properties_pb2.DeviceProperties(type="CPU"))
+        for device in devices])
+    try:
+        optimized = tf_optimizer.OptimizeGraph(config, meta_graph, verbose=False,
+                                               cluster=cluster)
+    finally:
+        cluster.Shutdown()
+    name = next(node.attr["f"].func.name for node in optimized.node if node.name == call.name)
+    functions = {function.signature.name: function for function in optimized.library.function}
+    del functions[name].attr["_noinline"]
+    return [functions.pop(name)] + list(functions.values())
 
 
 def attach(tensor, name, value):

@@ -12,7 +12,7 @@ writes a variable.
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -195,12 +195,26 @@ def traced_once(setup, objective):
             and (setup.parts is None or whole))
 
 
-def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_compile=True):
-    """A tower's work traced once for every tower: fn(step, tower) -> a started flight
-    (start_flight's, or a Finished one), for a StepWork of these stages, objective,
-    micro_batches and schedule; compiled by XLA where jit_compile, else plain
+@dataclasses.dataclass(frozen=True)
+class CompiledTower:
+    """compiled_tower's: call(step, tower) -> a started flight. optimised: whether the
+    tower's work is one trace that grappler optimised once (TowerTrace's optimise), so
+    that the step's own graph needs only cheap passes (graph_rewrites.py)."""
+    run: Callable
+    optimised: bool = False
+
+    def __call__(self, step, tower):
+        return self.run(step, tower)
+
+
+def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_compile=True,
+                   optimise=None):
+    """A tower's work traced once for every tower: a CompiledTower, fn(step, tower) -> a
+    started flight (start_flight's, or a Finished one), for a StepWork of these stages,
+    objective, micro_batches and schedule; compiled by XLA where jit_compile, else plain
     tf.functions (traced_once's set-ups), so that the time to trace the first step does
-    not grow with the towers.
+    not grow with the towers. optimise: None, or TowerTrace's, for a tower's whole work
+    traced as one without XLA.
 
     One stage: the tower's forward and backward, all its micro-batches, are one
     function (one XLA computation) on tower.devices[0]. With pipeline stages a tower
@@ -223,8 +237,8 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     """
     if stages.num_stages > 1 or (objective.counted and not jit_compile):
         forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
-        return lambda step, tower: start_flight(dataclasses.replace(step, forwards=forwards),
-                                                tower)
+        return CompiledTower(lambda step, tower: start_flight(
+            dataclasses.replace(step, forwards=forwards), tower))
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
@@ -237,15 +251,16 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         tower = TowerWork(shard, split.batch_size(shard), weights, state, [None], tower_index)
         return run_tower(step, tower, densify)
 
-    traced = tower_trace.TowerTrace(run_compiled_tower)
+    optimise = None if jit_compile else optimise
+    traced = tower_trace.TowerTrace(run_compiled_tower, optimise)
 
     def run_on_its_device(step, tower):
         with tf.device(tower.devices[0]):
             return Finished(traced(
-                tower.shard, step.batch_rows, tower.weights, tower.state,
+                tower.devices[0], tower.shard, step.batch_rows, tower.weights, tower.state,
                 tf.constant(tower.index), step.loss_scale, step.may_be_empty, step.sum_scale))
 
-    return run_on_its_device
+    return CompiledTower(run_on_its_device, optimised=optimise is not None)
 
 
 def _traced_forward(model, jit_compile):

@@ -26,8 +26,9 @@ class CompiledFunctions:
 
     `tracing`: fn() -> a context manager entered wherever a function may be traced
     (placement.step_hooks): a traced graph keeps what it placed, and runs without it.
-    `calling`: fn() -> a context manager entered around every call (the first
-    optimises the function's graph: graph_rewrites.GraphRewrites.calls).
+    `calling`: fn(kind) -> a context manager entered around every call of a function
+    of that kind (its first call optimises the function's graph:
+    graph_rewrites.GraphRewrites.calls).
     """
 
     def __init__(self, tracing, calling):
@@ -94,7 +95,7 @@ class CompiledFunctions:
     def call(self, key, *args):
         """Calls the function of `key`; its logs come back as Python floats (a function
         compiled with packed=False: its outputs, as NumPy arrays in their nest)."""
-        with self._calling():
+        with self._calling(key[0]):
             if key in self._graphs:
                 # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
                 result = self._graphs[key](*args)

@@ -57,7 +57,8 @@ def set_up_for_trainable(trainer):
     if trainer.jit_compile or tower.traced_once(setup, trainer.objective):
         compiled_tower = tower.compiled_tower(
             setup.stages, trainer.objective, setup.options.micro_batches,
-            setup.options.pipeline_schedule, densify, trainer.jit_compile)
+            setup.options.pipeline_schedule, densify, trainer.jit_compile,
+            trainer.graph_rewrites.function_optimiser())
     trainer.setup = dataclasses.replace(setup, compiled_tower=compiled_tower)
 
 

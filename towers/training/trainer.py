@@ -110,6 +110,9 @@ class TowerTrainer:
         self.num_towers = self.setup.mesh.num_towers
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self._skipped_steps = 0
+        self.graph_rewrites = graph_rewrites.GraphRewrites(
+            self.setup.mesh.all_devices() + [self.main_device],
+            lambda: self.setup.compiled_tower is not None and self.setup.compiled_tower.optimised)
         self._compiled = self._no_compiled_functions()
         # A subclass built by model.build(shape) may hold no variable yet: its layers
         # build on the first batch, where it is checked, as Keras's fit builds them.
@@ -391,6 +394,5 @@ class TowerTrainer:
     def _no_compiled_functions(self):
         """A fresh set of compiled functions: traced under the step's hooks (placement),
         optimised with graph_rewrites'."""
-        rewrites = graph_rewrites.GraphRewrites(self.setup.mesh.all_devices() + [self.main_device])
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self),
-                                          rewrites.calls)
+                                          self.graph_rewrites.calls)
