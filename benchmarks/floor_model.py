@@ -5,7 +5,11 @@
 
 An MLP 256-512-512-10: small enough that the machinery around its matrix
 products shows, as in issue 16's measurements. It is loaded through `--models`
-like any user's PACKAGE.MODULE:FUNCTION.
+like any user's PACKAGE.MODULE:FUNCTION. `transformer` is the first step's (issue 39)
+2-block transformer, for an A/B of a step of many small ops:
+
+    python benchmarks/compare_strategies.py --models=benchmarks.floor_model:transformer \\
+        --input_shape=16 --num_classes=10 --global_batch_size=64 ...
 """
 
 import keras
@@ -18,3 +22,13 @@ def mlp(input_shape, num_classes):
     x = keras.layers.Dense(512, activation="relu")(x)
     x = keras.layers.Dense(512, activation="relu")(x)
     return keras.Model(inputs, keras.layers.Dense(num_classes)(x), name="mlp_256_512_512")
+
+
+def transformer(input_shape, num_classes):
+    """The 2-block transformer of benchmarks/first_step.py: (B, length) token ids in
+    [0, 1000) -> (B, 10) logits; a step of many small ops (issue 39's floor A/B)."""
+    from benchmarks.harness import first_step
+    if num_classes != first_step.NUM_CLASSES:
+        raise ValueError(f"this transformer has {first_step.NUM_CLASSES} classes; "
+                         f"pass --num_classes={first_step.NUM_CLASSES}.")
+    return first_step.transformer(length=input_shape[0])

@@ -19,9 +19,11 @@ On a mesh of CPUs a trainer's tower work, traced once for every tower
 (engine/tower_trace.py), is also optimised once, on its own, before the step calls it
 (`optimised_function`); the step's training functions then run only grappler's cheap
 passes, which take away what the towers' calls left around them (pruning, common
-subexpressions, dependencies): grappler's time no longer grows with the towers (that
-transformer: 0.16 s for the tower and 0.10 s for the step at 4 towers, for 0.55 s),
-and the steps are as fast (benchmarks/RESULTS.md). Not on GPUs, where grappler's
+subexpressions, dependencies): grappler's time hardly grows with the towers (that
+transformer, the tower's and the step's together: 0.16 s at 1 tower, 0.25 s at 4,
+where the whole step took 0.22 and 0.61 s), and the steps are as fast
+(benchmarks/RESULTS.md). A pipeline's stages are not optimised apart (tower.py
+compiled_tower): its step keeps every pass. Not on GPUs, where grappler's
 layout and fusion rewrites depend on the devices it sees placed: a step there keeps
 the whole graph's optimisation.
 
