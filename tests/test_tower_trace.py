@@ -2,7 +2,10 @@
 with its part devices renamed, optimised by grappler once where asked; a trace that
 captures a tower's own tensor is not copied."""
 
+import functools
+
 import tensorflow as tf
+from absl.testing import parameterized
 
 from towers.engine import tower_trace
 from towers.op_parallel import layers as op_layers
@@ -24,7 +27,14 @@ def _work(x, scale):
                        lambda: doubled - scale)
 
 
-class TowerTraceTest(tf.test.TestCase):
+def _optimise(calls, function_defs, inputs, devices):
+    """GraphRewrites' optimisation on CPUs, its devices recorded in `calls`."""
+    calls.append(devices)
+    rewrites = graph_rewrites.GraphRewrites(DEVICES, lambda: True)
+    return rewrites.optimised_function(function_defs, inputs, devices)
+
+
+class TowerTraceTest(tf.test.TestCase, parameterized.TestCase):
 
     def _placed(self, step, *args):
         """{(op type, tower): the devices it runs on} for Mul and AddV2/Sub, every call."""
@@ -63,13 +73,8 @@ class TowerTraceTest(tf.test.TestCase):
         every tower, the first too, calls a copy of what it returns, placed as the
         trace is."""
         optimised = []
-
-        def optimise(function_defs, inputs, devices):
-            optimised.append(devices)
-            rewrites = graph_rewrites.GraphRewrites(DEVICES, lambda: True)
-            return rewrites.optimised_function(function_defs, inputs, devices)
-
-        traced = tower_trace.TowerTrace(tf.function(_work, autograph=False), optimise)
+        traced = tower_trace.TowerTrace(tf.function(_work, autograph=False),
+                                        functools.partial(_optimise, optimised))
         step = self._step(traced)
         self.assertAllClose(step(SHARDS, tf.constant(0.5)), [[2.5, 4.5], [4.5, 6.5]])
         self.assertAllClose(step(SHARDS, tf.constant(-9.0)), [[-7.0, -5.0], [-5.0, -3.0]])
@@ -78,23 +83,28 @@ class TowerTraceTest(tf.test.TestCase):
             ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
             ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
 
-    def test_a_trace_capturing_a_towers_tensor_is_traced_per_tower(self):
-        """A copy would read tower 0's tensor: tower 1 runs its own Python instead."""
-        own = {}
-        traced = tower_trace.TowerTrace(tf.function(
-            lambda scale: _work(own["x"], scale), autograph=False))
+    @parameterized.parameters(False, True)
+    def test_a_trace_capturing_a_towers_tensor_is_traced_per_tower(self, optimised):
+        """A copy would read tower 0's tensor: tower 1 runs its own Python instead (its
+        own trace, optimised on its own, where traces are optimised)."""
+        own, optimisations = {}, []
+        traced = tower_trace.TowerTrace(
+            tf.function(lambda scale: _work(own["x"], scale), autograph=False),
+            functools.partial(_optimise, optimisations) if optimised else None)
 
         @tf.function(autograph=False)
         def step(shards, scale):
             outputs = []
             for i, places in enumerate(PLACES):
                 own["x"] = tf.identity(shards[i])  # this tower's tensor, captured
-                with tf.name_scope(f"tower_{i}"), op_layers.parts_on(places):
+                with (tf.name_scope(f"tower_{i}"), op_layers.parts_on(places),
+                      tf.device(places[HOME][0])):
                     outputs.append(traced(places[HOME][0], scale))
             return outputs
 
         scale = tf.constant(0.5)
         self.assertAllClose(step(SHARDS, scale), [[2.5, 4.5], [4.5, 6.5]])
+        self.assertLen(optimisations, 2 if optimised else 0)  # one per tower
         self.assertEqual(self._placed(step, SHARDS, scale), {
             ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
             ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
