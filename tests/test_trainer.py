@@ -317,23 +317,16 @@ class GraphRewritesTest(tf.test.TestCase):
             recurrent = keras.layers.LSTM(6)(convolved)
             return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
 
-        rng = np.random.default_rng(0)
-        batches = [(rng.normal(size=(8, 6, 4)).astype("float32"),
-                    rng.integers(0, reference.NUM_CLASSES, size=(8,))) for _ in range(2)]
-        trainer = towers.TowerTrainer(model(), reference.make_loss(),
-                                      keras.optimizers.SGD(0.1), devices=DEVICES[:4])
-        optimise, optimised = trainer.graph_rewrites.optimised_function, []
-        trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
-            args[2]) or optimise(*args)
-        expected = model()
-        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
-        for x, y in batches:
-            trainer.train_step((x, y))
-            expected.train_on_batch(x, y)
+        optimised = []
+
+        def recording(trainer):
+            optimise = trainer.graph_rewrites.optimised_function
+            trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
+                args[2]) or optimise(*args)
+
+        trainer = self._assert_trains_as_keras(model, (8, 6, 4), DEVICES[:4], recording)
         self.assertTrue(trainer.setup.compiled_tower.optimised)
         self.assertEqual(optimised, [[DEVICES[0]]])  # once, for tower 0
-        for want, got in zip(expected.get_weights(), trainer.model.get_weights()):
-            self.assertAllClose(want, got, atol=1e-6)
 
     def test_a_channels_first_convolution_on_cpus_trains_as_keras(self):
         """Without the layout optimiser, which a CPU step does not need (NCHW included)."""
@@ -344,11 +337,19 @@ class GraphRewritesTest(tf.test.TestCase):
                 keras.layers.MaxPooling2D(data_format="channels_first"), keras.layers.Flatten(),
                 keras.layers.Dense(reference.NUM_CLASSES)])
 
+        self._assert_trains_as_keras(model, (6, 2, 6, 6), DEVICES[:2])
+
+    def _assert_trains_as_keras(self, model, x_shape, devices, before=lambda trainer: None):
+        """Two batches of x_shape (rows first): a TowerTrainer of model() on `devices`
+        (before(trainer) first) ends with the weights Keras's train_on_batch gives on one
+        device; returns the trainer."""
         rng = np.random.default_rng(0)
-        batches = [(rng.normal(size=(6, 2, 6, 6)).astype("float32"),
-                    rng.integers(0, reference.NUM_CLASSES, size=(6,))) for _ in range(2)]
+        batches = [(rng.normal(size=x_shape).astype("float32"),
+                    rng.integers(0, reference.NUM_CLASSES, size=(x_shape[0],)))
+                   for _ in range(2)]
         trainer = towers.TowerTrainer(model(), reference.make_loss(),
-                                      keras.optimizers.SGD(0.1), devices=DEVICES[:2])
+                                      keras.optimizers.SGD(0.1), devices=devices)
+        before(trainer)
         expected = model()
         expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
         for x, y in batches:
@@ -356,6 +357,7 @@ class GraphRewritesTest(tf.test.TestCase):
             expected.train_on_batch(x, y)
         for want, got in zip(expected.get_weights(), trainer.model.get_weights()):
             self.assertAllClose(want, got, atol=1e-6)
+        return trainer
 
     def test_steps_are_optimised_with_the_rewrites_and_equal_single_steps(self):
         """An in-graph loop is traced inside its call: its layers see the call's options."""

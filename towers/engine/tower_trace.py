@@ -64,17 +64,19 @@ class TowerTrace:
             if self.optimise is None:
                 return self.function.python_function(*args)
             own = tf.function(self.function.python_function, autograph=False)
-            trace, renames = own.get_concrete_function(*args), {}
-            return compat.calling_instead(trace, self._copy(trace, renames, device), args)
+            own_trace = own.get_concrete_function(*args)  # this call's alone: not kept
+            return compat.calling_instead(
+                own_trace, _copy(_optimised(own_trace, self.optimise, device), {}), args)
         if not renames and self.optimise is None:
             return trace(*args)
         key = (trace.name, _places_key(places))
         if key not in self._copies:
-            self._copies[key] = self._copy(trace, renames, device)
+            self._copies[key] = self._copy_for(trace, renames, device)
         return compat.calling_instead(trace, self._copies[key], args)
 
-    def _copy(self, trace, renames, device):
-        """A copy of `trace` (optimised, given self.optimise) with its devices renamed."""
+    def _copy_for(self, trace, renames, device):
+        """A copy of `trace` (optimised once, given self.optimise) with its devices
+        renamed."""
         if self.optimise is None:
             return _copy(_function_defs(trace), renames)
         if trace.name not in self._optimised:
@@ -112,12 +114,19 @@ def _function_defs(trace):
     ordered = [trace.function_def]
     for function in ordered:  # grows as it goes: each function's callees after it
         for node in function.node_def:
-            for value in node.attr.values():
-                for called in ([value.func] if value.HasField("func") else []) + list(
-                        value.list.func):
-                    if called.name in library:
-                        ordered.append(library.pop(called.name))
+            for called in _called(node):
+                if called.name in library:
+                    ordered.append(library.pop(called.name))
     return ordered
+
+
+def _called(node):
+    """The functions a NodeDef calls: its attributes' NameAttrLists (a call's f, a
+    cond's branches, a while loop's cond and body)."""
+    for value in node.attr.values():
+        if value.HasField("func"):
+            yield value.func
+        yield from value.list.func
 
 
 def _optimised(trace, optimise, device):
@@ -166,11 +175,9 @@ def _copy(function_defs, renames):
             if (spec is not None and spec.device_type and spec.job is None
                     and spec.task is None and canonical_name(node.device) in renames):
                 node.device = renames[canonical_name(node.device)]
-            for value in node.attr.values():
-                for called in ([value.func] if value.HasField("func") else []) + list(
-                        value.list.func):
-                    if called.name in names:
-                        called.name += suffix
+            for called in _called(node):
+                if called.name in names:
+                    called.name += suffix
         copied.append(copy)
     return compat.runtime_function(copied[0], [compat.runtime_function(callee, [])
                                                for callee in copied[1:]])

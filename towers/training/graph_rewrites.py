@@ -76,12 +76,12 @@ class GraphRewrites:
                 config, lambda rewriter_config: self.edit(rewriter_config, cheap))
         # A function traced within (an in-graph loop) optimises its towers' work by the
         # thread's config, not by the cheap passes its call runs under.
-        self._thread_config = config
+        outside, self._thread_config = self._thread_config, config
         try:
             with compat.calls_with(self._options[config, cheap]):
                 yield
         finally:
-            self._thread_config = None
+            self._thread_config = outside
 
     def function_optimiser(self):
         """TowerTrace's optimise (optimised_function) on a mesh of CPUs, else None."""
