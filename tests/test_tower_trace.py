@@ -108,3 +108,38 @@ class TowerTraceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(self._placed(step, SHARDS, scale), {
             ("Mul", "tower_0"): {DEVICES[0]}, ("AddV2", "tower_0"): {DEVICES[1]},
             ("Mul", "tower_1"): {DEVICES[2]}, ("AddV2", "tower_1"): {DEVICES[3]}})
+
+    def test_calls_in_conds_and_their_gradients_call_copies_optimised_once(self):
+        """OptimisedCalls: a traced function two towers call under a tape inside a
+        tf.cond (as unless_empty's), and its gradient: each optimised once, for the
+        first tower's device; every call, in the conds' branches too, calls a copy;
+        the results are as without."""
+        optimised = []
+        calls = tower_trace.OptimisedCalls(functools.partial(_optimise, optimised))
+        cube = tf.function(lambda x: x * x * x, autograph=False)
+
+        @tf.function(autograph=False)
+        def step(shards, rows):
+            graph = tf.compat.v1.get_default_graph()
+            known = len(graph.get_operations())
+            grads = []
+            for device, shard in zip(DEVICES, shards):
+                with tf.device(device):  # as a flight's stages: forward and backward
+                    with tf.GradientTape() as tape:
+                        tape.watch(shard)
+                        cubed = tf.cond(rows > 0, lambda: cube(shard),
+                                        lambda: tf.zeros_like(shard))
+                    grads.append(tape.gradient(cubed, shard))
+            calls.point(graph.get_operations()[known:])
+            return grads
+
+        self.assertAllClose(step(SHARDS, tf.constant(1)), [[3.0, 12.0], [12.0, 27.0]])
+        self.assertAllClose(step(SHARDS, tf.constant(0)), [[0.0, 0.0], [0.0, 0.0]])
+        self.assertEqual(optimised, [[DEVICES[0]]] * 2)  # the forward, its gradient
+        graph = step.get_concrete_function(SHARDS, tf.constant(1)).graph.as_graph_def()
+        library = {f.signature.name: f for f in graph.library.function}
+        called = [node.attr["f"].func.name for node in reference._called_nodes(
+            graph.node, library, "", "") if node.op in tower_trace.CALLS]
+        self.assertLen(called, 4)  # per tower, the forward and the gradient
+        self.assertTrue(all("_tower_copy_" in name for name in called), called)
+

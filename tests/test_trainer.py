@@ -339,16 +339,44 @@ class GraphRewritesTest(tf.test.TestCase):
 
         self._assert_trains_as_keras(model, (6, 2, 6, 6), DEVICES[:2])
 
-    def _assert_trains_as_keras(self, model, x_shape, devices, before=lambda trainer: None):
+    def test_pipeline_stage_work_on_cpus_is_optimised_once_and_trains_as_keras(self):
+        """Two towers of two stages, two micro-batches each: every stage's forward and
+        backward is optimised once, for tower 0's device for the stage, whichever tower
+        and micro-batch calls it; the steps equal Keras's, a batch that leaves a
+        micro-batch empty (its calls inside unless_empty's conds) too."""
+        def model():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6, 4))
+            convolved = keras.layers.Conv1D(5, 3, activation="relu", name="conv")(inputs)
+            recurrent = keras.layers.LSTM(6)(convolved)
+            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
+
+        for rows, optimisations in [(8, [[DEVICES[0]]] * 2 + [[DEVICES[1]]] * 2), (3, None)]:
+            optimised = []
+
+            def recording(trainer):
+                optimise = trainer.graph_rewrites.optimised_function
+                trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
+                    args[2]) or optimise(*args)
+
+            trainer = self._assert_trains_as_keras(
+                model, (rows, 6, 4), [DEVICES[:2], DEVICES[2:4]], recording,
+                pipeline_cuts=["conv"], micro_batches=2)
+            self.assertTrue(trainer.setup.compiled_tower.optimised)
+            if optimisations:  # forwards and backwards of stage 0 on D0, of stage 1 on D1
+                self.assertEqual(sorted(optimised), optimisations)
+
+    def _assert_trains_as_keras(self, model, x_shape, devices, before=lambda trainer: None,
+                                **options):
         """Two batches of x_shape (rows first): a TowerTrainer of model() on `devices`
-        (before(trainer) first) ends with the weights Keras's train_on_batch gives on one
-        device; returns the trainer."""
+        (given `options`; before(trainer) first) ends with the weights Keras's
+        train_on_batch gives on one device; returns the trainer."""
         rng = np.random.default_rng(0)
         batches = [(rng.normal(size=x_shape).astype("float32"),
                     rng.integers(0, reference.NUM_CLASSES, size=(x_shape[0],)))
                    for _ in range(2)]
         trainer = towers.TowerTrainer(model(), reference.make_loss(),
-                                      keras.optimizers.SGD(0.1), devices=devices)
+                                      keras.optimizers.SGD(0.1), devices=devices, **options)
         before(trainer)
         expected = model()
         expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())

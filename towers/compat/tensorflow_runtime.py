@@ -90,8 +90,8 @@ def calling_instead(trace, function, args):
     another name, so with the same inputs and outputs) instead, which the graph's
     library then holds, with the functions it calls.
 
-    Private: Graph._add_function_recursive and Operation._set_func_attr. Public
-    alternative: none; tf.raw_ops.StatefulPartitionedCall(args, Tout, f=name) takes a
+    Private: call_instead's. Public alternative: none;
+    tf.raw_ops.StatefulPartitionedCall(args, Tout, f=name) takes a
     function already in the graph's library, with the arguments flattened and the
     captures and structured outputs handled by hand, as a ConcreteFunction's call does.
     """
@@ -104,9 +104,32 @@ def calling_instead(trace, function, args):
              and op.get_attr("f").name == traced_name]
     if len(calls) != 1:
         raise RuntimeError(f"calling {traced_name} made {len(calls)} call ops, not one")
-    graph._add_function_recursive(function)
-    calls[0]._set_func_attr("f", function.name.decode())
+    call_instead(calls[0], "f", function)
     return outputs
+
+
+def call_instead(op, attribute, function):
+    """Makes `op` (an op of the graph being built) call `function` (runtime_function's,
+    with the same inputs and outputs as the function it called) by its function
+    attribute `attribute` (a call's f, a cond's branch); the graph's library then holds
+    it, with the functions it calls.
+
+    Private: Graph._add_function_recursive and Operation._set_func_attr. Public
+    alternative: none, as calling_instead's.
+    """
+    op.graph._add_function_recursive(function)
+    op._set_func_attr(attribute, function.name.decode())
+
+
+def graph_function_def(graph, name):
+    """The FunctionDef of `name` in the library of `graph` (a graph being built), or
+    None where it holds none.
+
+    Private: Graph._get_function. Public alternative: graph.as_graph_def().library,
+    which serializes every node of the graph too (a pipeline's step: thousands).
+    """
+    function = graph._get_function(name)
+    return None if function is None else function.definition
 
 
 def gather_hooks(params, gather):

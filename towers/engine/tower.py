@@ -181,6 +181,32 @@ class Finished:
         return self.output
 
 
+class _CallsPointed:
+    """A flight started by start() (a started flight's maker) whose finish then points
+    the calls its tower made, starting and finishing, at their optimised copies
+    (tower_trace.OptimisedCalls), as a started flight. Another tower's ops come between
+    the two (every flight starts before any finishes), and they are not yet what they
+    will be: TensorFlow points a forward call at the forward its gradient needs when
+    it makes the gradient."""
+
+    def __init__(self, start, calls):
+        self.graph, self.calls = tf.compat.v1.get_default_graph(), calls
+        known = len(self.graph.get_operations())
+        self.flight = start()
+        self.started = self.graph.get_operations()[known:]
+
+    @property
+    def terms(self):
+        return self.flight.terms
+
+    def finish(self, scales, densify=None):
+        known = len(self.graph.get_operations())
+        output = self.flight.finish(scales, densify)
+        if not tf.executing_eagerly():
+            self.calls.point(self.started + self.graph.get_operations()[known:])
+        return output
+
+
 def traced_once(setup, objective):
     """Whether one trace of a tower's work (compiled_tower) serves every tower of
     `setup` (a step.StepSetup, set up for the model's trainable variables) without
@@ -198,8 +224,9 @@ def traced_once(setup, objective):
 @dataclasses.dataclass(frozen=True)
 class CompiledTower:
     """compiled_tower's: call(step, tower) -> a started flight. optimised: whether the
-    tower's work is one trace that grappler optimised once (TowerTrace's optimise), so
-    that the step's own graph needs only cheap passes (graph_rewrites.py)."""
+    tower's work is traced functions that grappler optimised once (TowerTrace's
+    optimise: the tower's whole work, or each stage's forward and backward), so that
+    the step's own graph needs only cheap passes (graph_rewrites.py)."""
     run: Callable
     optimised: bool = False
 
@@ -213,8 +240,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     started flight (start_flight's, or a Finished one), for a StepWork of these stages,
     objective, micro_batches and schedule; compiled by XLA where jit_compile, else plain
     tf.functions (traced_once's set-ups), so that the time to trace the first step does
-    not grow with the towers. optimise: None, or TowerTrace's, for a tower's whole work
-    traced as one without XLA.
+    not grow with the towers. optimise: None, or TowerTrace's, for the tower's traced
+    functions without XLA (the whole work; or each stage's forward and its gradient,
+    tower_trace.OptimisedCalls).
 
     One stage: the tower's forward and backward, all its micro-batches, are one
     function (one XLA computation) on tower.devices[0]. With pipeline stages a tower
@@ -235,10 +263,18 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     per step. Nothing is padded, since padding rows would change BatchNorm's
     statistics.
     """
+    optimise = None if jit_compile else optimise
     if stages.num_stages > 1 or (objective.counted and not jit_compile):
         forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
-        return CompiledTower(lambda step, tower: start_flight(
-            dataclasses.replace(step, forwards=forwards), tower))
+        calls = None if optimise is None else tower_trace.OptimisedCalls(optimise)
+
+        def run_stages(step, tower):
+            step = dataclasses.replace(step, forwards=forwards)
+            if calls is None:
+                return start_flight(step, tower)
+            return _CallsPointed(lambda: start_flight(step, tower), calls)
+
+        return CompiledTower(run_stages, optimised=calls is not None)
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
@@ -251,7 +287,6 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         tower = TowerWork(shard, split.batch_size(shard), weights, state, [None], tower_index)
         return run_tower(step, tower, densify)
 
-    optimise = None if jit_compile else optimise
     traced = tower_trace.TowerTrace(run_compiled_tower, optimise)
 
     def run_on_its_device(step, tower):

@@ -21,8 +21,16 @@ copy: TensorFlow inlines each tower's call into the step before it optimises the
 step's graph, so grappler would otherwise take N copies of the same work (a 2-block
 transformer: 0.14 s at 1 tower, 0.55 s at 4, most of the step's first call);
 training/graph_rewrites.py then leaves the step's graph to its cheap passes.
+
+A pipeline's stages are not one trace: each stage's forward on a micro-batch is a
+traced function, and so is its backward, the gradient TensorFlow makes of it (a copy
+of a trace would have none). Every tower and micro-batch calls the same two per
+stage, so once a tower's calls are made, each is pointed at a copy of its function
+that grappler optimised once (`OptimisedCalls`): a 4-tower pipeline of 2
+micro-batches calls each 8 times.
 """
 
+import functools
 import itertools
 
 import tensorflow as tf
@@ -32,6 +40,7 @@ from towers.devices import canonical_name
 from towers.op_parallel import layers as op_layers
 
 _COPY_NUMBERS = itertools.count()  # a copy's functions' names are unique in the process
+CALLS = ("PartitionedCall", "StatefulPartitionedCall")  # ops that call the function f
 
 
 class TowerTrace:
@@ -65,8 +74,8 @@ class TowerTrace:
                 return self.function.python_function(*args)
             own = tf.function(self.function.python_function, autograph=False)
             own_trace = own.get_concrete_function(*args)  # this call's alone: not kept
-            return compat.calling_instead(
-                own_trace, _copy(_optimised(own_trace, self.optimise, device), {}), args)
+            optimised = _optimised(_trace_function_defs(own_trace), self.optimise, device)
+            return compat.calling_instead(own_trace, _copy(optimised, {}), args)
         if not renames and self.optimise is None:
             return trace(*args)
         key = (trace.name, _places_key(places))
@@ -78,10 +87,75 @@ class TowerTrace:
         """A copy of `trace` (optimised once, given self.optimise) with its devices
         renamed."""
         if self.optimise is None:
-            return _copy(_function_defs(trace), renames)
+            return _copy(_trace_function_defs(trace), renames)
         if trace.name not in self._optimised:
-            self._optimised[trace.name] = _optimised(trace, self.optimise, device)
+            self._optimised[trace.name] = _optimised(_trace_function_defs(trace),
+                                                     self.optimise, device)
         return _copy(self._optimised[trace.name], renames)
+
+
+class OptimisedCalls:
+    """The calls a tower's work makes to traced functions whose gradients TensorFlow
+    makes (a pipeline stage's forward, its backward), each made to call a copy of the
+    function that grappler optimised once, whichever tower, micro-batch or step calls
+    it: `point(operations)` once they are made. A call inside a tf.cond's branch
+    (unless_empty's) too: the branch is copied with its calls pointed. A call that
+    names no device (none of a flight's) is left as it is.
+
+    optimise: as TowerTrace's.
+    """
+
+    def __init__(self, optimise):
+        self.optimise = optimise
+        self._copies = {}  # a function's name -> what calls of it call instead (None: it)
+        self._copy_names = set()
+
+    def point(self, operations):
+        """Makes each of `operations` (ops of the graph being built) that calls a
+        function, or holds one as a branch, call its copy."""
+        for op in operations:
+            for attribute, called in _function_attributes(op.node_def):
+                copy = self._copy_of(op.graph, called, op.type in CALLS, op.device)
+                if copy is not None:
+                    compat.call_instead(op, attribute, copy)
+
+    def _copy_of(self, graph, name, called, device):
+        """What a call (`called`) or a branch of `name`, placed on `device`, calls
+        instead: the function optimised, or a branch that calls copies; None where
+        nothing changes."""
+        if name in self._copy_names or not device:
+            return None
+        if name not in self._copies:
+            function = compat.graph_function_def(graph, name)
+            if function is None:
+                return None
+            if called:
+                lookup = functools.partial(compat.graph_function_def, graph)
+                copy = _copy(_optimised(_function_defs(function, lookup), self.optimise,
+                                        device), {})
+            else:
+                copy = self._branch_copy(graph, function, device)
+            self._copies[name] = copy
+            if copy is not None:
+                self._copy_names.add(copy.name.decode())
+        return self._copies[name]
+
+    def _branch_copy(self, graph, branch, device):
+        """A copy of `branch` (a control-flow op's FunctionDef) whose calls call their
+        copies, or None where it calls no function that has one."""
+        branch = _copied(branch)
+        copies = []
+        for node in branch.node_def:
+            for called in _called(node):
+                copy = self._copy_of(graph, called.name, node.op in CALLS,
+                                     node.device or device)
+                if copy is not None:
+                    called.name = copy.name.decode()
+                    copies.append(copy)
+        if not copies:
+            return None
+        branch.signature.name += f"_calls_optimised_{next(_COPY_NUMBERS)}"
+        return compat.runtime_function(branch, copies)
 
 
 def _device_renames(traced_places, places):
@@ -105,19 +179,35 @@ def _copyable(trace):
                for t in trace.captured_inputs)
 
 
-def _function_defs(trace):
-    """The FunctionDefs of `trace` (first) and of every function it calls, in the order
-    it first calls them: the same for two traces of the same work (the trace's
-    library also holds functions it does not call, such as a cond's branches as they
-    were before their gradient rewrote them)."""
-    library = {f.signature.name: f for f in trace.graph.as_graph_def().library.function}
-    ordered = [trace.function_def]
+def _function_defs(first, lookup):
+    """`first` (a FunctionDef) and every function it calls, in the order it first calls
+    them (lookup(name) -> a FunctionDef, or None for one it does not hold): the same
+    for two traces of the same work (a trace's library also holds functions it does
+    not call, such as a cond's branches as they were before their gradient rewrote
+    them)."""
+    ordered, seen = [first], {first.signature.name}
     for function in ordered:  # grows as it goes: each function's callees after it
         for node in function.node_def:
             for called in _called(node):
-                if called.name in library:
-                    ordered.append(library.pop(called.name))
+                found = None if called.name in seen else lookup(called.name)
+                if found is not None:
+                    seen.add(called.name)
+                    ordered.append(found)
     return ordered
+
+
+def _trace_function_defs(trace):
+    """_function_defs of a ConcreteFunction, from its own graph's library."""
+    library = {f.signature.name: f for f in trace.graph.as_graph_def().library.function}
+    return _function_defs(trace.function_def, library.get)
+
+
+def _function_attributes(node_def):
+    """(attribute, function name) of each function a NodeDef holds in an attribute of
+    its own (a call's f, a cond's branches, a while loop's cond and body)."""
+    for attribute, value in node_def.attr.items():
+        if value.HasField("func"):
+            yield attribute, value.func.name
 
 
 def _called(node):
@@ -129,19 +219,21 @@ def _called(node):
         yield from value.list.func
 
 
-def _optimised(trace, optimise, device):
-    """optimise's FunctionDefs of `trace`, traced for the tower on `device`. A node that
-    names no device runs on the tower's: grappler is told so (its rewrites differ by
-    device), and the name is taken off again, so that each tower's call places it."""
+def _optimised(function_defs, optimise, device):
+    """optimise's FunctionDefs of function_defs[0] (calling the others), called by the
+    tower on `device`. A node that names no device runs on the caller's: grappler is
+    told so (its rewrites differ by device), and the name is taken off again, so that
+    each caller's call places it."""
     device = canonical_name(device)
-    function_defs = [_copied(function) for function in _function_defs(trace)]
+    function_defs = [_copied(function) for function in function_defs]
     named = {device}
     for node in _nodes(function_defs):
         if node.device:
             named.add(canonical_name(node.device))
         else:
             node.device = device
-    inputs = [tf.TensorSpec(t.shape, t.dtype) for t in trace.inputs]
+    inputs = [tf.TensorSpec(None, tf.as_dtype(arg.type))
+              for arg in function_defs[0].signature.input_arg]
     optimised = optimise(function_defs, inputs, sorted(named))
     for node in _nodes(optimised):
         if node.device and canonical_name(node.device) == device:

@@ -22,8 +22,8 @@ passes, which take away what the towers' calls left around them (pruning, common
 subexpressions, dependencies): grappler's time hardly grows with the towers (that
 transformer, the tower's and the step's together: 0.16 s at 1 tower, 0.25 s at 4,
 where the whole step took 0.22 and 0.61 s), and the steps are as fast
-(benchmarks/RESULTS.md). A pipeline's stages are not optimised apart (tower.py
-compiled_tower): its step keeps every pass. Not on GPUs, where grappler's
+(benchmarks/RESULTS.md); so too a pipeline's stages, whose forwards and backwards
+are optimised once each (tower_trace.OptimisedCalls). Not on GPUs, where grappler's
 layout and fusion rewrites depend on the devices it sees placed: a step there keeps
 the whole graph's optimisation.
 
