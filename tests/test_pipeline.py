@@ -151,6 +151,35 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(_one_device(optimizer_name, global_batch_size), model.weights):
             self.assertAllClose(want, got, atol=TOLERANCE, rtol=TOLERANCE, msg=got.path)
 
+    def test_an_in_graph_loop_of_batches_leaving_micro_batches_empty_equals_single_steps(self):
+        """3 rows over 2 towers x 2 micro-batches (1, 1, 1 and an empty one), two steps a
+        call against one: the loop's step, whose stage forward returns rows of unknown
+        size (a recurrent layer's), checks each loss against its labels' rows; as Keras's."""
+        def model():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6, 4))
+            convolved = keras.layers.Conv1D(5, 3, activation="relu", name="conv")(inputs)
+            recurrent = keras.layers.LSTM(6)(convolved)
+            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
+
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(3, 6, 4)).astype(np.float32)
+        y = rng.integers(0, reference.NUM_CLASSES, size=(3,))
+        trained = []
+        for steps_per_execution in (1, 2):
+            trainer = towers.TowerTrainer(
+                model(), reference.make_loss(), keras.optimizers.SGD(0.1),
+                devices=GRIDS["2x2"][0], pipeline_cuts=["conv"], micro_batches=2,
+                steps_per_execution=steps_per_execution)
+            trainer.fit(x, y, batch_size=3, epochs=3, verbose=0)
+            trained.append(trainer.model.get_weights())
+        keras_model = model()
+        keras_model.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        keras_model.fit(x, y, batch_size=3, epochs=3, verbose=0)
+        for single, looped, want in zip(*trained, keras_model.get_weights()):
+            self.assertAllEqual(single, looped)
+            self.assertAllClose(want, looped, atol=TOLERANCE, rtol=TOLERANCE)
+
     @parameterized.parameters(("tree", False), ("collective", True), ("main", True))
     def test_aggregations_per_stage(self, aggregation, pack_gradients):
         model = _model()

@@ -180,7 +180,8 @@ def _weighted_values(loss, y_true, y_pred, sample_weight):
     y_pred = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_pred)
     y_true = tf.nest.map_structure(lambda t: tf.cast(t, loss.dtype), y_true)
     values = vocab_loss.per_example_losses(loss, y_true, y_pred)  # logits kept in parts
-    values = _checked_losses(loss.call(y_true, y_pred) if values is None else values, y_pred)
+    values = _checked_losses(loss.call(y_true, y_pred) if values is None else values, y_true,
+                             y_pred)
     out_mask = compat.keras_mask(values)
     masks = [tf.cast(m, tf.bool) for m in (in_mask, out_mask) if m is not None]
     mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]
@@ -287,9 +288,11 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _checked_losses(values, y_pred):
+def _checked_losses(values, y_true, y_pred):
     """`values` as float32 after checking it holds one loss per example of y_pred
-    (errors.LossMismatch otherwise)."""
+    (errors.LossMismatch otherwise). The examples are y_pred's rows, or y_true's where
+    only those are known as the step is traced (a stage's traced forward, retraced for
+    another micro-batch size, returns rows of unknown size)."""
     name = "the loss"
     if not tf.is_tensor(values):
         try:
@@ -305,7 +308,8 @@ def _checked_losses(values, y_pred):
             f"{name} returned a scalar; it must return one loss per example, shape "
             "(batch,). Don't reduce inside a loss callable (towers averages over the "
             "global batch itself), or pass a keras.losses.Loss object.")
-    expected = tf.nest.flatten(y_pred)[0].shape[0]
+    expected = next((t.shape[0] for t in tf.nest.flatten([y_pred, y_true])
+                     if t is not None and t.shape.rank and t.shape[0] is not None), None)
     if values.shape[0] is not None and expected is not None and values.shape[0] != expected:
         raise errors.LossMismatch(
             f"{name} returned shape {tuple(values.shape)} for a batch of {expected} "
