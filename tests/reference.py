@@ -35,6 +35,16 @@ def make_up_down_model(seed=0):
     return keras.Model(inputs, keras.layers.Dense(NUM_CLASSES, name="out")(hidden))
 
 
+def make_conv_lstm_model(seed=0):
+    """(6, 4) sequences -> Conv1D "conv" 5 (relu) -> LSTM 6 -> Dense logits: a
+    convolution, a recurrent layer's while loop, a cut after "conv"."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6, 4))
+    convolved = keras.layers.Conv1D(5, 3, activation="relu", name="conv")(inputs)
+    recurrent = keras.layers.LSTM(6)(convolved)
+    return keras.Model(inputs, keras.layers.Dense(NUM_CLASSES)(recurrent))
+
+
 def subclassed_model():
     """A built subclassed keras.Model of one Dense layer named "dense": no layer graph."""
     class Subclassed(keras.Model):

@@ -155,13 +155,7 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         """3 rows over 2 towers x 2 micro-batches (1, 1, 1 and an empty one), two steps a
         call against one: the loop's step, whose stage forward returns rows of unknown
         size (a recurrent layer's), checks each loss against its labels' rows; as Keras's."""
-        def model():
-            keras.utils.set_random_seed(0)
-            inputs = keras.Input((6, 4))
-            convolved = keras.layers.Conv1D(5, 3, activation="relu", name="conv")(inputs)
-            recurrent = keras.layers.LSTM(6)(convolved)
-            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
-
+        model = reference.make_conv_lstm_model
         rng = np.random.default_rng(0)
         x = rng.normal(size=(3, 6, 4)).astype(np.float32)
         y = rng.integers(0, reference.NUM_CLASSES, size=(3,))

@@ -142,4 +142,3 @@ class TowerTraceTest(tf.test.TestCase, parameterized.TestCase):
             graph.node, library, "", "") if node.op in tower_trace.CALLS]
         self.assertLen(called, 4)  # per tower, the forward and the gradient
         self.assertTrue(all("_tower_copy_" in name for name in called), called)
-

@@ -263,6 +263,17 @@ if __name__ == "__main__":
     tf.test.main()
 
 
+def _recording_optimisations(optimised):
+    """fn(trainer) making its graph rewrites append to `optimised` the devices of each
+    tower trace they optimise, then optimise it."""
+    def recording(trainer):
+        optimise = trainer.graph_rewrites.optimised_function
+        trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
+            args[2]) or optimise(*args)
+
+    return recording
+
+
 class GraphRewritesTest(tf.test.TestCase):
     """training/graph_rewrites.py: a trainer's functions are optimised by one grappler
     pass, without the memory and layout optimisers on CPUs, and nothing else is touched;
@@ -310,21 +321,9 @@ class GraphRewritesTest(tf.test.TestCase):
     def test_tower_work_on_cpus_is_optimised_once_and_trains_as_keras(self):
         """Four towers call copies of one optimised trace (an LSTM's while loop and a
         convolution in it); the steps, optimised by the cheap passes, equal Keras's."""
-        def model():
-            keras.utils.set_random_seed(0)
-            inputs = keras.Input((6, 4))
-            convolved = keras.layers.Conv1D(5, 3, activation="relu")(inputs)
-            recurrent = keras.layers.LSTM(6)(convolved)
-            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
-
         optimised = []
-
-        def recording(trainer):
-            optimise = trainer.graph_rewrites.optimised_function
-            trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
-                args[2]) or optimise(*args)
-
-        trainer = self._assert_trains_as_keras(model, (8, 6, 4), DEVICES[:4], recording)
+        trainer = self._assert_trains_as_keras(reference.make_conv_lstm_model, (8, 6, 4),
+                                               DEVICES[:4], _recording_optimisations(optimised))
         self.assertTrue(trainer.setup.compiled_tower.optimised)
         self.assertEqual(optimised, [[DEVICES[0]]])  # once, for tower 0
 
@@ -344,24 +343,11 @@ class GraphRewritesTest(tf.test.TestCase):
         backward is optimised once, for tower 0's device for the stage, whichever tower
         and micro-batch calls it; the steps equal Keras's, a batch that leaves a
         micro-batch empty (its calls inside unless_empty's conds) too."""
-        def model():
-            keras.utils.set_random_seed(0)
-            inputs = keras.Input((6, 4))
-            convolved = keras.layers.Conv1D(5, 3, activation="relu", name="conv")(inputs)
-            recurrent = keras.layers.LSTM(6)(convolved)
-            return keras.Model(inputs, keras.layers.Dense(reference.NUM_CLASSES)(recurrent))
-
         for rows, optimisations in [(8, [[DEVICES[0]]] * 2 + [[DEVICES[1]]] * 2), (3, None)]:
             optimised = []
-
-            def recording(trainer):
-                optimise = trainer.graph_rewrites.optimised_function
-                trainer.graph_rewrites.optimised_function = lambda *args: optimised.append(
-                    args[2]) or optimise(*args)
-
             trainer = self._assert_trains_as_keras(
-                model, (rows, 6, 4), [DEVICES[:2], DEVICES[2:4]], recording,
-                pipeline_cuts=["conv"], micro_batches=2)
+                reference.make_conv_lstm_model, (rows, 6, 4), [DEVICES[:2], DEVICES[2:4]],
+                _recording_optimisations(optimised), pipeline_cuts=["conv"], micro_batches=2)
             self.assertTrue(trainer.setup.compiled_tower.optimised)
             if optimisations:  # forwards and backwards of stage 0 on D0, of stage 1 on D1
                 self.assertEqual(sorted(optimised), optimisations)
