@@ -445,6 +445,10 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         elif kind == "pipeline":
             devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
             options = {"pipeline_cuts": ["up"], "micro_batches": 2}
+        elif kind == "split_pipeline":  # 2 stages x 2 parts; tower 1 on tower 0's, swapped
+            grid = [[DEVICES[0:2], DEVICES[2:4]], [DEVICES[2:4], DEVICES[0:2]]]
+            devices, options = grid[:num_towers], {"pipeline_cuts": ["up"], "micro_batches": 2}
+            model = towers.split_layers(model, {"up": "column", "down": "row"}, grid[0][0])
         trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.SGD(0.1),
                                       devices=devices, **options)
         for batch in self._batches(kind):
@@ -453,7 +457,8 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         return trainer, counted.calls
 
     @parameterized.named_parameters(
-        (kind, kind) for kind in ("plain", "split_layers", "masked_loss", "pipeline"))
+        (kind, kind) for kind in ("plain", "split_layers", "masked_loss", "pipeline",
+                                  "split_pipeline"))
     def test_layer_calls_do_not_grow_with_towers(self, kind):
         (_, one_tower_calls), (trainer, calls) = (self._trained(kind, n) for n in (1, 2))
         self.assertEqual(calls, one_tower_calls)
@@ -461,6 +466,6 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
         for x, y in self._batches(kind):
             expected.train_on_batch(x, y)
-        model = towers.join_layers(trainer.model) if kind == "split_layers" else trainer.model
+        model = towers.join_layers(trainer.model) if "split" in kind else trainer.model
         for want, got in zip(expected.get_weights(), model.get_weights()):
             self.assertAllClose(want, got, atol=1e-6)

@@ -213,12 +213,11 @@ def traced_once(setup, objective):
     XLA: no BatchNormalization meeting across the towers (it meets the others inside
     the tower's work), and the loss's counted terms known (objective.counted: the
     first batch's forward gave them). Split layers only where the tower's whole work
-    is one trace (one stage, no counted term): each tower calls a copy with its parts'
-    devices renamed (tower_trace.py), and a copy has no gradient, which a traced
-    forward differentiated outside needs."""
-    whole = setup.stages.num_stages == 1 and objective.counted == []
+    is one trace (no counted term): each tower calls a copy with its parts' devices
+    renamed (tower_trace.py), and a copy has no gradient, which a traced forward
+    differentiated outside needs."""
     return (not setup.statistics.layers and objective.counted is not None
-            and (setup.parts is None or whole))
+            and (setup.parts is None or objective.counted == []))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,14 +234,15 @@ class CompiledTower:
 
 
 def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_compile=True,
-                   optimise=None):
+                   optimise=None, part_homes=None):
     """A tower's work traced once for every tower: a CompiledTower, fn(step, tower) -> a
     started flight (start_flight's, or a Finished one), for a StepWork of these stages,
     objective, micro_batches and schedule; compiled by XLA where jit_compile, else plain
     tf.functions (traced_once's set-ups), so that the time to trace the first step does
     not grow with the towers. optimise: None, or TowerTrace's, for the tower's traced
     functions without XLA (the whole work; or each stage's forward and its gradient,
-    tower_trace.OptimisedCalls).
+    tower_trace.OptimisedCalls). part_homes: None, or for a split model the devices
+    each stage's parts live on (devices.Mesh.parts[0]).
 
     One stage: the tower's forward and backward, all its micro-batches, are one
     function (one XLA computation) on tower.devices[0]. With pipeline stages a tower
@@ -251,7 +251,10 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     (the gradient of a tf.function is one too); the flight between the stages stays
     outside. So too, without XLA, for one stage whose loss has counted terms: the
     tower's backward starts once every tower's count is known (start_flight's
-    count_first), outside the trace.
+    count_first), outside the trace. A stage's forward that names its split layers'
+    part devices cannot serve other towers, so a split model's pipeline tower, where
+    no term is counted, is one function as one stage is, its stage k on the tower's
+    device for part 0 of part_homes[k] (where Mesh.grid has the stage).
 
     One tf.function (per stage) serves every tower: the tower index is an argument
     and no device is named inside, so a call runs on the device it is called on, as
@@ -264,7 +267,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     statistics.
     """
     optimise = None if jit_compile else optimise
-    if stages.num_stages > 1 or (objective.counted and not jit_compile):
+    whole = (stages.num_stages == 1 if jit_compile else not objective.counted
+             and (stages.num_stages == 1 or part_homes is not None))
+    if not whole:
         forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
         calls = None if optimise is None else tower_trace.OptimisedCalls(optimise)
 
@@ -284,7 +289,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         # slower with it, so full batches get the variant without, as outside XLA.)
         step = StepWork(stages, objective, batch_rows, loss_scale, micro_batches, schedule,
                         may_be_empty, sum_scale=sum_scale)
-        tower = TowerWork(shard, split.batch_size(shard), weights, state, [None], tower_index)
+        devices = [None] if stages.num_stages == 1 else [
+            op_layers.part_device(home, 0) for home in part_homes]
+        tower = TowerWork(shard, split.batch_size(shard), weights, state, devices, tower_index)
         return run_tower(step, tower, densify)
 
     traced = tower_trace.TowerTrace(run_compiled_tower, optimise)

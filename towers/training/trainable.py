@@ -58,7 +58,8 @@ def set_up_for_trainable(trainer):
         compiled_tower = tower.compiled_tower(
             setup.stages, trainer.objective, setup.options.micro_batches,
             setup.options.pipeline_schedule, densify, trainer.jit_compile,
-            trainer.graph_rewrites.function_optimiser())
+            trainer.graph_rewrites.function_optimiser(),
+            None if setup.parts is None else setup.mesh.parts[0])
     trainer.setup = dataclasses.replace(setup, compiled_tower=compiled_tower)
 
 
