@@ -5,7 +5,7 @@ device and MirroredStrategy on the same logical devices (issue 39).
     python benchmarks/first_step.py --rounds=2 --output_dir=DIR
 
 Models: the built-in mlp and cnn, a 2-block transformer, the transformer split in 2 parts
-per tower (split_layers, plan "auto") and cut into 2 pipeline stages
+per tower (split_layers, plan "auto"), cut into 2 pipeline stages, and both
 (benchmarks/harness/first_step.py). Every configuration runs once per round, in its own
 process, the order shuffled per round; the tables give medians of seconds since the
 process was launched, to: TensorFlow and Keras imported, towers imported, built, first

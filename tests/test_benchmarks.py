@@ -359,6 +359,23 @@ class FirstStepBenchmarkTest(tf.test.TestCase):
                          has_matplotlib)
 
 
+    def test_each_model_s_towers_take_their_stages_and_parts_in_device_order(self):
+        """Tower i's device for stage k's part j: devices[(i * stages + k) * parts + j]."""
+        self.assertEqual([first_step.devices_needed({"model": name, "way": "towers",
+                                                     "num_towers": 4})
+                          for name in first_step.MODELS], [4, 4, 4, 8, 8, 16])
+        for name, tower_0 in [("split_transformer", [DEVICES_4[:2]]),
+                              ("pipeline", [[DEVICES_4[0]], [DEVICES_4[1]]]),
+                              ("split_pipeline", [DEVICES_4[:2], DEVICES_4[2:]])]:
+            trainer = first_step._trainer(
+                {"model": name, "num_towers": 1}, first_step.transformer(blocks=2),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                keras.optimizers.SGD(0.1), DEVICES_4)
+            mesh = trainer.setup.mesh
+            parts = [[[device] for device in tower] for tower in mesh.grid]
+            self.assertEqual((mesh.parts or parts)[0], tower_0, name)
+
+
 class OpParallelHubAndVocabLossTest(tf.test.TestCase):
     """benchmarks/op_parallel.py's keras_hub GPT-2 and LM-head loss parts (its harness),
     in-process on tiny sizes, against counts by hand."""

@@ -9,9 +9,9 @@ A configuration is a model, a way of training it and a number of towers:
 
 The models: the built-in mlp and cnn (towers.cli.models), a 2-block transformer
 (`transformer`), the same split by split_layers(model, "auto", parts) on 2 parts per
-tower (`split_transformer`) and cut into 2 pipeline stages between its blocks
-(`pipeline`); the last two only as towers, against the transformer's keras and mirrored
-rows.
+tower (`split_transformer`), cut into 2 pipeline stages between its blocks
+(`pipeline`), and both: 2 stages of 2 parts per tower (`split_pipeline`); the last three
+only as towers, against the transformer's keras and mirrored rows.
 
 The child reports wall-clock seconds since the parent launched it (`launched_at`), so
 Python's start is counted: imported (TensorFlow and Keras), towers imported (every child
@@ -27,10 +27,11 @@ import numpy as np
 
 from benchmarks.harness import child_process
 
-MODELS = ("mlp", "cnn", "transformer", "split_transformer", "pipeline")
+MODELS = ("mlp", "cnn", "transformer", "split_transformer", "pipeline", "split_pipeline")
 # Which rows a model's towers rows are measured against: split and pipeline against the
 # transformer they are made of.
-BASE_MODEL = {"split_transformer": "transformer", "pipeline": "transformer"}
+BASE_MODEL = {"split_transformer": "transformer", "pipeline": "transformer",
+              "split_pipeline": "transformer"}
 WAYS = ("keras", "towers", "mirrored")
 STAMPS = ("imported", "towers_imported", "built", "first_step", "first_epoch")
 IMAGE_SHAPE, NUM_CLASSES = (16, 16, 1), 10
@@ -56,8 +57,13 @@ def configurations(models, num_towers, mirrored_towers):
 
 def devices_needed(config):
     """Logical devices the configuration trains on (keras: none made)."""
-    per_tower = {"split_transformer": SPLIT_PARTS, "pipeline": 2}.get(config["model"], 1)
-    return 0 if config["way"] == "keras" else config["num_towers"] * per_tower
+    stages, parts = _stages_and_parts(config["model"])
+    return 0 if config["way"] == "keras" else config["num_towers"] * stages * parts
+
+
+def _stages_and_parts(name):
+    """(pipeline stages, parts per split layer) of a model's towers."""
+    return 2 if name.endswith("pipeline") else 1, SPLIT_PARTS if name.startswith("split") else 1
 
 
 def run_rounds(script, configs, rounds, seed, run=child_process.run_child):
@@ -121,15 +127,20 @@ def measure(config):
 def _trainer(config, model, loss, optimizer, devices):
     import towers
     n, name = config["num_towers"], config["model"]
-    if name == "split_transformer":  # tower i's parts: devices[2i], devices[2i + 1]
-        grid = [devices[i * SPLIT_PARTS:(i + 1) * SPLIT_PARTS] for i in range(n)]
-        model = towers.split_layers(model, "auto", grid[0])
-        return towers.TowerTrainer(model, loss, optimizer, devices=grid)
-    if name == "pipeline":  # tower i's stages: devices[2i], devices[2i + 1]
-        grid = [devices[2 * i:2 * i + 2] for i in range(n)]
-        return towers.TowerTrainer(model, loss, optimizer, devices=grid,
-                                   pipeline_cuts=[PIPELINE_CUT], micro_batches=MICRO_BATCHES)
-    return towers.TowerTrainer(model, loss, optimizer, devices=devices)
+    stages, parts = _stages_and_parts(name)
+    if stages * parts == 1:
+        return towers.TowerTrainer(model, loss, optimizer, devices=devices)
+    # Tower i's device for stage k's part j: devices[(i * stages + k) * parts + j], as
+    # devices= takes it: one level per dimension there is more than one of.
+    grid = [[devices[(i * stages + k) * parts:][:parts] for k in range(stages)]
+            for i in range(n)]
+    grid = [[row if parts > 1 else row[0] for row in tower] for tower in grid]
+    grid = [tower if stages > 1 else tower[0] for tower in grid]
+    if parts > 1:
+        model = towers.split_layers(model, "auto", grid[0][0] if stages > 1 else grid[0])
+    options = {} if stages == 1 else {"pipeline_cuts": [PIPELINE_CUT],
+                                      "micro_batches": MICRO_BATCHES}
+    return towers.TowerTrainer(model, loss, optimizer, devices=grid, **options)
 
 
 def _build_model(name):
