@@ -358,7 +358,6 @@ class FirstStepBenchmarkTest(tf.test.TestCase):
         self.assertEqual(os.path.exists(os.path.join(output_dir, "first_step.png")),
                          has_matplotlib)
 
-
     def test_each_model_s_towers_take_their_stages_and_parts_in_device_order(self):
         """Tower i's device for stage k's part j: devices[(i * stages + k) * parts + j]."""
         self.assertEqual([first_step.devices_needed({"model": name, "way": "towers",

@@ -267,8 +267,11 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     statistics.
     """
     optimise = None if jit_compile else optimise
-    whole = (stages.num_stages == 1 if jit_compile else not objective.counted
-             and (stages.num_stages == 1 or part_homes is not None))
+    if jit_compile:  # XLA compiles for one device: one stage
+        whole = stages.num_stages == 1
+    else:  # unless a backward waits for the counts; stages only where split layers
+        # name part devices, which a stage's function shared by every tower cannot
+        whole = not objective.counted and (stages.num_stages == 1 or part_homes is not None)
     if not whole:
         forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
         calls = None if optimise is None else tower_trace.OptimisedCalls(optimise)
