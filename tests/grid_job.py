@@ -4,11 +4,11 @@ suite's process has 4 (tests/conftest.py).
     python -m tests.grid_job OUTPUT.json
 
 Trains a transformer with split attention and feed-forward layers on a grid of
-2 towers x 2 pipeline stages x 2 parts (1F1B, 4 micro-batches; and GPipe with 2
-through fit and evaluate), and against it Keras's compile + train_on_batch on one
-device; writes, as JSON, the largest weight differences, where every variable and
-its optimizer slot lives, and the evaluation's loss against Keras's; and the same with
-variable_placement="spread". Its checkpoint
+2 towers x 2 pipeline stages x 2 parts (1F1B, 4 micro-batches; and GPipe with 2 and
+variable_placement="spread" through fit and evaluate), and against it Keras's
+compile + train_on_batch on one device; writes, as JSON, the largest weight
+differences, where every variable and its optimizer slot lives (spread: each variable
+or slab), and the evaluation's loss against Keras's. The 1F1B run's checkpoint
 is restored into the unsplit model on 2 plain towers, which trains one more step. And a
 causal LM on the same grid: GPT-2 split by plan="auto", cut inside its backbone.
 """
@@ -125,26 +125,17 @@ def main(output):
     plain.train_step(data[2])
     results["restored_unsplit"] = largest_difference(unsplit.get_weights(), wanted[2])
 
-    # Spread placement on the grid: each (stage, part) group over its towers' devices.
-    spread = towers.TowerTrainer(towers.split_layers(build(), PLAN, GRID[0][0]), loss(),
-                                 optimizer(), devices=GRID, pipeline_cuts=CUTS,
-                                 micro_batches=4, pipeline_schedule="1f1b",
-                                 variable_placement="spread")
-    for batch in data[:2]:
-        spread.train_step(batch)
-    results["spread"] = largest_difference(towers.join_layers(spread.model).get_weights(),
-                                           wanted[1])
-    # What the optimizer updates: each variable, or each slab of one slabbed across towers.
-    results["spread_placement"] = [(v.path, device_of(v))
-                                   for v in spread.setup.columns.held_variables()]
-
-    # fit and evaluate on the grid, GPipe with 2 micro-batches.
+    # fit and evaluate on the grid, GPipe with 2 micro-batches, with spread placement:
+    # each (stage, part) group's variables over its towers' devices.
     fitted = towers.TowerTrainer(towers.split_layers(build(), PLAN, GRID[0][0]), loss(),
                                  optimizer(), devices=GRID, pipeline_cuts=CUTS,
-                                 micro_batches=2)
+                                 micro_batches=2, variable_placement="spread")
     fitted.fit(data, epochs=1, verbose=0)
-    results["fit_gpipe"] = largest_difference(
+    results["fit_gpipe_spread"] = largest_difference(
         towers.join_layers(fitted.model).get_weights(), wanted[2])
+    # What the optimizer updates: each variable, or each slab of one slabbed across towers.
+    results["spread_placement"] = [(v.path, device_of(v))
+                                   for v in fitted.setup.columns.held_variables()]
     x, y = data[0]
     results["evaluate"] = [fitted.evaluate((x, y))["loss"],
                            float(keras_model.evaluate(x, y, verbose=0))]

@@ -297,19 +297,21 @@ class TowerStepTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class ApplicationsTest(tf.test.TestCase):
-    """Models users bring, with batch_statistics="global" on 3 towers against Keras."""
+    """Models users bring, with batch_statistics="global" on uneven towers against Keras."""
 
-    def _compare(self, build, batch, steps=2):
+    def _compare(self, build, batch, steps=2, num_towers=3):
         model = build()
         trainer = towers.TowerTrainer(model, _sce(), _OPTIMIZERS["sgd_gentle"](),
-                                      devices=DEVICES[:3], batch_statistics="global")
+                                      devices=DEVICES[:num_towers], batch_statistics="global")
         for _ in range(steps):
             trainer.train_step(batch)
         assert_weights_close(self, keras_weights(build, batch, "sgd_gentle", steps),
                              model.get_weights())
 
     def test_mobilenet_v3_small(self):
-        self._compare(_mobilenet, images(7, (32, 32, 3)))
+        # 2 towers (4 rows and 3): each tower's trace of its 50-odd BatchNorms is most
+        # of this test's time.
+        self._compare(_mobilenet, images(7, (32, 32, 3)), num_towers=2)
 
     def test_command_line_models(self):
         """The command line's resnet (BatchNorm in every block) and cnn (none)."""

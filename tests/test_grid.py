@@ -40,8 +40,9 @@ class GridTest(tf.test.TestCase):
         self.assertLess(results["causal_lm"], TOLERANCE)
         # Its checkpoint restored into the unsplit model, which trains step 3.
         self.assertLess(results["restored_unsplit"], TOLERANCE)
-        # fit over the 3 batches, GPipe with 2 micro-batches; evaluate as Keras's.
-        self.assertLess(results["fit_gpipe"], TOLERANCE)
+        # fit over the 3 batches, GPipe with 2 micro-batches, spread placement; evaluate
+        # as Keras's.
+        self.assertLess(results["fit_gpipe_spread"], TOLERANCE)
         self.assertAllClose(*results["evaluate"], atol=TOLERANCE, rtol=0)
         # Every variable and its optimizer slot where its column lives.
         placement = results["placement"]
@@ -51,7 +52,6 @@ class GridTest(tf.test.TestCase):
                              path)
         # Spread placement: each variable, or each slab of one slabbed across towers
         # (".../kernel_slab_1/kernel"), on one tower's device for its stage and part.
-        self.assertLess(results["spread"], TOLERANCE)
         spread = results["spread_placement"]
         self.assertGreater(len(spread), len(placement))  # some variables are slabbed
         for path, device in spread:

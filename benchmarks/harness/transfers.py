@@ -95,11 +95,12 @@ def trainer_step_bytes(trainer, batch):
     Without XLA, each tower is traced into the step on its own here: tfdbg records no op
     inside the one tf.function the trainer's step calls on every tower's device
     (tower.traced_once), and what crosses devices is the same either way, that
-    function's inputs and outputs and what its ops name a device for."""
+    function's inputs and outputs and what its ops name a device for. Traced without
+    autograph, as the trainer's own step is (compiled.py)."""
     setup = (trainer.setup if trainer.jit_compile else
              dataclasses.replace(trainer.setup, compiled_tower=None))
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(batch):
         result = step_lib.run_towers(setup, trainer.objective, batch)
         step_lib.apply_update(trainer.optimizer, result.grads,
