@@ -316,7 +316,9 @@ class GraphRewritesTest(tf.test.TestCase):
                              ("steps", graph_rewrites.CHEAP_PASSES), ("eval", ()),
                              ("predict", ())]:  # a forward outside the tower's trace
             with rewrites.calls(kind):
-                self.assertEqual(tuple(self._rewrite_options().optimizers), passes, kind)
+                options = self._rewrite_options()
+                self.assertEqual(tuple(options.optimizers), passes, kind)
+                self.assertEqual(options.disable_tfg_optimizer, bool(passes), kind)
 
     def test_tower_work_on_cpus_is_optimised_once_and_trains_as_keras(self):
         """Four towers call copies of one optimised trace (an LSTM's while loop and a
