@@ -249,6 +249,20 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         split.trainable = True
         self.assertLen(split.trainable_variables, before)
 
+    def test_heads_parts_attend_from_padded_rows_as_keras(self):
+        # Keras's MultiHeadAttention reads the query's mask from the query itself: a
+        # padded row attends to every key alike. Each part reads a copy of the query
+        # on its device, which must carry that mask too (the Add after it drops the
+        # mask, so a loss sees the padded rows).
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((6,), dtype="int32")
+        vectors = keras.layers.Embedding(11, 6, mask_zero=True, name="table")(ids)
+        attended = keras.layers.MultiHeadAttention(4, 3, name="att")(vectors, vectors)
+        model = keras.Model(ids, keras.layers.Add()([vectors, attended]))
+        split = towers.split_layers(model, {"att": "heads"}, PARTS)
+        x = np.array([[3, 4, 0, 0, 0, 0], [5, 1, 2, 7, 9, 0]], "int32")
+        self.assertAllClose(split(x), model(x), atol=1e-6, rtol=0)
+
     def test_heads_parts_draw_their_own_dropout_streams(self):
         # As the layer's heads do: a given seed is offset by the part, so the parts'
         # dropout masks differ (one seed for all would drop the same entries).

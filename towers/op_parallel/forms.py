@@ -6,6 +6,7 @@ Each form computes exactly what the layer it replaces computes; only where each
 multiply runs, and so where each variable lives, moves.
 """
 
+import functools
 import inspect
 
 import keras
@@ -202,8 +203,8 @@ class HeadsAttention(keras.layers.Layer):
         for j, (part, part_cache) in enumerate(zip(self.parts, caches)):
             inputs = {"query": query, "value": value, "key": key, "cache": part_cache}
             inputs = {name: tensor for name, tensor in inputs.items() if tensor is not None}
-            result = run_part(self.devices, j, part,
-                              lambda inputs, part=part: part(**inputs, **arguments), inputs)
+            result = run_part(self.devices, j, part, functools.partial(
+                _attend, part, query_mask, arguments), inputs)
             result = list(result) if return_attention_scores or cache is not None else [result]
             outputs.append(result[0])  # (B, T, D): heads_j's share of the output
             if return_attention_scores:
@@ -224,6 +225,7 @@ class HeadsAttention(keras.layers.Layer):
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         return self.parts[0].compute_output_shape(query_shape, value_shape, key_shape)
 
+
     def layout(self):
         """Per weight of the MultiHeadAttention, in its order: the query, key and value
         kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0 (where
@@ -242,3 +244,16 @@ class HeadsAttention(keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "attention_config": self.attention_config,
                 "devices": self.devices, "part_class": self.part_class}
+
+
+def _attend(part, query_mask, arguments, inputs):
+    """part(**inputs, **arguments), with `query_mask` (which Keras fills from the
+    query's own mask) attached to the part's query: Keras's MultiHeadAttention takes
+    the query's mask from the query itself, not from its query_mask argument, and the
+    query a part reads on its device is a copy, which carries none (its padded rows
+    would attend where Keras's all-masked rows attend: a different output)."""
+    if query_mask is not None:
+        query = tf.identity(inputs["query"])  # the caller's query keeps its own
+        compat.set_keras_mask(query, query_mask)
+        inputs = {**inputs, "query": query}
+    return part(**inputs, **arguments)
