@@ -1,5 +1,7 @@
 """TowerTrainer: failed steps change nothing, bad input gets a clear error, one trace."""
 
+import collections
+import re
 import subprocess
 import sys
 
@@ -10,11 +12,14 @@ from absl.testing import parameterized
 
 import towers
 from towers import compat
+from towers.devices import canonical_name
 from towers.training import graph_rewrites
 from benchmarks.harness import transfers
 from tests import reference
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+# 2 towers x 2 stages x 2 parts, tower 1 on tower 0's devices with its stages swapped.
+SWAPPED_GRID = [[DEVICES[0:2], DEVICES[2:4]], [DEVICES[2:4], DEVICES[0:2]]]
 
 
 def _trainer(model=None, loss=None, **kwargs):
@@ -422,7 +427,7 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
 
     def _model(self, kind):
         keras.utils.set_random_seed(0)
-        masked = kind == "masked_loss"
+        masked = "masked" in kind
         inputs = keras.Input((3, reference.NUM_FEATURES) if masked else (reference.NUM_FEATURES,))
         hidden = keras.layers.Masking()(inputs) if masked else inputs
         hidden = keras.layers.Dense(8, activation="relu", name="up")(CountedCalls()(hidden))
@@ -431,7 +436,7 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
 
     def _batches(self, kind):
         batches = reference.make_batches(8, num_steps=2, sample_weights=False)
-        if kind != "masked_loss":
+        if "masked" not in kind:
             return batches
         rng = np.random.default_rng(3)
         x = rng.normal(size=(2, 8, 3, reference.NUM_FEATURES)).astype("float32")
@@ -447,10 +452,10 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         elif kind == "pipeline":
             devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
             options = {"pipeline_cuts": ["up"], "micro_batches": 2}
-        elif kind == "split_pipeline":  # 2 stages x 2 parts; tower 1 on tower 0's, swapped
-            grid = [[DEVICES[0:2], DEVICES[2:4]], [DEVICES[2:4], DEVICES[0:2]]]
-            devices, options = grid[:num_towers], {"pipeline_cuts": ["up"], "micro_batches": 2}
-            model = towers.split_layers(model, {"up": "column", "down": "row"}, grid[0][0])
+        elif kind.startswith("split_pipeline"):  # 2 stages x 2 parts
+            devices, options = SWAPPED_GRID[:num_towers], {"pipeline_cuts": ["up"], "micro_batches": 2}
+            model = towers.split_layers(model, {"up": "column", "down": "row"},
+                                        SWAPPED_GRID[0][0])
         trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.SGD(0.1),
                                       devices=devices, **options)
         for batch in self._batches(kind):
@@ -460,7 +465,7 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(
         (kind, kind) for kind in ("plain", "split_layers", "masked_loss", "pipeline",
-                                  "split_pipeline"))
+                                  "split_pipeline", "split_pipeline_masked_loss"))
     def test_layer_calls_do_not_grow_with_towers(self, kind):
         (_, one_tower_calls), (trainer, calls) = (self._trained(kind, n) for n in (1, 2))
         self.assertEqual(calls, one_tower_calls)
@@ -471,3 +476,19 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         model = towers.join_layers(trainer.model) if "split" in kind else trainer.model
         for want, got in zip(expected.get_weights(), model.get_weights()):
             self.assertAllClose(want, got, atol=1e-6)
+        if kind.startswith("split_pipeline"):
+            self._assert_stages_on_their_parts(trainer)
+
+    def _assert_stages_on_their_parts(self, trainer):
+        """Each tower's stage work (what each forward and backward of its flight runs,
+        inside the functions its calls call) runs on that tower's devices for the
+        stage's parts: tower 1's copies renamed, not tower 0's devices."""
+        placed = collections.defaultdict(set)
+        for node in reference.traced_nodes(trainer):
+            found = re.search(r"tower_(\d)/(?:.*/)?stage_(\d)_(?:forward|backward)_\d+/",
+                              node.name)
+            if found and node.device:
+                placed[int(found[1]), int(found[2])].add(canonical_name(node.device))
+        self.assertEqual(
+            dict(placed), {(i, k): {canonical_name(d) for d in SWAPPED_GRID[i][k]}
+                           for i in range(2) for k in range(2)})

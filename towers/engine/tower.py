@@ -216,8 +216,7 @@ def traced_once(setup, objective):
     is one trace (no counted term): each tower calls a copy with its parts' devices
     renamed (tower_trace.py), and a copy has no gradient, which a traced forward
     differentiated outside needs."""
-    return (not setup.statistics.layers and objective.counted is not None
-            and (setup.parts is None or objective.counted == []))
+    return not setup.statistics.layers and objective.counted is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +273,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         whole = not objective.counted and (stages.num_stages == 1 or part_homes is not None)
     if not whole:
         forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
-        calls = None if optimise is None else tower_trace.OptimisedCalls(optimise)
+        renamed = part_homes is not None  # a stage's forward names its parts' devices
+        calls = (None if optimise is None and not renamed
+                 else tower_trace.OptimisedCalls(optimise))
 
         def run_stages(step, tower):
             step = dataclasses.replace(step, forwards=forwards)

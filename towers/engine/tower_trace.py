@@ -100,50 +100,73 @@ class TowerTrace:
 class OptimisedCalls:
     """The calls a tower's work makes to traced functions whose gradients TensorFlow
     makes (a pipeline stage's forward, its backward), each made to call a copy of the
-    function that grappler optimised once, whichever tower, micro-batch or step calls
-    it: `point(operations)` once they are made. A call inside a tf.cond's branch
-    (unless_empty's) too: the branch is copied with its calls pointed. A call that
-    names no device (none of a flight's) is left as it is.
+    function, optimised once where `optimise` is given, whichever tower, micro-batch or
+    step calls it: `point(operations)` once they are made. A call inside a tf.cond's
+    branch (unless_empty's) too: the branch is copied with its calls pointed. A call
+    that names no device (none of a flight's) is left as it is.
 
-    optimise: as TowerTrace's.
+    Where split layers name their parts' devices inside a trace, a function serves
+    every tower too: each tower's calls point at a copy with the part devices renamed
+    to its own, from those in effect where the function was made (a forward when the
+    first tower called it, its backward when that tower's gradient was taken; a
+    function is first seen by the tower it was made for, whose calls point first).
+
+    optimise: as TowerTrace's, or None: copies made only where devices are renamed.
     """
 
     def __init__(self, optimise):
         self.optimise = optimise
-        self._copies = {}  # a function's name -> what calls of it call instead (None: it)
+        self._made_for = {}  # a function's name -> the places in effect where it was made
+        self._optimised = {}  # a function's name -> its FunctionDefs, optimised
+        self._copies = {}  # (a function's name, places) -> what its calls call (None: it)
         self._copy_names = set()
 
     def point(self, operations):
-        """Makes each of `operations` (ops of the graph being built) that calls a
-        function, or holds one as a branch, call its copy."""
+        """Makes each of `operations` (ops of the graph being built, by the tower whose
+        places, op_parallel.layers.parts_on, are in effect) that calls a function, or
+        holds one as a branch, call its copy."""
+        places = op_layers.current_places() or {}
         for op in operations:
             for attribute, called in _function_attributes(op.node_def):
-                copy = self._copy_of(op.graph, called, op.type in CALLS, op.device)
+                copy = self._copy_of(op.graph, called, op.type in CALLS, op.device, places)
                 if copy is not None:
                     compat.call_instead(op, attribute, copy)
 
-    def _copy_of(self, graph, name, called, device):
+    def _copy_of(self, graph, name, called, device, places):
         """What a call (`called`) or a branch of `name`, placed on `device`, calls
-        instead: the function optimised, or a branch that calls copies; None where
-        nothing changes."""
+        instead for the tower at `places`: the function optimised, its devices renamed,
+        or a branch that calls copies; None where nothing changes."""
         if name in self._copy_names or not device:
             return None
-        if name not in self._copies:
+        key = (name, _places_key(places))
+        if key not in self._copies:
             function = compat.graph_function_def(graph, name)
             if function is None:
                 return None
-            if called:
-                lookup = functools.partial(compat.graph_function_def, graph)
-                copy = _copy(_optimised(_function_defs(function, lookup), self.optimise,
-                                        device), {})
+            renames = _device_renames(self._made_for.setdefault(name, places), places)
+            if not called:
+                copy = self._branch_copy(graph, function, device, places)
+            elif self.optimise is None and not renames:
+                copy = None
             else:
-                copy = self._branch_copy(graph, function, device)
-            self._copies[name] = copy
+                copy = _copy(self._function_defs(graph, function, device), renames)
+            self._copies[key] = copy
             if copy is not None:
                 self._copy_names.add(copy.name.decode())
-        return self._copies[name]
+        return self._copies[key]
 
-    def _branch_copy(self, graph, branch, device):
+    def _function_defs(self, graph, function, device):
+        """The FunctionDefs of `function` and those it calls, optimised once given
+        self.optimise."""
+        name = function.signature.name
+        if name not in self._optimised:
+            function_defs = _function_defs(function,
+                                           functools.partial(compat.graph_function_def, graph))
+            self._optimised[name] = (function_defs if self.optimise is None
+                                     else _optimised(function_defs, self.optimise, device))
+        return self._optimised[name]
+
+    def _branch_copy(self, graph, branch, device, places):
         """A copy of `branch` (a control-flow op's FunctionDef) whose calls call their
         copies, or None where it calls no function that has one."""
         branch = _copied(branch)
@@ -151,7 +174,7 @@ class OptimisedCalls:
         for node in branch.node_def:
             for called in _called(node):
                 copy = self._copy_of(graph, called.name, node.op in CALLS,
-                                     node.device or device)
+                                     node.device or device, places)
                 if copy is not None:
                     called.name = copy.name.decode()
                     copies.append(copy)
