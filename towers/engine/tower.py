@@ -212,10 +212,8 @@ def traced_once(setup, objective):
     `setup` (a step.StepSetup, set up for the model's trainable variables) without
     XLA: no BatchNormalization meeting across the towers (it meets the others inside
     the tower's work), and the loss's counted terms known (objective.counted: the
-    first batch's forward gave them). Split layers only where the tower's whole work
-    is one trace (no counted term): each tower calls a copy with its parts' devices
-    renamed (tower_trace.py), and a copy has no gradient, which a traced forward
-    differentiated outside needs."""
+    first batch's forward gave them). Split layers too: each other tower calls copies
+    of the traces with its parts' devices renamed (tower_trace.py)."""
     return not setup.statistics.layers and objective.counted is not None
 
 
@@ -250,10 +248,12 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     (the gradient of a tf.function is one too); the flight between the stages stays
     outside. So too, without XLA, for one stage whose loss has counted terms: the
     tower's backward starts once every tower's count is known (start_flight's
-    count_first), outside the trace. A stage's forward that names its split layers'
-    part devices cannot serve other towers, so a split model's pipeline tower, where
-    no term is counted, is one function as one stage is, its stage k on the tower's
-    device for part 0 of part_homes[k] (where Mesh.grid has the stage).
+    count_first), outside the trace. A split model's pipeline tower, where no term is
+    counted, is one function as one stage is, its stage k on the tower's device for
+    part 0 of part_homes[k] (where Mesh.grid has the stage); where a term is counted,
+    its stages' forwards name the part devices of the tower that traced them, and
+    each other tower's calls, and those of their gradients, are pointed at copies with
+    its own (tower_trace.OptimisedCalls).
 
     One tf.function (per stage) serves every tower: the tower index is an argument
     and no device is named inside, so a call runs on the device it is called on, as

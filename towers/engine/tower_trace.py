@@ -28,9 +28,11 @@ of a trace would have none). Every tower and micro-batch calls the same two per
 stage, so once a tower's calls are made, each is pointed at a copy of its function
 that grappler optimised once (`OptimisedCalls`): a 4-tower pipeline of 2
 micro-batches calls each 8 times. Where the stages hold split layers, whose traces
-name their parts' devices, a stage's traced forward cannot serve another tower; so,
-where no backward waits for the batch's counts, the tower's whole flight is one
-trace, copied for each other tower as above (its stage devices are its parts' too).
+name their parts' devices, each tower's calls are pointed at copies with its own
+part devices, renamed from those of the tower the function was made for (its forward
+traced, its gradient taken). Where no backward waits for the batch's counts, the
+tower's whole flight is one trace instead, copied for each other tower as above (its
+stage devices are its parts' too): optimised whole, once.
 """
 
 import functools
