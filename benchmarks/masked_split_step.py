@@ -8,7 +8,8 @@ The model tags tokens: ids (32 sequences of 16, the last 4 padded, mask_zero=Tru
 "auto" into 2 parts per stage, 2 stages, 2 micro-batches: 4 logical CPUs per tower.
 The loss is over the batch's unpadded tokens, a count known once every tower has run
 its forward, so each tower's backward starts outside any traced tower work. Each
-configuration runs once per round in a fresh process, the order shuffled per round;
+configuration runs once per round in a fresh process, the order shuffled per round
+(harness/first_step.py run_rounds);
 medians; writes DIR/results.json and DIR/results.md.
 """
 
@@ -21,7 +22,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import child_process, report  # noqa: E402
+from benchmarks.harness import child_process, first_step, report  # noqa: E402
 
 NUM_TOWERS = flags.DEFINE_list("num_towers", ["1", "2", "4"], "Towers to run; 1 among them "
                                "(the ratios' base).")
@@ -41,12 +42,10 @@ def main(argv):
         return
     num_towers = _checked_flags()
     import numpy as np
-    order = np.random.default_rng(SEED.value)
-    runs = {n: [] for n in num_towers}
-    for _ in range(ROUNDS.value):
-        for i in order.permutation(len(num_towers)):
-            runs[num_towers[i]].append(child_process.run_child(
-                os.path.abspath(__file__), {"num_towers": num_towers[i], "steps": STEPS.value}))
+    configs = [{"model": "masked_split_pipeline", "way": "towers", "num_towers": n,
+                "steps": STEPS.value} for n in num_towers]
+    runs = first_step.run_rounds(os.path.abspath(__file__), configs, ROUNDS.value, SEED.value)
+    runs = {config["num_towers"]: runs[first_step.key(config)] for config in configs}
     median = {n: {k: float(np.median([r[k] for r in rows])) for k in ("first_step_s", "step_ms")}
               for n, rows in runs.items()}
     lines = [f"Medians of {ROUNDS.value} rounds, each in a fresh process: the first "
