@@ -64,7 +64,7 @@ class TowerTrace:
     def __init__(self, function, optimise=None):
         self.function, self.optimise = function, optimise
         self._traced_for = {}  # a trace's name -> the places in effect when it was traced
-        self._optimised = {}  # a trace's name -> its FunctionDefs, optimised
+        self._function_defs = _FunctionDefsOnce(optimise)
         self._copies = {}  # (a trace's name, the places of a tower) -> its copy
 
     def __call__(self, device, *args):
@@ -91,12 +91,8 @@ class TowerTrace:
     def _copy_for(self, trace, renames, device):
         """A copy of `trace` (optimised once, given self.optimise) with its devices
         renamed."""
-        if self.optimise is None:
-            return _copy(_trace_function_defs(trace), renames)
-        if trace.name not in self._optimised:
-            self._optimised[trace.name] = _optimised(_trace_function_defs(trace),
-                                                     self.optimise, device)
-        return _copy(self._optimised[trace.name], renames)
+        return _copy(self._function_defs(trace.name, lambda: _trace_function_defs(trace),
+                                         device), renames)
 
 
 class OptimisedCalls:
@@ -119,7 +115,7 @@ class OptimisedCalls:
     def __init__(self, optimise):
         self.optimise = optimise
         self._made_for = {}  # a function's name -> the places in effect where it was made
-        self._optimised = {}  # a function's name -> its FunctionDefs, optimised
+        self._function_defs = _FunctionDefsOnce(optimise)
         self._copies = {}  # (a function's name, places) -> what its calls call (None: it)
         self._copy_names = set()
 
@@ -151,22 +147,13 @@ class OptimisedCalls:
             elif self.optimise is None and not renames:
                 copy = None
             else:
-                copy = _copy(self._function_defs(graph, function, device), renames)
+                lookup = functools.partial(compat.graph_function_def, graph)
+                copy = _copy(self._function_defs(
+                    name, lambda: _function_defs(function, lookup), device), renames)
             self._copies[key] = copy
             if copy is not None:
                 self._copy_names.add(copy.name.decode())
         return self._copies[key]
-
-    def _function_defs(self, graph, function, device):
-        """The FunctionDefs of `function` and those it calls, optimised once given
-        self.optimise."""
-        name = function.signature.name
-        if name not in self._optimised:
-            function_defs = _function_defs(function,
-                                           functools.partial(compat.graph_function_def, graph))
-            self._optimised[name] = (function_defs if self.optimise is None
-                                     else _optimised(function_defs, self.optimise, device))
-        return self._optimised[name]
 
     def _branch_copy(self, graph, branch, device, places):
         """A copy of `branch` (a control-flow op's FunctionDef) whose calls call their
@@ -184,6 +171,22 @@ class OptimisedCalls:
             return None
         branch.signature.name += f"_calls_optimised_{next(_COPY_NUMBERS)}"
         return compat.runtime_function(branch, copies)
+
+
+class _FunctionDefsOnce:
+    """fn(name, function_defs, device) -> the FunctionDefs of the function `name` and
+    of those it calls (function_defs(): them, the function first), made once per name
+    and optimised by `optimise` (TowerTrace's) where given, for a caller on `device`."""
+
+    def __init__(self, optimise):
+        self.optimise, self._made = optimise, {}  # a function's name -> its FunctionDefs
+
+    def __call__(self, name, function_defs, device):
+        if name not in self._made:
+            made = function_defs()
+            self._made[name] = made if self.optimise is None else _optimised(
+                made, self.optimise, device)
+        return self._made[name]
 
 
 def _device_renames(traced_places, places):
