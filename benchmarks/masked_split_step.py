@@ -80,8 +80,7 @@ def _measure(config):
         x = keras.layers.Dense(WIDTH, name=f"block_{i}_down")(x)
         x = keras.layers.LayerNormalization(name=f"block_{i}_out")(x)
     model = keras.Model(ids, keras.layers.Dense(TAGS, name="tags")(x))
-    grid = [[devices[(i * STAGES + k) * PARTS:][:PARTS] for k in range(STAGES)]
-            for i in range(n)]
+    grid = first_step.tower_grid(devices, n, STAGES, PARTS)
     trainer = towers.TowerTrainer(
         towers.split_layers(model, "auto", grid[0][0]),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -453,7 +453,8 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
             devices = [DEVICES[2 * i:2 * i + 2] for i in range(num_towers)]
             options = {"pipeline_cuts": ["up"], "micro_batches": 2}
         elif kind.startswith("split_pipeline"):  # 2 stages x 2 parts
-            devices, options = SWAPPED_GRID[:num_towers], {"pipeline_cuts": ["up"], "micro_batches": 2}
+            devices = SWAPPED_GRID[:num_towers]
+            options = {"pipeline_cuts": ["up"], "micro_batches": 2}
             model = towers.split_layers(model, {"up": "column", "down": "row"},
                                         SWAPPED_GRID[0][0])
         trainer = towers.TowerTrainer(model, reference.make_loss(), keras.optimizers.SGD(0.1),

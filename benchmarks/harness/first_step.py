@@ -130,10 +130,8 @@ def _trainer(config, model, loss, optimizer, devices):
     stages, parts = _stages_and_parts(name)
     if stages * parts == 1:
         return towers.TowerTrainer(model, loss, optimizer, devices=devices)
-    # Tower i's device for stage k's part j: devices[(i * stages + k) * parts + j], as
-    # devices= takes it: one level per dimension there is more than one of.
-    grid = [[devices[(i * stages + k) * parts:][:parts] for k in range(stages)]
-            for i in range(n)]
+    grid = tower_grid(devices, n, stages, parts)
+    # As devices= takes it: one level per dimension there is more than one of.
     grid = [[row if parts > 1 else row[0] for row in tower] for tower in grid]
     grid = [tower if stages > 1 else tower[0] for tower in grid]
     if parts > 1:
@@ -141,6 +139,13 @@ def _trainer(config, model, loss, optimizer, devices):
     options = {} if stages == 1 else {"pipeline_cuts": [PIPELINE_CUT],
                                       "micro_batches": MICRO_BATCHES}
     return towers.TowerTrainer(model, loss, optimizer, devices=grid, **options)
+
+
+def tower_grid(devices, num_towers, stages, parts):
+    """grid[i][k][j], tower i's device for stage k's part j: devices[(i * stages + k) *
+    parts + j] (device names, at least num_towers * stages * parts)."""
+    return [[devices[(i * stages + k) * parts:][:parts] for k in range(stages)]
+            for i in range(num_towers)]
 
 
 def _build_model(name):

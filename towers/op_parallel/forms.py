@@ -225,7 +225,6 @@ class HeadsAttention(keras.layers.Layer):
     def compute_output_shape(self, query_shape, value_shape, key_shape=None):
         return self.parts[0].compute_output_shape(query_shape, value_shape, key_shape)
 
-
     def layout(self):
         """Per weight of the MultiHeadAttention, in its order: the query, key and value
         kernels (d, H, k) joined on the heads axis, their biases (H, k) on axis 0 (where

@@ -19,12 +19,12 @@ On a mesh of CPUs a trainer's tower work, traced once for every tower
 (engine/tower_trace.py), is also optimised once, on its own, before the step calls it
 (`optimised_function`); the step's training functions then run only grappler's cheap
 passes, which take away what the towers' calls left around them (pruning, common
-subexpressions, dependencies), and not its MLIR pass (tfg), which runs besides any list of
-passes and changed no node of a 4-tower pipeline's step in 57 ms: grappler's time hardly grows with the towers (that
-transformer, the tower's and the step's together: 0.16 s at 1 tower, 0.25 s at 4,
-where the whole step took 0.22 and 0.61 s), and the steps are as fast
-(benchmarks/RESULTS.md); so too a pipeline's stages, whose forwards and backwards
-are optimised once each (tower_trace.OptimisedCalls). Not on GPUs, where grappler's
+subexpressions, dependencies), and not its MLIR pass (tfg), which runs besides any list
+of passes and changed no node of a 4-tower pipeline's step in 57 ms: grappler's time
+hardly grows with the towers (that transformer, the tower's and the step's together:
+0.16 s at 1 tower, 0.25 s at 4, where the whole step took 0.22 and 0.61 s), and the
+steps are as fast (benchmarks/RESULTS.md); so too a pipeline's stages, whose forwards
+and backwards are optimised once each (tower_trace.OptimisedCalls). Not on GPUs, where grappler's
 layout and fusion rewrites depend on the devices it sees placed: a step there keeps
 the whole graph's optimisation.
 
