@@ -263,6 +263,24 @@ class SplitLayersTest(tf.test.TestCase, parameterized.TestCase):
         x = np.array([[3, 4, 0, 0, 0, 0], [5, 1, 2, 7, 9, 0]], "int32")
         self.assertAllClose(split(x), model(x), atol=1e-6, rtol=0)
 
+    def test_heads_parts_ignore_a_query_mask_passed_by_hand_as_keras(self):
+        # MultiHeadAttention.call reads the query's own mask and ignores its query_mask
+        # argument: a flag passed by hand changes nothing, on an unmasked query and on
+        # a padded one alike.
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((6,), dtype="int32")
+        flags = keras.Input((6,), dtype="bool")
+        padded = keras.layers.Embedding(11, 6, mask_zero=True, name="table")(ids)
+        unmasked = keras.layers.Embedding(11, 6, name="plain")(ids)
+        outputs = [keras.layers.MultiHeadAttention(4, 3, name=f"att_{i}")(
+            query, query, query_mask=flags) for i, query in enumerate((unmasked, padded))]
+        model = keras.Model([ids, flags], [outputs[0], keras.layers.Add()([padded, outputs[1]])])
+        split = towers.split_layers(model, {"att_0": "heads", "att_1": "heads"}, PARTS)
+        x = [np.array([[3, 4, 0, 0, 0, 0], [5, 1, 2, 7, 9, 0]], "int32"),
+             np.array([[1, 0, 1, 0, 1, 0], [0, 0, 0, 0, 0, 1]], bool)]
+        for actual, expected in zip(split(x), model(x)):
+            self.assertAllClose(actual, expected, atol=1e-6, rtol=0)
+
     def test_heads_parts_draw_their_own_dropout_streams(self):
         # As the layer's heads do: a given seed is offset by the part, so the parts'
         # dropout masks differ (one seed for all would drop the same entries).

@@ -199,12 +199,15 @@ class HeadsAttention(keras.layers.Layer):
         cache = arguments.pop("cache", None)
         caches = ([None] * len(self.parts) if cache is None else
                   tf.split(cache, self.sizes, axis=3))  # (B, 2, S, heads_j, k) each
+        # As MultiHeadAttention.call, the query's own mask, not the query_mask argument
+        # (a query_mask passed by hand to an unmasked query is ignored there).
+        own_mask = compat.keras_mask(query)
         outputs, scores, new_caches = [], [], []
         for j, (part, part_cache) in enumerate(zip(self.parts, caches)):
             inputs = {"query": query, "value": value, "key": key, "cache": part_cache}
             inputs = {name: tensor for name, tensor in inputs.items() if tensor is not None}
             result = run_part(self.devices, j, part, functools.partial(
-                _attend, part, query_mask, arguments), inputs)
+                _attend, part, own_mask, arguments), inputs)
             result = list(result) if return_attention_scores or cache is not None else [result]
             outputs.append(result[0])  # (B, T, D): heads_j's share of the output
             if return_attention_scores:
@@ -245,14 +248,14 @@ class HeadsAttention(keras.layers.Layer):
                 "devices": self.devices, "part_class": self.part_class}
 
 
-def _attend(part, query_mask, arguments, inputs):
-    """part(**inputs, **arguments), with `query_mask` (which Keras fills from the
-    query's own mask) attached to the part's query: Keras's MultiHeadAttention takes
-    the query's mask from the query itself, not from its query_mask argument, and the
+def _attend(part, own_mask, arguments, inputs):
+    """part(**inputs, **arguments), with `own_mask` (the caller's query's own Keras
+    mask, or None) attached to the part's query: Keras's MultiHeadAttention takes the
+    query's mask from the query itself, not from its query_mask argument, and the
     query a part reads on its device is a copy, which carries none (its padded rows
     would attend where Keras's all-masked rows attend: a different output)."""
-    if query_mask is not None:
+    if own_mask is not None:
         query = tf.identity(inputs["query"])  # the caller's query keeps its own
-        compat.set_keras_mask(query, query_mask)
+        compat.set_keras_mask(query, own_mask)
         inputs = {**inputs, "query": query}
     return part(**inputs, **arguments)
