@@ -124,6 +124,41 @@ class TowerStepTest(tf.test.TestCase):
         self.assertEqual(towers_run[:4], [0, 1, 2, 3])  # fn once per tower, per trace
         self.assertEqual(len(towers_run) % 4, 0)
 
+    def test_fn_and_batch_losses_converted_as_the_callers_own_code(self):
+        # A Python `if` on a tensor, in a function fn calls and in a batch loss: it works
+        # where the caller's tf.function converts its code (autograph on, the default) and
+        # fails where it does not, as it would in the caller's own code.
+        keras.utils.set_random_seed(0)
+        model = _dense_stack(3, 2)
+
+        def flipped(out):
+            if tf.reduce_sum(out) > 0:
+                return out
+            return -out
+
+        def whole(aux):
+            if tf.reduce_mean(aux) > 100.0:
+                return tf.reduce_mean(aux)
+            return tf.reduce_mean(aux * aux)
+
+        def fn(tower, shard):
+            out = flipped(tower(model, shard))
+            return {"l": tf.reduce_sum(out * out, axis=1)}, out
+
+        def step(x):
+            return towers.tower_step(fn, x, DEVICES, {"l": model.trainable_variables,
+                                                      "w": model.trainable_variables},
+                                     batch_losses={"w": whole}).losses
+
+        x = _batches(3, rows=7, steps=1)[0][0]
+        got = tf.function(step)(x)
+        shards = np.split(model(x).numpy(), [2, 4, 6])  # 7 rows: 2, 2, 2, 1; each flips alone
+        flips = np.concatenate([s if s.sum() > 0 else -s for s in shards])
+        self.assertAllClose(got["l"], np.mean(np.sum(flips ** 2, axis=1)), atol=TOLERANCE)
+        self.assertAllClose(got["w"], np.mean(flips ** 2), atol=TOLERANCE)
+        with self.assertRaises(tf.errors.OperatorNotAllowedInGraphError):
+            tf.function(step, autograph=False)(x)
+
     def test_pcgrad_from_two_named_losses_of_one_forward(self):
         def make():
             inputs = keras.Input((5,))

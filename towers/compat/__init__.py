@@ -50,4 +50,5 @@ from towers.compat.tensorflow_runtime import (  # noqa: F401
     OwnedMultiDeviceIterator, eager_runtime, gather_hooks, attach, attached, saves_own_tensors,
     saved_variable_names, call_options_edited, current_call_config, calls_with,
     runtime_function, calling_instead, call_instead, graph_function_def, optimized_function,
+    autograph_context, converted_as,
 )

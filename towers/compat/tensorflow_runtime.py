@@ -121,6 +121,32 @@ def call_instead(op, attribute, function):
     op._set_func_attr(attribute, function.name.decode())
 
 
+def autograph_context():
+    """Whether autograph converts the code calling this: the caller's tf.function with
+    autograph on (enabled), off (disabled), or no tf.function (unspecified); for
+    converted_as. Read it before entering code that is do_not_convert (which
+    disables autograph inside).
+
+    Private: tf.__internal__.autograph.control_status_ctx, as TensorFlow's own
+    higher-order functions read it. Public alternative: none; a tf.function's
+    `autograph` argument is not visible to the code it calls.
+    """
+    return tf.__internal__.autograph.control_status_ctx()
+
+
+def converted_as(function, context):
+    """`function` (a user's callable) converted by autograph where `context`
+    (autograph_context's) converts its own code, else as it is: a Python `if` on a
+    tensor inside it works where it works in the caller's own code, while the code
+    that calls it may be do_not_convert.
+
+    Private: tf.__internal__.autograph.tf_convert. Public alternatives:
+    tf.autograph.to_graph converts whatever the caller's setting (autograph=False
+    too), and tf.autograph.experimental.do_not_convert never converts.
+    """
+    return tf.__internal__.autograph.tf_convert(function, context, convert_by_default=False)
+
+
 def graph_function_def(graph, name):
     """The FunctionDef of `name` in the library of `graph` (a graph being built), or
     None where it holds none.

@@ -27,6 +27,7 @@ import collections
 
 import tensorflow as tf
 
+from towers import compat
 from towers import devices as devices_lib
 from towers.data_parallel import aggregate, batch_statistics, exchange, split
 from towers.engine import forward, tower_handle
@@ -84,9 +85,24 @@ def tower_step(fn, batch, devices, wrt, main_device=None, *, batch_losses=None):
         its wrt list's variables, fn differentiating with respect to a variable
         itself (not its value).
     """
+    # Autograph converts fn and the batch losses as it converts the caller's own code
+    # (a Python `if` on a tensor works in them where it works there). The library's
+    # own code is plain graph code, left unconverted: converting it was most of the
+    # first call's seconds.
+    return _tower_step(compat.autograph_context(), fn, batch, devices, wrt, main_device,
+                       batch_losses)
+
+
+@tf.autograph.experimental.do_not_convert
+def _tower_step(autograph, fn, batch, devices, wrt, main_device, batch_losses):
+    """tower_step's work, with fn and the batch losses converted as `autograph` (the
+    caller's compat.autograph_context()) says."""
     mesh = devices_lib.mesh_of(devices_lib.device_list(devices), main_device=main_device)
     devices, main_device = mesh.stage(0), mesh.main_device
     wrt, batch_losses = _checked_wrt(wrt), _checked_batch_losses(batch_losses)
+    fn = compat.converted_as(fn, autograph)
+    batch_losses = {name: compat.converted_as(loss, autograph)
+                    for name, loss in batch_losses.items()}
     split.check_not_empty(batch)
     shards, sizes, rows = split.shards_of(batch, len(devices))                      # 1
     batch_rows = tf.cast(rows, tf.float32)

@@ -51,6 +51,7 @@ class Tower:
         with tf.device(self.device):
             return tf.add_n(self._regularization) if self._regularization else tf.constant(0.0)
 
+    @tf.autograph.experimental.do_not_convert  # fn is converted, the library is not
     def __call__(self, model, *args, **kwargs):
         """model(*args, **kwargs) on this tower's copies of its weights and state: its
         outputs. A call on no rows returns outputs of no rows and changes nothing."""
