@@ -39,7 +39,7 @@ def main(argv):
     devices = towers.configure_devices(NUM_TOWERS.value, "cpu")
     import numpy as np
     import tensorflow as tf
-    from benchmarks.harness import measure
+    from benchmarks.harness import loops, measure
 
     rng = np.random.default_rng(0)
     rows = GLOBAL_BATCH_SIZE.value
@@ -47,9 +47,10 @@ def main(argv):
     y = tf.constant(rng.integers(0, CLASSES, rows))
     views = (x, x + tf.constant(rng.normal(0, 0.1, (rows, FEATURES)).astype("float32")))
     modes = {
-        "per-example, by hand": _Step(_by_hand_per_example, devices, CLASSES, (x, y)),
-        "per-example, tower_gradients": _Step(_with_tower_gradients, devices, CLASSES, (x, y)),
-        "per-example, tower_step": _Step(_with_tower_step, devices, CLASSES, (x, y)),
+        "per-example, by hand": _Step(loops.by_hand, devices, CLASSES, (x, y)),
+        "per-example, tower_gradients": _Step(loops.with_tower_gradients, devices, CLASSES,
+                                              (x, y)),
+        "per-example, tower_step": _Step(loops.with_tower_step, devices, CLASSES, (x, y)),
         "InfoNCE, one device": _Step(_nce_one_device, devices, EMBEDDING, views),
         "InfoNCE, by hand": _Step(_nce_by_hand, devices, EMBEDDING, views),
         "InfoNCE, tower_step": _Step(_nce_with_tower_step, devices, EMBEDDING, views),
@@ -99,57 +100,12 @@ class _Step:
         return measure.wall_times(lambda: float(self.step(*self.batch)), num_steps)
 
 
-def _cross_entropy(y, logits):
-    import keras
-    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
-
-
-def _by_hand_per_example(model, devices):
-    import tensorflow as tf
-    from towers.data_parallel import split
-
-    def loss_and_grads(x, y):
-        shards = split.split_batch((x, y), len(devices))
-        losses, grads = [], []
-        for device, (x_i, y_i) in zip(devices, shards):
-            with tf.device(device), tf.GradientTape() as tape:
-                loss = tf.reduce_sum(_cross_entropy(y_i, model(x_i))) / x.shape[0]
-            with tf.device(device):
-                grads.append(tape.gradient(loss, model.trainable_variables))
-            losses.append(loss)
-        with tf.device(devices[0]):
-            return tf.add_n(losses), [tf.add_n(list(g)) for g in zip(*grads)]
-
-    return loss_and_grads
-
-
-def _with_tower_gradients(model, devices):
-    import towers
-
-    def loss_and_grads(x, y):
-        grads, logs = towers.tower_gradients(model, _cross_entropy, (x, y), devices)
-        return logs["loss"], grads
-
-    return loss_and_grads
-
-
-def _with_tower_step(model, devices):
-    import towers
-
-    def loss_and_grads(x, y):
-        out = towers.tower_step(
-            lambda tower, shard: ({"ce": _cross_entropy(shard[1], tower(model, shard[0]))}, None),
-            (x, y), devices, {"ce": model.trainable_variables})
-        return out.losses["ce"], out.grads["ce"]
-
-    return loss_and_grads
-
-
 def _info_nce(embeddings):
     import tensorflow as tf
+    from benchmarks.harness import loops
     anchors, positives = (tf.math.l2_normalize(e, -1) for e in embeddings)
     logits = tf.matmul(anchors, positives, transpose_b=True) / 0.1
-    return tf.reduce_mean(_cross_entropy(tf.range(tf.shape(logits)[0]), logits))
+    return tf.reduce_mean(loops.cross_entropy(tf.range(tf.shape(logits)[0]), logits))
 
 
 def _nce_one_device(model, devices):
