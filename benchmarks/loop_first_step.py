@@ -1,17 +1,18 @@
-"""Your own loop's first step: the first call of a tf.function around towers.tower_step,
-in a fresh process, against the same loop on one device and the same towers by hand.
+"""Your own loop's first step: the first call of a tf.function around towers.tower_step
+(or towers.tower_gradients), in a fresh process, against the same loop on one device and
+the same towers by hand.
 
     python benchmarks/loop_first_step.py --num_towers=1,2,4 --rounds=3 --output_dir=DIR
 
 The loop: benchmarks/harness/first_step.py's 2-block transformer, the batch's mean
 sparse cross-entropy, its gradients applied by SGD with momentum, inside one
-`@tf.function` (autograph on, as a user writes it), on 32 sequences of 16 ids. Three
+`@tf.function` (autograph on, as a user writes it), on 32 sequences of 16 ids. Four
 ways (benchmarks/harness/loops.py): `one_device` (a GradientTape on the whole batch,
 the reference), `by_hand` (per tower tf.device, a GradientTape, the model on its
-shard; the sums on the main device) and `tower_step`, each at every number of towers
-(one_device at 1). Each configuration runs once per round in a fresh process, the
-order shuffled per round; medians of the first call (tracing, optimisation, the run)
-and of a later step, and the first step's loss of each way (they must agree).
+shard; the sums on the main device), `tower_step` and `tower_gradients`, each at every
+number of towers (one_device at 1). Each configuration runs once per round in a fresh
+process, the order shuffled per round; medians of the first call (tracing, optimisation,
+the run) and of a later step, and the first step's loss of each way (they must agree).
 Writes DIR/results.json and DIR/results.md.
 """
 
@@ -51,7 +52,7 @@ def main(argv):
     import numpy as np
     configs = [{"model": "transformer", "way": "one_device", "num_towers": 1}]
     configs += [{"model": "transformer", "way": way, "num_towers": n}
-                for way in ("by_hand", "tower_step") for n in num_towers]
+                for way in ("by_hand", "tower_step", "tower_gradients") for n in num_towers]
     configs = [{**config, "steps": STEPS.value} for config in configs]
     runs = first_step.run_rounds(os.path.abspath(__file__), configs, ROUNDS.value, SEED.value)
     median = {first_step.key(c): {k: float(np.median([r[k] for r in runs[first_step.key(c)]]))
@@ -95,7 +96,8 @@ def _measure(config):
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     optimizer.build(model.trainable_variables)
     build = {"one_device": loops.one_device, "by_hand": loops.by_hand,
-             "tower_step": loops.with_tower_step}[config["way"]]
+             "tower_step": loops.with_tower_step,
+             "tower_gradients": loops.with_tower_gradients}[config["way"]]
     loss_and_grads = build(model, devices)
 
     @tf.function
