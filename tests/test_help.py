@@ -77,7 +77,8 @@ class BenchmarkHelpTest(parameterized.TestCase):
 
     # compare_strategies imports TensorFlow before its flags, the others do not.
     @parameterized.parameters("compare_strategies", "accumulation_memory", "multi_worker",
-                              "custom_step", "memory", "keras_path", "first_step")
+                              "custom_step", "memory", "keras_path", "first_step",
+                              "masked_split_step", "loop_first_step")
     def test_lists_the_flags_the_benchmark_defines(self, name):
         path = os.path.join("benchmarks", f"{name}.py")
         with open(os.path.join(ROOT, path)) as source:
