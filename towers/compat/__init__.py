@@ -10,7 +10,7 @@ names are in benchmarks/harness/compat.py.
 Kept apart by what they lean on, so that an upgrade of one library is read in
 one place: `keras_layers` (models, layers, variables, losses), `keras_graphs` (the
 graph of layers a functional model runs), `keras_optimizers` (optimizers, Keras's
-configuration), `tensorflow_runtime` (tf.data, the eager runtime, checkpoints),
+configuration), `tensorflow_runtime` (tf.data, the eager runtime, autograph, checkpoints),
 `keras_data` (fit's arrays batched as Keras batches them), `keras_hub_layers`
 (keras_hub's attention layers' projections).
 Everything is used as `compat.<name>`.

@@ -23,9 +23,8 @@ def gather(tower_values, device):
         return [[_copy(value) for value in values] for values in tower_values]
 
 
-# Called inside a user's tf.function: plain graph code with no Python control flow on
-# tensors, which autograph need not convert (converting it cost a
-# first call 0.35 s).
+# Called inside a user's tf.function: plain graph code with no Python control flow
+# on tensors, which autograph need not convert (converting it cost a first call 0.35 s).
 @tf.autograph.experimental.do_not_convert
 def average_gradients(tower_grads, weights=None, device=None):
     """Step 5 for gradients of each tower's own mean loss: the weighted mean over towers.

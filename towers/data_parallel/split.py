@@ -74,9 +74,8 @@ def empty_like(like):
         leaf if isinstance(leaf, tf.TensorSpec) else tf.convert_to_tensor(leaf))), tuple(like)))
 
 
-# Called inside a user's tf.function: plain graph code with no Python control flow on
-# tensors, which autograph need not convert (converting it cost a
-# first call 0.25 s).
+# Called inside a user's tf.function: plain graph code with no Python control flow
+# on tensors, which autograph need not convert (converting it cost a first call 0.25 s).
 @tf.autograph.experimental.do_not_convert
 def split_batch(batch, num_shards):
     """Splits every tensor of `batch` along dim 0 into `num_shards` shards.
