@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import child_process, first_step, report  # noqa: E402
 
-NUM_TOWERS = flags.DEFINE_list("num_towers", ["1", "2", "4"], "Towers of the by_hand and "
-                               "tower_step rows.")
+NUM_TOWERS = flags.DEFINE_list("num_towers", ["1", "2", "4"], "Towers of the by_hand, "
+                               "tower_step and tower_gradients rows; 1 among them (the "
+                               "ratios' base).")
 STEPS = flags.DEFINE_integer("steps", 30, "Later steps timed after 5 untimed.", lower_bound=1)
 ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds: each configuration's process per round.",
                               lower_bound=1)
@@ -43,12 +44,7 @@ def main(argv):
     if CHILD_CONFIG.value:
         child_process.report(_measure(json.loads(CHILD_CONFIG.value)))
         return
-    try:
-        num_towers = sorted({int(n) for n in NUM_TOWERS.value})
-    except ValueError:
-        sys.exit(f"--num_towers takes whole numbers, got {NUM_TOWERS.value}.")
-    if num_towers[0] < 1:
-        sys.exit(f"--num_towers takes counts of 1 or more, got {NUM_TOWERS.value}.")
+    num_towers = first_step.checked_tower_counts(NUM_TOWERS.value, OUTPUT_DIR.value)
     import numpy as np
     configs = [{"model": "transformer", "way": "one_device", "num_towers": 1}]
     configs += [{"model": "transformer", "way": way, "num_towers": n}
@@ -75,7 +71,7 @@ def _table(median, configs):
              "|---|--:|--:|--:|--:|--:|--:|"]
     for config in configs:
         row, way = median[first_step.key(config)], config["way"]
-        one_tower = median.get(f"transformer/{way}/1", row)
+        one_tower = median[f"transformer/{way}/1"]
         lines.append(f"| {way} | {config['num_towers']} | {row['first_call_s']:.2f} | "
                      f"{row['first_call_s'] / one_device['first_call_s']:.2f} | "
                      f"{row['first_call_s'] / one_tower['first_call_s']:.2f} | "

@@ -40,7 +40,7 @@ def main(argv):
     if CHILD_CONFIG.value:
         child_process.report(_measure(json.loads(CHILD_CONFIG.value)))
         return
-    num_towers = _checked_flags()
+    num_towers = first_step.checked_tower_counts(NUM_TOWERS.value, OUTPUT_DIR.value)
     import numpy as np
     configs = [{"model": "masked_split_pipeline", "way": "towers", "num_towers": n,
                 "steps": STEPS.value} for n in num_towers]
@@ -101,20 +101,6 @@ def _measure(config):
     return {"first_step_s": first,
             "step_ms": 1000 * (time.perf_counter() - start) / config["steps"],
             "counted_terms": len(trainer.objective.counted)}
-
-
-def _checked_flags():
-    """The tower counts as ints, after refusing what cannot run, in one line."""
-    try:
-        num_towers = sorted({int(n) for n in NUM_TOWERS.value})
-    except ValueError:
-        num_towers = None
-    if not OUTPUT_DIR.value:
-        raise app.UsageError("--output_dir is required: where results.json and .md go.")
-    if num_towers is None or 1 not in num_towers or min(num_towers) < 1:
-        raise app.UsageError(f"--num_towers must be counts >= 1 holding 1 (the ratios' "
-                             f"base), got {NUM_TOWERS.value}.")
-    return num_towers
 
 
 if __name__ == "__main__":

@@ -66,6 +66,23 @@ def _stages_and_parts(name):
     return 2 if name.endswith("pipeline") else 1, SPLIT_PARTS if name.startswith("split") else 1
 
 
+def checked_tower_counts(values, output_dir):
+    """The tower counts `values` (a --num_towers list of strings) as sorted ints, after
+    refusing in one line (absl's UsageError) what cannot run: counts that are not whole
+    numbers >= 1, no 1 among them (the ratios' base), or no output_dir."""
+    from absl import app
+    try:
+        num_towers = sorted({int(n) for n in values})
+    except ValueError:
+        num_towers = None
+    if not output_dir:
+        raise app.UsageError("--output_dir is required: where results.json and .md go.")
+    if num_towers is None or 1 not in num_towers or min(num_towers) < 1:
+        raise app.UsageError(f"--num_towers must be counts >= 1 holding 1 (the ratios' "
+                             f"base), got {values}.")
+    return num_towers
+
+
 def run_rounds(script, configs, rounds, seed, run=child_process.run_child):
     """Each configuration once per round in a fresh process, the order shuffled per round;
     returns {config key: [the child's result per round]}."""
