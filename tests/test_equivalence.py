@@ -2,6 +2,8 @@
 
 import itertools
 
+import keras
+import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -122,6 +124,56 @@ class TowerGradientsTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(want, got, atol=1e-6)
             self.assertIn("CPU:0", got.device)
         self.assertAllClose(value, logs["loss"], atol=1e-6)
+
+    def test_masked_recurrent_model_traced_once_per_micro_batch_shape_as_keras(self):
+        """Inside your tf.function the model's forward is traced once per micro-batch
+        shape, not once per tower and micro-batch, and the gradients are Keras's: a
+        masked loss (its denominator counted over the towers), an LSTM inside a nested
+        layer that adds a loss, 10 rows over 4 towers of 2 micro-batches each."""
+        keras.utils.set_random_seed(5)
+        calls = []
+        model = keras.Sequential([keras.Input((6,), dtype="int32"),
+                                  keras.layers.Embedding(20, 8, mask_zero=True),
+                                  _CalledBlock(calls.append), keras.layers.Dense(3)])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(5)
+        x = rng.integers(1, 20, size=(10, 6)).astype("int32")
+        x[:, 4:] = 0  # padding: masked steps
+        y = rng.integers(0, 3, size=(10, 6))
+        with tf.GradientTape() as tape:
+            value = model.compute_loss(x, y, model(x, training=True))
+        expected = tape.gradient(value, model.trainable_variables)
+        del calls[:]
+
+        @tf.function
+        def research_step(x, y):
+            return towers.tower_gradients(model, model.loss, (x, y), DEVICES, accum_steps=2)
+
+        grads, logs = research_step(x, y)
+        # Shards of 3, 3, 2, 2 rows, micro-batches of 2 and 1: two traces, where each
+        # tower's micro-batches traced their own made eight.
+        self.assertLen(calls, 2)
+        self.assertAllClose(value, logs["loss"], atol=1e-6)
+        for want, got in zip(expected, grads):
+            self.assertAllClose(tf.convert_to_tensor(want), tf.convert_to_tensor(got),
+                                atol=1e-6)
+
+
+class _CalledBlock(keras.layers.Layer):
+    """An LSTM and a Dense that pass the mask on, adding an activity loss; each call of
+    its Python code tells `on_call`."""
+
+    def __init__(self, on_call, **kwargs):
+        super().__init__(**kwargs)
+        self.on_call, self.supports_masking = on_call, True
+        self.lstm = keras.layers.LSTM(5, return_sequences=True)
+        self.dense = keras.layers.Dense(4, activation="tanh")
+
+    def call(self, x, mask=None):
+        self.on_call(None)
+        h = self.dense(self.lstm(x, mask=mask))
+        self.add_loss(0.01 * tf.reduce_mean(tf.square(h)))
+        return h
 
 
 if __name__ == "__main__":

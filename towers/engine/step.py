@@ -101,6 +101,13 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, loss_scale
     setup.statistics.check(options.micro_batches, jit_compile=False, cluster=cluster)
     if not isinstance(loss, losses.Objective):
         loss = losses.Objective(loss, output_names=getattr(model, "output_names", None))
+    if (mesh.num_towers * options.micro_batches > 1 and not setup.statistics.layers
+            and not tf.executing_eagerly()):
+        # Inside the caller's tf.function, the model's forward traced once, not once per
+        # tower and micro-batch (eagerly nothing is traced). Global BatchNorms meet
+        # inside the forward, so each tower's is traced apart.
+        setup = dataclasses.replace(setup, compiled_tower=tower.forwards_traced_once(
+            setup.stages))
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)
     assign_state(model, result.state)
     return result.grads, {"loss": result.loss}

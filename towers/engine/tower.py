@@ -41,7 +41,7 @@ class StepWork:
       to give every micro-batch a row: no tf.cond is built.
     count_first, recompute_stages: as flight.Plan's count_first and recompute.
     forwards: None, or per stage fn(weights, state, x) -> forward's result in
-      training mode (compiled_tower's XLA functions); None = forward itself.
+      training mode (forwards_traced_once's tf.functions); None = forward itself.
     sum_scale: None, or what a sum term's sum is multiplied by in a share
       (denominators.sum_scale: with a cluster).
     """
@@ -272,18 +272,9 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         # name part devices, which a stage's function shared by every tower cannot
         whole = not objective.counted and (stages.num_stages == 1 or part_homes is not None)
     if not whole:
-        forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
         renamed = part_homes is not None  # a stage's forward names its parts' devices
-        calls = (None if optimise is None and not renamed
-                 else tower_trace.OptimisedCalls(optimise))
-
-        def run_stages(step, tower):
-            step = dataclasses.replace(step, forwards=forwards)
-            if calls is None:
-                return start_flight(step, tower)
-            return _CallsPointed(lambda: start_flight(step, tower), calls)
-
-        return CompiledTower(run_stages, optimised=calls is not None)
+        return forwards_traced_once(stages, jit_compile, None if optimise is None and not renamed
+                                    else tower_trace.OptimisedCalls(optimise))
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
@@ -307,6 +298,23 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
                 tf.constant(tower.index), step.loss_scale, step.may_be_empty, step.sum_scale))
 
     return CompiledTower(run_on_its_device, optimised=optimise is not None)
+
+
+def forwards_traced_once(stages, jit_compile=False, calls=None):
+    """A CompiledTower whose flights call each stage's forward traced once (one
+    tf.function per stage, _traced_forward's) for every tower and micro-batch, and its
+    gradient, which TensorFlow makes once per trace; the loss, the counts and the
+    flight between the stages stay outside, in the step. calls: None, or a
+    tower_trace.OptimisedCalls the calls are pointed through once a flight finishes."""
+    forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
+
+    def run_stages(step, tower):
+        step = dataclasses.replace(step, forwards=forwards)
+        if calls is None:
+            return start_flight(step, tower)
+        return _CallsPointed(lambda: start_flight(step, tower), calls)
+
+    return CompiledTower(run_stages, optimised=calls is not None)
 
 
 def _traced_forward(model, jit_compile):
