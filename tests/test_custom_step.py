@@ -69,6 +69,40 @@ class Tempered(keras.Model):
         return self.out(self.hidden(x)) / temperature
 
 
+def _counting_calls(model):
+    """A list that gets an entry each time model.call's Python runs (a trace)."""
+    runs, call = [], model.call
+
+    def counted(*args, **kwargs):
+        runs.append(None)
+        return call(*args, **kwargs)
+
+    model.call = counted
+    return runs
+
+
+class MaskedHead(keras.Model):
+    """An LSTM over the masked steps, then a Dense: its outputs carry the mask on."""
+
+    def __init__(self):
+        super().__init__()
+        self.supports_masking = True
+        self.lstm = keras.layers.LSTM(4, return_sequences=True)
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, mask=None):
+        return self.out(self.lstm(x, mask=mask))
+
+
+class Shifted(keras.layers.Layer):
+    """Adds its attribute `shift`, a scalar tensor set from outside."""
+
+    shift = 0.0
+
+    def call(self, x):
+        return x + self.shift
+
+
 class TowerStepTest(tf.test.TestCase):
 
     def assertSameWeights(self, one, many):
@@ -243,6 +277,69 @@ class TowerStepTest(tf.test.TestCase):
         for a, b in _batches(4, 4) + _batches(4, 4, rows=3, steps=1, seed=1):
             self.assertAllClose(one_device(a, b), four_towers(a, b), atol=TOLERANCE, rtol=0)
         self.assertSameWeights(one, four)
+
+    def test_a_mask_crosses_models_called_once_per_shard_shape(self):
+        """An embedder's Keras mask reaches the next model's LSTM and a Keras loss, as on
+        one device; each model's call is traced once per shard shape for every tower
+        (shards of 3, 3, 2, 2 rows: 2 traces, not 4)."""
+        def make():
+            embedder = keras.Sequential([keras.Input((6,), dtype="int32"),
+                                         keras.layers.Embedding(20, 5, mask_zero=True)])
+            head = MaskedHead()
+            head(embedder(np.ones((1, 6), "int32")))
+            return embedder, head
+
+        (e1, h1), (e4, h4) = _twins(make)
+        scce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        def per_example(call, embedder, head, x, y):
+            return tf.reduce_sum(scce(y, call(head, call(embedder, x))), axis=-1)
+
+        @tf.function
+        def one_device(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(per_example(lambda m, v: m(v), e1, h1, x, y))
+            return loss, tape.gradient(loss, e1.trainable_variables + h1.trainable_variables)
+
+        @tf.function
+        def four_towers(x, y):
+            out = towers.tower_step(lambda tower, s: ({"loss": per_example(tower, e4, h4, *s)},
+                                                      None), (x, y), DEVICES,
+                                    {"loss": e4.trainable_variables + h4.trainable_variables})
+            return out.losses["loss"], out.grads["loss"]
+
+        rng = np.random.default_rng(4)
+        x = rng.integers(1, 20, size=(10, 6)).astype("int32")
+        x[:, 4:] = 0  # padding: masked steps
+        y = rng.integers(0, 3, size=(10, 6))
+        want_loss, want_grads = one_device(x, y)
+        head_traces = _counting_calls(h4)
+        loss, grads = four_towers(x, y)
+        self.assertLen(head_traces, 2)
+        self.assertAllClose(want_loss, loss, atol=TOLERANCE, rtol=0)
+        for want, got in zip(want_grads, grads):
+            self.assertAllClose(tf.convert_to_tensor(want), tf.convert_to_tensor(got),
+                                atol=TOLERANCE, rtol=0)
+
+    def test_a_call_reading_a_tensor_of_fn_is_traced_per_tower(self):
+        """A layer that reads a tensor fn made on this tower (not an argument) cannot share
+        one trace: each tower's call reads its own, as on one device."""
+        keras.utils.set_random_seed(6)
+        shifted = Shifted()
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), shifted])
+
+        @tf.function
+        def four_towers(x):
+            def fn(tower, shard):
+                shifted.shift = tf.constant(float(tower.index))
+                return {"out": tf.reduce_mean(tower(model, shard), axis=-1)}, None
+
+            return towers.tower_step(fn, x, DEVICES, {"out": model.trainable_variables})
+
+        (x,) = _batches(3, steps=1)
+        shifts = np.repeat([0.0, 1.0, 2.0, 3.0], [3, 3, 2, 2])  # each row's tower
+        want = np.mean(np.mean(model(x), axis=-1) + shifts)
+        self.assertAllClose(want, four_towers(x).losses["out"], atol=TOLERANCE, rtol=0)
 
     def test_call_arguments_and_training_false_with_batch_norm(self):
         def make():

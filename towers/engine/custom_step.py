@@ -30,7 +30,7 @@ import tensorflow as tf
 from towers import compat
 from towers import devices as devices_lib
 from towers.data_parallel import aggregate, batch_statistics, exchange, split
-from towers.engine import forward, tower_handle
+from towers.engine import forward, tower_calls, tower_handle
 
 StepOutput = collections.namedtuple("StepOutput", ["grads", "losses", "aux", "rows"])
 StepOutput.__doc__ = """What tower_step computed, on the main device.
@@ -110,7 +110,9 @@ def _tower_step(autograph, fn, batch, devices, wrt, main_device, batch_losses):
     # A model's BatchNormalization(synchronized=True) layers meet over the towers.
     meeting = batch_statistics.Meeting([[device] for device in devices])
     meeting.start_step(sizes)
-    towers = [tower_handle.Tower(device, i, watched, persistent=len(wrt) > 1, meeting=meeting)
+    shared_calls = tower_calls.SharedCalls(len(devices))  # tower(model, ...) traced once
+    towers = [tower_handle.Tower(device, i, watched, persistent=len(wrt) > 1, meeting=meeting,
+                                 shared_calls=shared_calls)
               for i, device in enumerate(devices)]
     required = set(wrt) - set(batch_losses)
     for i, (handle, shard) in enumerate(zip(towers, shards)):

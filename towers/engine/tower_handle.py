@@ -31,8 +31,9 @@ class Tower:
         on this tower so far, a float32 scalar (0.0 before any).
     """
 
-    def __init__(self, device, index, watched, persistent, meeting):
+    def __init__(self, device, index, watched, persistent, meeting, shared_calls):
         self.device, self.index, self._meeting = device, index, meeting
+        self._shared_calls = shared_calls  # a tower_calls.SharedCalls, every tower's
         self._watched, self._persistent = watched, persistent
         self._values = {}  # id(variable) -> its current value on this tower
         self._sources = {}  # id(variable) -> the copy the tape watches, for wrt
@@ -64,8 +65,7 @@ class Tower:
 
             def call(weights, state, x):
                 del weights, x  # every value is in state, the call's arguments in args
-                return forward.stateless_run(model, variables, state,
-                                             lambda: model(*args, **kwargs))
+                return self._shared_calls.run(model, variables, state, args, kwargs)
 
             self._calls += 1
             try:
