@@ -321,6 +321,37 @@ class TowerStepTest(tf.test.TestCase):
             self.assertAllClose(tf.convert_to_tensor(want), tf.convert_to_tensor(got),
                                 atol=TOLERANCE, rtol=0)
 
+    def test_gradient_penalty_differentiates_the_shared_call_twice(self):
+        """WGAN-GP's critic loss: the gradient of a tower(...) call with respect to its
+        input inside fn, then of that with respect to the weights (second order through
+        the call traced once for every tower), as on one device."""
+        critic = _dense_stack(3, 8, 1)
+        real, fake, mix = _batches(3, 3, 1, steps=1)[0]
+        mix = np.abs(mix) / np.abs(mix).max()  # in [0, 1]
+
+        def critic_loss(call, real, fake, mix):
+            mixed = mix * real + (1 - mix) * fake
+            with tf.GradientTape() as inner:
+                inner.watch(mixed)
+                score = call(critic, mixed)
+            penalty = tf.square(tf.norm(inner.gradient(score, mixed), axis=-1) - 1.0)
+            return tf.squeeze(call(critic, fake) - call(critic, real), -1) + 10.0 * penalty
+
+        @tf.function
+        def one_device(*batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(critic_loss(lambda m, v: m(v), *batch))
+            return loss, tape.gradient(loss, critic.trainable_variables)
+
+        @tf.function
+        def four_towers(*batch):
+            out = towers.tower_step(lambda tower, s: ({"critic": critic_loss(tower, *s)}, None),
+                                    batch, DEVICES, {"critic": critic.trainable_variables})
+            return out.losses["critic"], out.grads["critic"]
+
+        want, got = one_device(real, fake, mix), four_towers(real, fake, mix)
+        self.assertAllClose(want, got, atol=TOLERANCE, rtol=0)
+
     def test_a_call_reading_a_tensor_of_fn_is_traced_per_tower(self):
         """A layer that reads a tensor fn made on this tower (not an argument) cannot share
         one trace: each tower's call reads its own, as on one device."""

@@ -68,6 +68,34 @@ class GPT2Test(tf.test.TestCase):
             for expected, got in zip(want, trainer.model.get_weights()):
                 self.assertAllClose(expected, got, atol=TOLERANCE, rtol=0)
 
+    def test_tower_step_calls_the_backbone_as_one_device(self):
+        """Your own loop: each tower calls the backbone on its rows of token ids and
+        padding mask (a dict; one trace for every tower of a shape), and the mean
+        squared error's loss and gradients are one device's."""
+        model = _gpt2()
+        (x, y), = _batches(rows=(7,))  # 3 towers: 3, 2, 2 rows
+
+        def per_example(call, x, y):
+            return tf.reduce_mean(tf.square(call(model, x) - y), axis=[1, 2])
+
+        @tf.function
+        def one_device(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(per_example(lambda m, v: m(v), x, y))
+            return loss, tape.gradient(loss, model.trainable_variables)
+
+        @tf.function
+        def three_towers(x, y):
+            out = towers.tower_step(lambda tower, s: ({"mse": per_example(tower, *s)}, None),
+                                    (x, y), DEVICES[:3], {"mse": model.trainable_variables})
+            return out.losses["mse"], out.grads["mse"]
+
+        (want_loss, want_grads), (loss, grads) = one_device(x, y), three_towers(x, y)
+        self.assertAllClose(want_loss, loss, atol=TOLERANCE, rtol=0)
+        for want, got in zip(want_grads, grads):
+            self.assertAllClose(tf.convert_to_tensor(want), tf.convert_to_tensor(got),
+                                atol=TOLERANCE, rtol=0)
+
 
 # GPT-2's whole LM split by paths: the tied token embedding by vocab (its look-up and
 # the LM head's reverse projection), keras_hub's CachedMultiHeadAttention by heads, the
