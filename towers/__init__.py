@@ -38,7 +38,7 @@ from towers.engine.custom_step import StepOutput, tower_step
 from towers.data_parallel.split import split_batch
 from towers.engine.options import TowerOptions
 from towers.placement.slabs import whole_variables
-from towers.engine.step import tower_gradients
+from towers.engine.loop_gradients import tower_gradients
 from towers.devices import configure_devices
 from towers.errors import (CheckpointWriteError, DeviceConfigError, NonFiniteError, Preempted,
                            WorkerLostError)

@@ -1,7 +1,8 @@
 """The engine: the tower step the three techniques plug into.
 
-step (`run_towers`: steps 1-5 over the towers, on one screen; `StepSetup`;
-`tower_gradients`; step 6's `apply_update`), tower (a tower's steps 3-4: the
+step (`run_towers`: steps 1-5 over the towers, on one screen; `StepSetup`; step
+6's `apply_update`), loop_gradients (`tower_gradients`: steps 1-5 for your own
+loop), tower (a tower's steps 3-4: the
 step's `StepWork` and the tower's `TowerWork`, frozen; `StageWork`, what each
 pipeline stage computes, given to model_parallel's flight), forward (the forward
 by `stateless_call`, a shard's share of the loss), losses (`Objective`: the loss as
