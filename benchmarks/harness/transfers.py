@@ -94,7 +94,7 @@ def trainer_step_bytes(trainer, batch):
 
     Without XLA, each tower is traced into the step on its own here: tfdbg records no op
     inside the one tf.function the trainer's step calls on every tower's device
-    (tower.traced_once), and what crosses devices is the same either way, that
+    (traced_tower.traced_once), and what crosses devices is the same either way, that
     function's inputs and outputs and what its ops name a device for. Traced without
     autograph, as the trainer's own step is (compiled.py)."""
     setup = (trainer.setup if trainer.jit_compile else

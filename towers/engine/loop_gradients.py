@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from towers import devices as devices_lib
 from towers.data_parallel import split
-from towers.engine import losses, tower
+from towers.engine import losses, traced_tower
 from towers.engine.options import TowerOptions
 from towers.engine.step import StepSetup, assign_state, run_towers
 from towers.model_parallel import stages as stages_lib
@@ -78,7 +78,7 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, loss_scale
         # Inside the caller's tf.function, the model's forward traced once, not once per
         # tower and micro-batch (eagerly nothing is traced). Global BatchNorms meet
         # inside the forward, so each tower's is traced apart.
-        setup = dataclasses.replace(setup, compiled_tower=tower.forwards_traced_once(
+        setup = dataclasses.replace(setup, compiled_tower=traced_tower.forwards_traced_once(
             setup.stages))
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)
     assign_state(model, result.state)

@@ -67,9 +67,9 @@ class StepSetup:
         densifies its sparse gradient (tower.choose_dense_gradients, on the first batch).
       densify: None, or dense_choices per trainable variable.
       replicas: a replicas.Replicas with variable_placement="replicated", else None.
-      compiled_tower: None, or tower.compiled_tower's function, which then runs
+      compiled_tower: None, or traced_tower.compiled_tower's function, which then runs
         steps 3-4 of each tower, traced once for all of them (with XLA where
-        jit_compile; else where tower.traced_once).
+        jit_compile; else where traced_tower.traced_once).
       route: steps 4-5, exchange.route(options.aggregation, options.pack_gradients):
         fn(tower_grads, devices, device) -> the towers' sum on `device`.
       parts: None, or an op_parallel.grid.Parts for a model with split layers:

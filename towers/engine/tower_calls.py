@@ -4,7 +4,7 @@ Inside the caller's tf.function each tower runs fn, and each `tower(model, ...)`
 would trace the model's forward again: N copies of the model's Python in the first
 call (a 2-block transformer's: 1.87 s at 4 towers against 0.70 s at 1). A model's
 call on the tower's values names no device, so one trace serves every tower, called
-under its device, as the trainer's tower work does (engine/tower.py,
+under its device, as the trainer's tower work does (engine/traced_tower.py,
 compiled_tower); the tape's gradient of the call is TensorFlow's gradient of the
 traced function, made once too. Masks cross the trace's edges as extra values.
 

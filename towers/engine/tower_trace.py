@@ -1,6 +1,6 @@
 """One trace of a tower's work for every tower, where the trace names the tower's devices.
 
-A tower's work (tower.compiled_tower's function) takes its shard, weights and state as
+A tower's work (traced_tower.compiled_tower's function) takes its shard, weights and state as
 arguments and names no device of its own, so one trace serves every tower: called under
 tf.device(tower's device), its ops run there. Split layers are the exception: a part's
 work runs on the tower's device for that part (op_parallel.layers.parts_on), a name

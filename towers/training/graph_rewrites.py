@@ -1,7 +1,7 @@
 """How TensorFlow's graph optimiser (grappler) takes a trainer's compiled functions.
 
-A step holds every tower's forward and backward: one traced function (engine/tower.py
-compiled_tower), which TensorFlow inlines into the step once per tower before grappler
+A step holds every tower's forward and backward: one traced function
+(engine/traced_tower.py compiled_tower), which TensorFlow inlines into the step once per tower before grappler
 runs, so grappler's first call sees N copies, and its time grows faster than the graph
 (a 2-block transformer: 0.30 s at 1 tower, 1.17 s at 4, most of its first call). Three
 of its defaults buy a step nothing, so a trainer's functions run without them:
@@ -55,7 +55,7 @@ class GraphRewrites:
 
     devices: every device the trainer's steps run on (device strings).
     towers_optimised: fn() -> whether the trainer's tower work is optimised already
-      (engine/tower.py CompiledTower.optimised).
+      (engine/traced_tower.py CompiledTower.optimised).
     """
 
     def __init__(self, devices, towers_optimised):

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from towers import compat
 from towers.data_parallel.replicas import Replicas
-from towers.engine import tower
+from towers.engine import traced_tower
 from towers.op_parallel import tables as op_tables
 
 
@@ -54,8 +54,8 @@ def set_up_for_trainable(trainer):
     setup = dataclasses.replace(
         setup, replicas=replicas, tables=tables if tables and any(tables) else None,
         densify=densify, trainable_ids=_trainable_ids(model))
-    if trainer.jit_compile or tower.traced_once(setup, trainer.objective):
-        compiled_tower = tower.compiled_tower(
+    if trainer.jit_compile or traced_tower.traced_once(setup, trainer.objective):
+        compiled_tower = traced_tower.compiled_tower(
             setup.stages, trainer.objective, setup.options.micro_batches,
             setup.options.pipeline_schedule, densify, trainer.jit_compile,
             trainer.graph_rewrites.function_optimiser(),
