@@ -195,6 +195,31 @@ class DropoutTest(tf.test.TestCase):
         self.assertAllEqual(two_towers, self._gradient(twice, DEVICES[:2]))
 
 
+    def test_tower_step_draws_each_towers_mask_from_its_offset_seed(self):
+        """tower_step's towers share one trace of the model's call, but each draws
+        Keras's mask for its own seed: the model's seed state offset by (i, 0)."""
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, use_bias=False),
+                                  keras.layers.Dropout(0.5)])
+        x = np.ones((8, 8), np.float32)  # 2 rows per tower
+        weights = [v.numpy() for v in model.trainable_variables]
+        (seed,) = [v.numpy() for v in model.non_trainable_variables]
+
+        @tf.function
+        def step(x):
+            def fn(tower, shard):
+                outputs = tower(model, shard, training=True)
+                return {"sum": tf.reduce_sum(outputs, -1)}, outputs
+
+            return towers.tower_step(fn, x, DEVICES, {"sum": model.trainable_variables}).aux
+
+        outputs = step(x).numpy()
+        for i in range(4):
+            want, _ = model.stateless_call(weights, [seed + np.array([i, 0], seed.dtype)],
+                                           x[2 * i:2 * i + 2], training=True)
+            self.assertAllClose(want, outputs[2 * i:2 * i + 2], atol=1e-6)
+        self.assertNotAllClose(outputs[:2], outputs[2:4])  # a shared seed would draw one mask
+
 class MixedPrecisionTest(tf.test.TestCase, parameterized.TestCase):
 
     def tearDown(self):
