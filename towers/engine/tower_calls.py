@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from towers.data_parallel import batch_statistics
-from towers.engine import forward, losses
+from towers.engine import forward, losses, tower_trace
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
@@ -55,8 +55,7 @@ class SharedCalls:
         if function is None or not _shareable(inputs):
             return _stateless_call(model, variables, values, inputs)
         masks = losses.output_masks(inputs)
-        if not _reads_only_variables_and_constants(
-                function.get_concrete_function(values, inputs, masks)):
+        if not tower_trace.copyable(function.get_concrete_function(values, inputs, masks)):
             self._functions[key] = None
             return _stateless_call(model, variables, values, inputs)
         outputs, output_masks, new_values, regularization = function(values, inputs, masks)
@@ -87,10 +86,3 @@ def _shareable(inputs):
     return all(isinstance(leaf, _PLAIN + (np.ndarray,)) or (
         tf.is_tensor(leaf) and not isinstance(leaf, (tf.Variable, keras.Variable)))
         for leaf in tf.nest.flatten(inputs))
-
-
-def _reads_only_variables_and_constants(trace):
-    """Whether every tower may call `trace`: what it captures is a variable, or a
-    constant, never a tensor of the caller's graph."""
-    return all(t.dtype == tf.resource or not tf.is_symbolic_tensor(t)
-               for t in trace.captured_inputs)

@@ -74,7 +74,7 @@ class TowerTrace:
         if self.function.experimental_get_tracing_count() > traces_before:
             self._traced_for[trace.name] = places
         renames = _device_renames(self._traced_for[trace.name], places)
-        if renames and not _copyable(trace):  # each tower traces its own
+        if renames and not copyable(trace):  # each tower traces its own
             if self.optimise is None:
                 return self.function.python_function(*args)
             own = tf.function(self.function.python_function, autograph=False)
@@ -204,8 +204,10 @@ def _places_key(places):
     return tuple(sorted((home, tuple(devices)) for home, devices in places.items()))
 
 
-def _copyable(trace):
-    """Whether every tower may read what `trace` captures: variables, or constants."""
+def copyable(trace):
+    """Whether every tower may read what `trace` (a ConcreteFunction) captures: variables,
+    or constants, never a tensor of the caller's graph (what it reads may be one
+    tower's own)."""
     return all(t.dtype == tf.resource or not tf.is_symbolic_tensor(t)
                for t in trace.captured_inputs)
 
