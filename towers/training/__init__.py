@@ -7,7 +7,8 @@ eval step and the predict step), overrides (a model overriding train_step or com
 refused; predict_step refused by predict),
 first_batch (building and checking on the first batch), compiled (one tf.function per
 batch structure), executions (step 7: several steps per call, an in-graph loop), loop
-(`fit`, `evaluate`, progress, summaries), predict (`predict`: x in batches, every tower
+(`fit`, `evaluate`), progress (fit's progress bar or log lines, TensorBoard summaries),
+predict (`predict`: x in batches, every tower
 its shard, the outputs in row order), py_datasets (a PyDataset's epoch hooks),
 metrics, callbacks (Keras callbacks), checkpoint (`Checkpointer`), preemption
 (SIGTERM/SIGINT finish the step and save), prefetch (shards staged on their towers'

@@ -6,17 +6,15 @@ and how to summarise what comes back.
 
 import itertools
 import numbers
-import sys
 import time
 
 import keras
-import tensorflow as tf
 from absl import logging
 
 from towers import errors
 from towers.errors import Preempted
 from towers.training import callbacks as callbacks_lib, class_weights, executions, first_batch
-from towers.training import inputs, preemption, py_datasets, resume
+from towers.training import inputs, preemption, progress, py_datasets, resume
 
 def evaluate(trainer, data, steps=None, callbacks=None):
     """The loss over every example of `data` (+ regularisation), each loss term's, and the
@@ -138,7 +136,7 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
     saver = checkpointer if chief else None
     if saver is not None:  # one live writer per folder: a second run refused before any step
         saver.lock()
-    summaries = _Summaries(log_dir if chief else None)  # a log_dir refused before any work
+    summaries = progress.Summaries(log_dir if chief else None)  # a bad log_dir: before any work
     epoch, skip = initial_epoch, 0
     if checkpointer is not None:
         dataset = resume.build_for_restore(trainer, checkpointer, dataset)
@@ -165,7 +163,8 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
             epoch_hooks.epoch_begins()
             steps = executions.EpochSteps(trainer, dataset, epoch, steps_per_epoch, skip,
                                            shared and shared.iterator)
-            progress = _Progress(epoch, epochs, steps_per_epoch, verbose if own_progress else False)
+            shown = progress.Progress(epoch, epochs, steps_per_epoch,
+                                      verbose if own_progress else False)
             start, means, batch_index, logs = time.perf_counter(), _LossMeans(trainer.objective), skip, {}
             broke_off = False
 
@@ -180,7 +179,7 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
                 batch_index += ran
                 means.add(logs, logged_steps)
                 logs["examples_per_sec"] = means.examples / (time.perf_counter() - start)
-                progress.update(batch_index, logs)
+                shown.update(batch_index, logs)
                 summaries.train(trainer, logs)
                 if saver is not None:
                     saver.batch_done(epoch, batch_index, ran)
@@ -210,8 +209,8 @@ def fit(trainer, x=None, y=None, batch_size=None, epochs=1, verbose="auto", call
                 val_logs = evaluate(trainer, validation_data, validation_steps, callbacks)
                 epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
                 summaries.evaluation(trainer, val_logs)
-            progress.finish(batch_index, {**epoch_logs,
-                                          "skipped_steps": logs.get("skipped_steps", 0)})
+            shown.finish(batch_index, {**epoch_logs,
+                                       "skipped_steps": logs.get("skipped_steps", 0)})
             callbacks.on_epoch_end(epoch, epoch_logs)
             epoch, skip = (_next_position(epoch, batch_index, steps_per_epoch) if broke_off
                            else (epoch + 1, 0))
@@ -275,63 +274,6 @@ class _LossMeans:
         return means
 
 
-class _Progress:
-    """A keras.utils.Progbar on a terminal, else an absl log line every ~10% of an epoch."""
-
-    def __init__(self, epoch, epochs, steps, verbose):
-        self._header = f"epoch {epoch + 1}/{epochs}"
-        auto = verbose == "auto"  # else 0, 1 or 2 (False and True are 0 and 1)
-        show_bar = sys.stdout.isatty() if auto else verbose == 1
-        self._log_lines = not show_bar if auto else verbose == 2
-        self._log_every = max(1, steps // 10) if steps else 10
-        self._bar = None
-        if show_bar:
-            print(self._header)
-            self._bar = keras.utils.Progbar(steps, stateful_metrics=["examples_per_sec"])
-
-    def update(self, batch_index, logs):
-        if self._bar is not None:
-            self._bar.update(batch_index, _bar_values(logs))
-        elif self._log_lines and batch_index % self._log_every == 0:
-            logging.info("%s, batch %d: %s", self._header, batch_index, _format(logs))
-
-    def finish(self, batch_index, epoch_logs):
-        if self._bar is not None:
-            self._bar.update(batch_index, _bar_values(epoch_logs), finalize=True)
-        elif self._log_lines:
-            logging.info("%s done: %s", self._header, _format(epoch_logs))
-
-
-class _Summaries:
-    """TensorBoard scalars: train/* every step, eval/* after each evaluation."""
-
-    def __init__(self, log_dir):
-        """Raises ValueError, in one line, for a log_dir that cannot hold summaries."""
-        try:
-            self._writer = tf.summary.create_file_writer(log_dir) if log_dir else None
-        except (tf.errors.OpError, TypeError) as error:
-            raise ValueError(f"log_dir={log_dir!r} cannot hold TensorBoard summaries: "
-                             f"{errors.root_cause(error)}; give a folder that can be made "
-                             "and written.") from None
-
-    def train(self, trainer, logs):
-        if self._writer is None:  # reading the step and learning rate costs host syncs
-            return
-        learning_rate = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
-        self._write("train", trainer.step, {**logs, "learning_rate": learning_rate})
-
-    def evaluation(self, trainer, logs):
-        self._write("eval", trainer.step, logs)
-
-    def _write(self, prefix, step, logs):
-        if self._writer is None:
-            return
-        with self._writer.as_default(step=step):
-            for name, value in logs.items():
-                tf.summary.scalar(f"{prefix}/{name}", value)
-        self._writer.flush()
-
-
 def _reached(trainer, max_steps):
     return max_steps is not None and trainer.step >= max_steps
 
@@ -358,13 +300,3 @@ def _validation_epochs(validation_freq):
         return epochs.__contains__
     every = errors.positive_integer("validation_freq", validation_freq)
     return lambda epoch: epoch % every == 0
-
-
-def _bar_values(logs):
-    return [(name, value) for name, value in logs.items() if name != "skipped_steps"]
-
-
-def _format(logs):
-    """'loss=0.1234, accuracy=0.9' for a log line; skipped_steps only once there are some."""
-    return ", ".join(f"{k}={v:.4g}" for k, v in logs.items()
-                     if k != "skipped_steps" or v)
