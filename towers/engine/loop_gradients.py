@@ -75,9 +75,10 @@ def tower_gradients(model, loss, batch, devices, main_device=None, *, loss_scale
         loss = losses.Objective(loss, output_names=getattr(model, "output_names", None))
     if (mesh.num_towers * options.micro_batches > 1 and not setup.statistics.layers
             and not tf.executing_eagerly()):
-        # Inside the caller's tf.function, the model's forward traced once, not once per
-        # tower and micro-batch (eagerly nothing is traced). Global BatchNorms meet
-        # inside the forward, so each tower's is traced apart.
+        # Inside the caller's tf.function the forward is traced once for every tower and
+        # micro-batch. One call alone is traced plainly: a traced function's call and its
+        # gradient cost more than they share. Eagerly nothing is traced. Global
+        # BatchNorms meet inside the forward, so each tower's is traced apart.
         setup = dataclasses.replace(setup, compiled_tower=traced_tower.forwards_traced_once(
             setup.stages))
     result = run_towers(setup, loss, batch, loss_scale=loss_scale)
