@@ -48,9 +48,10 @@ class SharedCalls:
         inputs = (args, kwargs)
         key = (id(model), tuple(map(id, variables)))
         if key not in self._functions:
-            self._functions[key] = None if not self._shared or tf.executing_eagerly() or any(
-                layer.synchronized for layer in batch_statistics.batch_norm_layers(model)
-            ) else _traced_call(model, variables)
+            # Layers built synchronized=True meet the other towers inside the call.
+            meets = batch_statistics.global_layers(model, batch_statistics.PER_TOWER)
+            self._functions[key] = (None if not self._shared or tf.executing_eagerly() or meets
+                                    else _traced_call(model, variables))
         function = self._functions[key]
         if function is None or not _shareable(inputs):
             return _stateless_call(model, variables, values, inputs)
