@@ -36,6 +36,7 @@ class CompiledFunctions:
         self._functions = {}  # key -> tf.function
         self._graphs = {}  # key -> its one traced graph (functions of a batch)
         self._log_names = {}  # key -> the names of its packed logs, in order
+        self._log_dtypes = {}  # key -> their dtypes before packing, in the same order
         self._known = {}  # (kind, signature of a batch) -> key
 
     def functions(self):
@@ -107,14 +108,25 @@ class CompiledFunctions:
         values = result.numpy()  # the call's one device-to-host read
         return dict(zip(self._log_names[key], values.tolist()))
 
+    def logs_within(self, key, batch):
+        """Calls the function of `key` (for_batch's) on `batch` inside another function
+        as it is traced (an in-graph loop's), its Python not run again; returns its
+        logs as scalar Tensors of their own dtypes (float64 holds each exactly)."""
+        values = self._functions[key](list(batch) if isinstance(batch, split.Shards) else batch)
+        return {name: tf.cast(values[i], dtype) for i, (name, dtype) in
+                enumerate(zip(self._log_names[key], self._log_dtypes[key]))}
+
     def _packed(self, key, function):
         """`function`, returning its dict of scalar logs as one float64 vector; the
-        names go to self._log_names[key] when it is traced."""
+        names go to self._log_names[key] and their dtypes to self._log_dtypes[key]
+        when it is traced."""
         names = self._log_names.setdefault(key, [])
+        dtypes = self._log_dtypes.setdefault(key, [])
 
         def packed(*args):
             logs = function(*args)
             names[:] = list(logs)
+            dtypes[:] = [tf.convert_to_tensor(value).dtype for value in logs.values()]
             return tf.stack([tf.cast(value, tf.float64) for value in logs.values()])
 
         return packed

@@ -45,21 +45,21 @@ def train_step(trainer, batch, may_be_empty):
         return _train_step(trainer, batch, may_be_empty)
 
 
-def train_step_any_rows(trainer, batch):
-    """train_step for a batch whose rows are known only when it runs (an in-graph
+def train_step_any_rows(trainer, batch, step):
+    """The train step for a batch whose rows are known only when it runs (an in-graph
     loop's): one tf.cond picks the step that skips empty micro-batches only for a
-    batch too small to give each a row."""
+    batch too small to give each a row. step: fn(batch, may_be_empty) -> its logs
+    (train_step's)."""
     fills = fills_every_micro_batch(trainer.setup, batch)
     if isinstance(fills, bool):
-        return train_step(trainer, batch, may_be_empty=not fills)
+        return step(batch, not fills)
     if num_micro_batches(trainer.setup) == 1 and trainer.cluster is None:
         # One micro-batch is empty only when the batch is, which train_step refuses
         # too; an assert costs less than the cond (about 3% of a small step).
         with tf.control_dependencies([tf.debugging.Assert(fills, [split.EMPTY_BATCH])]):
             batch = tf.nest.map_structure(tf.identity, batch)
-        return train_step(trainer, batch, may_be_empty=False)
-    return tf.cond(fills, lambda: train_step(trainer, batch, may_be_empty=False),
-                   lambda: train_step(trainer, batch, may_be_empty=True))
+        return step(batch, False)
+    return tf.cond(fills, lambda: step(batch, False), lambda: step(batch, True))
 
 
 def variant(setup, kind, batch):
@@ -68,7 +68,12 @@ def variant(setup, kind, batch):
     runs its shard whole): the step traced for such batches."""
     fills = (split.smallest_shard_rows(batch, setup.mesh.num_towers) >= 1 if kind == "predict"
              else fills_every_micro_batch(setup, batch))
-    return kind if fills is True else f"{kind}_with_empty_parts"
+    return variant_named(kind, may_be_empty=fills is not True)
+
+
+def variant_named(kind, may_be_empty):
+    """The name of `kind`'s step that skips empty micro-batches (may_be_empty) or not."""
+    return f"{kind}_with_empty_parts" if may_be_empty else kind
 
 
 def fills_every_micro_batch(setup, batch):

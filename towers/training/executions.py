@@ -6,6 +6,7 @@ an epoch as `EpochSteps`: executions of up to steps_per_execution steps, never
 past the epoch's end or max_steps (`limit`).
 """
 
+import functools
 import itertools
 
 import tensorflow as tf
@@ -42,6 +43,10 @@ def compiled_loop(trainer, iterator, num_steps):
     stop_requested, data_ended = tf.constant(False), tf.constant(False)
     empty_batch, fractional_label = tf.constant(False), tf.constant(float("nan"))
     worker_batches = tf.constant(0)
+    # Each step is the one train_step compiled for such batches, called, not traced
+    # again. With a cluster its Python is traced into the loop, as it was.
+    step = (trainer.traced_step_logs if trainer.cluster is None
+            else functools.partial(compiled_steps.train_step, trainer))
     for _ in tf.range(num_steps):
         has_batch, get_batch = prefetch.get_next_as_optional(
             iterator, trainer.input_devices, or_empty=trainer.cluster is not None)
@@ -54,7 +59,7 @@ def compiled_loop(trainer, iterator, num_steps):
         if trainer.cluster is None and split.batch_size(batch) == 0:
             empty_batch = tf.constant(True)  # no step: train_step refuses it too
             break
-        logs = compiled_steps.train_step_any_rows(trainer, batch)
+        logs = compiled_steps.train_step_any_rows(trainer, batch, step)
         if trainer.cluster is not None and logs["data_ended"]:
             data_ended = tf.constant(True)
             break

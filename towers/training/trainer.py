@@ -374,12 +374,22 @@ class TowerTrainer:
             self.setup.statistics.warn_single_rows(compiled_steps.micro_batch_rows(self.setup,
                                                                                    batch))
         variant = compiled_steps.variant(self.setup, kind, batch)
+        return batch, self._step_for(kind, batch, variant != kind, check)
+
+    def _step_for(self, kind, batch, may_be_empty, check=None):
+        """The key of the compiled `kind` step for batches structured as `batch` that
+        skips empty micro-batches (may_be_empty) or not, traced now where new."""
         step = {"train": compiled_steps.train_step, "eval": compiled_steps.eval_step,
                 "predict": compiled_steps.predict_step}[kind]
-        may_be_empty = variant != kind
-        return batch, self._compiled.for_batch(
-            variant, batch, lambda batch: step(self, batch, may_be_empty), check,
-            packed=kind != "predict")
+        return self._compiled.for_batch(
+            compiled_steps.variant_named(kind, may_be_empty), batch,
+            lambda batch: step(self, batch, may_be_empty), check, packed=kind != "predict")
+
+    def traced_step_logs(self, batch, may_be_empty):
+        """Inside a function as it is traced (the in-graph loop, executions.py): the logs
+        of the train step compiled for batches structured as `batch`, called there, its
+        Python not traced again (train_step's call traced it, or this does)."""
+        return self._compiled.logs_within(self._step_for("train", batch, may_be_empty), batch)
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
