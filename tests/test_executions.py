@@ -3,6 +3,7 @@ in-graph loop over a tf.data iterator) give the weights of single steps."""
 
 import os
 import signal
+from unittest import mock
 
 import keras
 import numpy as np
@@ -12,6 +13,7 @@ from absl.testing import parameterized
 import towers
 from tests import reference
 from tests.checkpoint_files import checkpoint_values, position
+from towers.training import compiled_steps
 
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
 
@@ -59,6 +61,32 @@ class ExecutionTest(tf.test.TestCase, parameterized.TestCase):
             ran.append(logs["steps"])
         self.assertEqual(ran, [1, 4, 3])  # the first call sets up on one eager step
         self._assert_same_weights(_single_steps(list(_dataset())), trainer)
+
+    def test_the_loop_calls_the_traced_step_and_gives_back_a_batch_too_small(self):
+        # 43 rows in batches of 6: the last, of 1 row, leaves a tower without one. The
+        # loop calls the step the first call traced (its Python runs no more), and gives
+        # that batch back to run as train_step runs it: the step for such batches is
+        # traced then, in the call that reaches it (the third), not with the loop.
+        traced, original = [], compiled_steps.train_step
+
+        def train_step(trainer, batch, may_be_empty):
+            traced.append((len(calls), may_be_empty))
+            return original(trainer, batch, may_be_empty)
+
+        trainer, iterator, calls = _trainer(), iter(_dataset()), []
+        with mock.patch.object(compiled_steps, "train_step", train_step):
+            while (logs := trainer.train_steps(iterator, 4))["steps"]:
+                calls.append(logs)
+        self.assertEqual(traced, [(0, False), (2, True)])
+        self.assertEqual([logs["steps"] for logs in calls], [1, 4, 3])
+        single, losses = _trainer(), []
+        for batch in _dataset():
+            losses.append(single.train_step(batch)["loss"])
+        self._assert_same_weights(single, trainer)
+        # The last call's loss: its steps' (6, 6 and 1 rows) mean over their rows.
+        self.assertAllClose(calls[-1]["loss"], np.average(losses[5:], weights=[6, 6, 1]),
+                            atol=1e-6)
+        self.assertEqual(calls[-1]["examples"], 13)
 
     def test_fit_with_executions_equals_single_steps_and_ends_a_batch_per_execution(self):
         ends, trainer = BatchEnds(), _trainer(steps_per_execution=4, metrics=["accuracy"])

@@ -122,8 +122,9 @@ class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
                 mock.patch.object(prefetch, "get_next_as_optional", get_next_as_optional):
             trainer.fit(_dataset(), epochs=2, verbose=False)
         # fit's compiled loop reads the shards, each on its tower, even at one step per
-        # call, and calls the step the first step traced for them (shards as arguments):
-        # it traces only the step for batches that leave a tower without a row.
+        # call, and calls the step the first step traced for them (shards as arguments);
+        # the last batch leaves a tower without a row: it goes back to the host, whose
+        # step for such batches is traced for it.
         self.assertEqual(read, [{d} for d in DEVICES])
         self.assertEqual(traced, [0, 1, 2, 3] * 2)
         self._assert_expected(trainer, epochs=2)

@@ -30,22 +30,27 @@ def trainer_keywords(keywords, defaults=None):
     return own, {name: value for name, value in keywords.items() if name in fields}
 
 
-def keras_optimizer(given):
+def keras_optimizer(given, model):
     """`given`, or the Keras optimizer its name names with Keras's defaults, as
-    keras.Model.compile takes one ("adam").
+    keras.Model.compile takes one ("adam"); wrapped in a LossScaleOptimizer where
+    `model` computes in float16 and it is not one.
 
     Raises:
       ValueError: neither a keras.optimizers.Optimizer nor a Keras optimizer's name.
     """
     if isinstance(given, str):
         try:
-            return keras.optimizers.get(given)
+            given = keras.optimizers.get(given)
         except ValueError:
             raise ValueError(f"optimizer {given!r} names no Keras optimizer; pass one, e.g. "
                              "keras.optimizers.Adam(1e-3), or a name such as 'adam'.") from None
     if not isinstance(given, keras.optimizers.Optimizer):
         raise ValueError(
             f"optimizer must be a keras.optimizers.Optimizer, got {type(given).__name__}.")
+    if model.compute_dtype == "float16" and not isinstance(
+            given, keras.optimizers.LossScaleOptimizer):
+        # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
+        return keras.optimizers.LossScaleOptimizer(given)
     return given
 
 

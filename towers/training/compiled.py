@@ -105,7 +105,13 @@ class CompiledFunctions:
                     result = self._functions[key](*args)
         if key not in self._log_names:
             return tf.nest.map_structure(lambda t: t.numpy(), result)
-        values = result.numpy()  # the call's one device-to-host read
+        if isinstance(result, tuple):  # logs and what else the function gives back
+            return self._logs(key, result[0]), tf.nest.map_structure(
+                lambda t: t.numpy(), result[1])
+        return self._logs(key, result)
+
+    def _logs(self, key, values):
+        values = values.numpy()  # the call's one device-to-host read of its logs
         return dict(zip(self._log_names[key], values.tolist()))
 
     def logs_within(self, key, batch):
@@ -119,15 +125,18 @@ class CompiledFunctions:
     def _packed(self, key, function):
         """`function`, returning its dict of scalar logs as one float64 vector; the
         names go to self._log_names[key] and their dtypes to self._log_dtypes[key]
-        when it is traced."""
+        when it is traced. A function may return (logs, a nest of Tensors): then
+        (the vector, that nest)."""
         names = self._log_names.setdefault(key, [])
         dtypes = self._log_dtypes.setdefault(key, [])
 
         def packed(*args):
-            logs = function(*args)
+            result = function(*args)
+            logs, more = result if isinstance(result, tuple) else (result, None)
             names[:] = list(logs)
             dtypes[:] = [tf.convert_to_tensor(value).dtype for value in logs.values()]
-            return tf.stack([tf.cast(value, tf.float64) for value in logs.values()])
+            vector = tf.stack([tf.cast(value, tf.float64) for value in logs.values()])
+            return vector if more is None else (vector, more)
 
         return packed
 

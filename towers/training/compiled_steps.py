@@ -71,6 +71,13 @@ def variant(setup, kind, batch):
     return variant_named(kind, may_be_empty=fills is not True)
 
 
+def body(trainer, kind, may_be_empty):
+    """fn(batch) -> the `kind` step's logs (predict: its outputs) on batch, in the
+    variant that skips empty micro-batches (may_be_empty) or not."""
+    step = {"train": train_step, "eval": eval_step, "predict": predict_step}[kind]
+    return lambda batch: step(trainer, batch, may_be_empty)
+
+
 def variant_named(kind, may_be_empty):
     """The name of `kind`'s step that skips empty micro-batches (may_be_empty) or not."""
     return f"{kind}_with_empty_parts" if may_be_empty else kind

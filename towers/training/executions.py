@@ -47,6 +47,9 @@ def compiled_loop(trainer, iterator, num_steps):
     # again. With a cluster its Python is traced into the loop, as it was.
     step = (trainer.traced_step_logs if trainer.cluster is None
             else functools.partial(compiled_steps.train_step, trainer))
+    hands_back = _hands_back_small_batches(trainer, iterator)
+    held, holds = (prefetch.no_batch_yet(iterator, trainer.input_devices) if hands_back
+                   else ()), tf.constant(False)
     for _ in tf.range(num_steps):
         has_batch, get_batch = prefetch.get_next_as_optional(
             iterator, trainer.input_devices, or_empty=trainer.cluster is not None)
@@ -59,7 +62,11 @@ def compiled_loop(trainer, iterator, num_steps):
         if trainer.cluster is None and split.batch_size(batch) == 0:
             empty_batch = tf.constant(True)  # no step: train_step refuses it too
             break
-        logs = compiled_steps.train_step_any_rows(trainer, batch, step)
+        if hands_back and not compiled_steps.fills_every_micro_batch(trainer.setup, batch):
+            held, holds = batch, tf.constant(True)
+            break
+        logs = (step(batch, False) if hands_back
+                else compiled_steps.train_step_any_rows(trainer, batch, step))
         if trainer.cluster is not None and logs["data_ended"]:
             data_ended = tf.constant(True)
             break
@@ -88,7 +95,47 @@ def compiled_loop(trainer, iterator, num_steps):
                     worker_batches=worker_batches)
     if compiled_steps.loss_scale(trainer.optimizer) is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
+    if hands_back:
+        return {**logs, "holds": holds}, held
     return logs
+
+
+def _hands_back_small_batches(trainer, iterator):
+    """Whether compiled_loop ends before a batch too small to give every micro-batch a
+    row and gives it back (held), for the host to run as train_step does: where the
+    batches' rows are known only as the loop runs, without a cluster, and with more
+    than one micro-batch a step (one is empty only when the batch is: an assert). The
+    loop then holds one variant of the step, and the other (1.2-2 times its trace) is
+    traced only when such a batch comes: fit's last batch, if ever."""
+    return (trainer.cluster is None and compiled_steps.num_micro_batches(trainer.setup) > 1
+            and any(spec.shape.rank and spec.shape[0] is None
+                    for spec in tf.nest.flatten(iterator.element_spec)))
+
+
+def with_held_step(trainer, loop_logs, steps, held):
+    """(logs, steps) of a train_steps call whose loop ran `steps` steps and gave `held`
+    back (or None): then held's step, run as train_step runs it, and the logs of both
+    as one call's: the loss a mean over their examples, each loss term's over their
+    logged steps; the metric results and loss scale the held step's."""
+    if not loop_logs.pop("holds", False):
+        return loop_logs, steps
+    held = split.Shards(held) if isinstance(held, list) else held  # Shards came back a list
+    step_logs, names = trainer.train_step(held), trainer.objective.names
+    examples = loop_logs["examples"] + step_logs["examples"]
+    step_logged = float(step_logs["examples"] > 0)  # 0 for a step that is not finite
+    logged = loop_logs["logged_steps"] + step_logged
+
+    def mean(name, weight, step_weight, over):
+        parts = [loop_logs[name] * weight] + ([step_logs[name] * step_weight] if step_weight
+                                              else [])
+        return sum(parts) / over if over else 0.0
+
+    merged = {key: value for key, value in step_logs.items() if key != "skipped_steps"}
+    merged.update({name: mean(name, loop_logs["logged_steps"], step_logged, logged)
+                   for name in names})
+    merged.update(loss=mean("loss", loop_logs["examples"], step_logs["examples"], examples),
+                  examples=examples, logged_steps=logged)
+    return merged, steps + 1
 
 
 def first_call(trainer, iterator):

@@ -94,15 +94,26 @@ def _value_here(optional):
     return tuple(tf.nest.map_structure(tf.identity, optional.get_value()))
 
 
+def no_batch_yet(iterator, devices):
+    """In a tf.function: empty_batch(iterator, devices) whose rows are unknown as it is
+    traced, so that a batch of the iterator's may take its place (a loop variable)."""
+    return tf.nest.map_structure(
+        lambda t: tf.compat.v1.placeholder_with_default(t, [None, *t.shape[1:]]),
+        empty_batch(iterator, devices))
+
+
 def empty_batch(iterator, devices):
-    """Eagerly, a batch of no rows of the structure of `iterator` (a tf.data iterator, or
-    a ShardIterator: then split.Shards, one empty shard on each of `devices`)."""
-    if not isinstance(iterator, ShardIterator):
+    """A batch of no rows of the structure of `iterator` (a tf.data iterator, or a
+    ShardIterator or its multi_device_iterator: then split.Shards, one empty shard on
+    each of `devices`)."""
+    if isinstance(iterator, ShardIterator):
+        iterator = iterator.multi_device_iterator
+    if not isinstance(iterator, compat.OwnedMultiDeviceIterator):
         return split.empty_like(iterator.element_spec)
     shards = []
     for device in devices:
         with tf.device(device):
-            shards.append(split.empty_like(iterator.multi_device_iterator.element_spec))
+            shards.append(split.empty_like(iterator.element_spec))
     return split.Shards(shards)
 
 

@@ -81,13 +81,9 @@ class TowerTrainer:
         output_names = getattr(model, "output_names", None)
         self.objective = losses.Objective(loss, loss_weights, output_names)
         self.metrics = metrics_lib.Metrics(metrics, weighted_metrics, output_names)
-        optimizer = arguments.keras_optimizer(optimizer)
+        optimizer = arguments.keras_optimizer(optimizer, model)
         self.options = TowerOptions.given(options, option_keywords)
         placement_option = self.options.variable_placement
-        if model.compute_dtype == "float16" and not isinstance(
-                optimizer, keras.optimizers.LossScaleOptimizer):
-            # float16 gradients underflow without loss scaling; Keras's compile() wraps too.
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        placement_option)
         op_grid.check_split_model(model, optimizer, placement_option, jit_compile)
@@ -214,22 +210,21 @@ class TowerTrainer:
         """Up to `num_steps` steps on batches from a tf.data iterator, in one call.
 
         One compiled function loops over the iterator in the graph (no Python
-        between steps; the end of the data ends the loop early), each step
-        exactly train_step's. The first call ever runs one step eagerly set
-        up, as train_step does. `iterator` may be a shard_iterator.
-
-        With a cluster the end of this worker's data does not end the call:
-        it takes part in the other workers' steps with empty parts until every
-        worker's data has ended (that step, which trains on nothing, is not
-        counted and sets "data_ended").
+        between steps; the end of the data ends it early), each step exactly
+        train_step's; the first call ever runs one step eagerly set up, as
+        train_step does. `iterator` may be a shard_iterator. A batch too small to
+        give every micro-batch a row ends the loop and runs after it, as
+        train_step runs it (executions.compiled_loop). With a cluster the end of
+        this worker's data does not end the call: it takes part in the others'
+        steps with empty parts until every worker's has ended (that step trains
+        on nothing, is not counted and sets "data_ended").
 
         Returns:
-          logs as train_step's, over the steps run: "loss" (and each loss
-          term's) is their mean over their examples (the metrics run on, as
-          ever), plus "steps" (how many ran, 0 when the data had ended),
-          "examples" and "logged_steps" (those of the steps in the logs: each
-          loss term's log is the mean over the steps, as Keras's reads); with a
-          cluster "worker_batches", the steps this worker had a batch for.
+          train_step's logs over the steps run: "loss" their mean over their
+          examples, each loss term's the mean over the steps (as Keras's reads),
+          plus "steps" (how many ran, 0 when the data had ended), "examples" and
+          "logged_steps" (those in the logs); with a cluster "worker_batches",
+          the steps this worker had a batch for.
 
         Raises:
           ValueError: `iterator` is not a tf.data iterator or shard_iterator,
@@ -253,11 +248,13 @@ class TowerTrainer:
             first_batch.check_spec, self, iterator.element_spec))
         with self._watched():
             logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
+        logs, held = logs if isinstance(logs, tuple) else (logs, None)
         if self.signals is not None:
             self.signals.looped()
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         outcomes.after_steps(self, logs, steps, skipped)
+        logs, steps = executions.with_held_step(self, logs, steps, held)
         return {**logs, "steps": steps, "skipped_steps": self._skipped_steps}
 
     def request_stop(self):
@@ -340,15 +337,13 @@ class TowerTrainer:
         return self._watchdog.step(self.step + 1) if self._watchdog else contextlib.nullcontext()
 
     def sync_replicas(self):
-        """Does nothing: kept for code written when replicas (variable_placement=
-        "replicated") were refreshed after each step and needed this after
-        set_weights. Every step now refreshes them before the towers read."""
+        """Does nothing: kept for code written when replicas (variable_placement="replicated")
+        needed this after set_weights. Every step now refreshes them before the towers read."""
 
     def _prepare(self, batch, kind):
         """Checks a batch; returns it as Tensors and the key of the compiled `kind` step
-        for it, traced once per batch structure (self._compiled), in two variants: one
-        for batches that give every micro-batch a row, one that skips empty ones.
-        `kind`: "train", "eval", or "predict", whose batch is (x,)."""
+        ("train", "eval", or "predict", whose batch is (x,)) for it, traced once per batch
+        structure and variant (_step_for; compiled_steps.variant)."""
         self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
             key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch), batch)
@@ -377,18 +372,15 @@ class TowerTrainer:
         return batch, self._step_for(kind, batch, variant != kind, check)
 
     def _step_for(self, kind, batch, may_be_empty, check=None):
-        """The key of the compiled `kind` step for batches structured as `batch` that
-        skips empty micro-batches (may_be_empty) or not, traced now where new."""
-        step = {"train": compiled_steps.train_step, "eval": compiled_steps.eval_step,
-                "predict": compiled_steps.predict_step}[kind]
+        """The key of the compiled `kind` step (traced now where new) for batches as
+        `batch`, that skips empty micro-batches (may_be_empty) or not."""
         return self._compiled.for_batch(
             compiled_steps.variant_named(kind, may_be_empty), batch,
-            lambda batch: step(self, batch, may_be_empty), check, packed=kind != "predict")
+            compiled_steps.body(self, kind, may_be_empty), check, packed=kind != "predict")
 
     def traced_step_logs(self, batch, may_be_empty):
-        """Inside a function as it is traced (the in-graph loop, executions.py): the logs
-        of the train step compiled for batches structured as `batch`, called there, its
-        Python not traced again (train_step's call traced it, or this does)."""
+        """In a function as it is traced (executions.compiled_loop): the logs of the
+        train step compiled for batches as `batch`, called, its Python not run again."""
         return self._compiled.logs_within(self._step_for("train", batch, may_be_empty), batch)
 
     def _follow_trainable(self):
