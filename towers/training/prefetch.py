@@ -95,10 +95,10 @@ def _value_here(optional):
 
 
 def no_batch_yet(iterator, devices):
-    """In a tf.function: empty_batch(iterator, devices) whose rows are unknown as it is
+    """In a tf.function: empty_batch(iterator, devices) whose dims are unknown as it is
     traced, so that a batch of the iterator's may take its place (a loop variable)."""
     return tf.nest.map_structure(
-        lambda t: tf.compat.v1.placeholder_with_default(t, [None, *t.shape[1:]]),
+        lambda t: tf.compat.v1.placeholder_with_default(t, [None] * t.shape.rank),
         empty_batch(iterator, devices))
 
 
