@@ -1,7 +1,9 @@
 """Several training steps per call of one compiled function (steps_per_execution).
 
 `compiled_loop` is the in-graph loop TowerTrainer.train_steps compiles: a
-tf.while_loop over a tf.data iterator, each step the trainer's own. fit runs
+tf.while_loop over a tf.data iterator, each step a call of the one train_step
+compiled (its Python is not traced again); a batch too small for every
+micro-batch comes back to the host (`with_held_step`). fit runs
 an epoch as `EpochSteps`: executions of up to steps_per_execution steps, never
 past the epoch's end or max_steps (`limit`).
 """
@@ -35,6 +37,8 @@ def compiled_loop(trainer, iterator, num_steps):
     applied: without a cluster, a batch of no rows (empty_batch; Keras's fit would
     apply an optimizer step of zero gradients, which moves Adam's weights), and
     float class ids that are not whole numbers (fractional_label, NaN where none).
+    Where _hands_back_small_batches, a batch too small to give every micro-batch a row
+    ends it too, uncounted: it returns (logs with "holds", that batch or an empty one).
     """
     names = trainer.objective.names
     steps, skipped, logged_steps = tf.constant(0), tf.constant(0), tf.constant(0.0)
