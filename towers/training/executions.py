@@ -124,21 +124,20 @@ def with_held_step(trainer, loop_logs, steps, held):
     if not loop_logs.pop("holds", False):
         return loop_logs, steps
     held = split.Shards(held) if isinstance(held, list) else held  # Shards came back a list
-    step_logs, names = trainer.train_step(held), trainer.objective.names
-    examples = loop_logs["examples"] + step_logs["examples"]
+    step_logs = trainer.train_step(held)
     step_logged = float(step_logs["examples"] > 0)  # 0 for a step that is not finite
-    logged = loop_logs["logged_steps"] + step_logged
 
-    def mean(name, weight, step_weight, over):
-        parts = [loop_logs[name] * weight] + ([step_logs[name] * step_weight] if step_weight
-                                              else [])
-        return sum(parts) / over if over else 0.0
+    def mean(name, weight, step_weight):
+        # As the loop's sums (multiply_no_nan): a weight of 0 adds nothing, a NaN neither.
+        total = loop_logs[name] * weight + (step_logs[name] * step_weight if step_weight else 0)
+        return total / (weight + step_weight) if weight + step_weight else 0.0
 
     merged = {key: value for key, value in step_logs.items() if key != "skipped_steps"}
-    merged.update({name: mean(name, loop_logs["logged_steps"], step_logged, logged)
-                   for name in names})
-    merged.update(loss=mean("loss", loop_logs["examples"], step_logs["examples"], examples),
-                  examples=examples, logged_steps=logged)
+    merged.update({name: mean(name, loop_logs["logged_steps"], step_logged)
+                   for name in trainer.objective.names})
+    merged.update(loss=mean("loss", loop_logs["examples"], step_logs["examples"]),
+                  examples=loop_logs["examples"] + step_logs["examples"],
+                  logged_steps=loop_logs["logged_steps"] + step_logged)
     return merged, steps + 1
 
 
