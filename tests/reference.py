@@ -200,13 +200,16 @@ def traced_nodes(trainer):
     tf.cond's branches, the tower's work traced once and called on each tower, or a
     tower's copy of it) once per call, each named under its caller's name and on its
     caller's device where it names none (as the runtime inlines and places it)."""
-    nodes = []
-    for function in trainer._compiled.functions():
-        for concrete in function._list_all_concrete_functions():
-            graph = concrete.graph.as_graph_def()
-            library = {f.signature.name: f for f in graph.library.function}
-            nodes += _called_nodes(graph.node, library, "", "")
-    return nodes
+    return [node for function in trainer._compiled.functions()
+            for concrete in function._list_all_concrete_functions()
+            for node in function_nodes(concrete)]
+
+
+def function_nodes(concrete):
+    """The NodeDefs of a ConcreteFunction and of the functions it calls (traced_nodes')."""
+    graph = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph.library.function}
+    return _called_nodes(graph.node, library, "", "")
 
 
 def _called_nodes(nodes, library, device, scope):

@@ -123,10 +123,10 @@ class FitPrefetchTest(tf.test.TestCase, parameterized.TestCase):
             trainer.fit(_dataset(), epochs=2, verbose=False)
         # fit's compiled loop reads the shards, each on its tower, even at one step per
         # call, and calls the step the first step traced for them (shards as arguments);
-        # the last batch leaves a tower without a row: it goes back to the host, whose
-        # step for such batches is traced for it.
+        # the last batch, of 2 rows, leaves towers 2 and 3 without one: it goes back to
+        # the host, whose step for it is traced for its rows, those towers left out.
         self.assertEqual(read, [{d} for d in DEVICES])
-        self.assertEqual(traced, [0, 1, 2, 3] * 2)
+        self.assertEqual(traced, [0, 1, 2, 3, 0, 1])
         self._assert_expected(trainer, epochs=2)
 
     def test_auto_stages_only_where_a_tower_is_not_a_cpu(self):

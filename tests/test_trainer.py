@@ -195,10 +195,11 @@ class CompilationTest(tf.test.TestCase):
         trainer = _trainer()
         for size in (12, 10, 7, 3, 1, 5):
             trainer.train_step(reference.make_batches(size, num_steps=1)[0])
-        # One step for batches that give each of the 4 towers a row (12, 10, 7, 5), one
-        # that skips empty towers (3, 1): each traced once.
+        # One step for batches that give each of the 4 towers a row (12, 10, 7, 5), and
+        # one for each batch that leaves a tower without (3, 1): each traced once.
         self.assertEqual(
-            [f.experimental_get_tracing_count() for f in trainer._compiled.functions()], [1, 1])
+            [f.experimental_get_tracing_count() for f in trainer._compiled.functions()],
+            [1, 1, 1])
 
     def test_plain_callable_loss_equals_keras_loss(self):
         batches = reference.make_batches(10, num_steps=3)
@@ -349,7 +350,7 @@ class GraphRewritesTest(tf.test.TestCase):
         """Two towers of two stages, two micro-batches each: every stage's forward and
         backward is optimised once, for tower 0's device for the stage, whichever tower
         and micro-batch calls it; the steps equal Keras's, a batch that leaves a
-        micro-batch empty (its calls inside unless_empty's conds) too."""
+        micro-batch empty (a tower of 1 row: one micro-batch) too."""
         for rows, optimisations in [(8, [[DEVICES[0]]] * 2 + [[DEVICES[1]]] * 2), (3, None)]:
             optimised = []
             trainer = self._assert_trains_as_keras(
@@ -483,6 +484,35 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(want, got, atol=1e-6)
         if kind.startswith("split_pipeline"):
             self._assert_stages_on_their_parts(trainer)
+
+    @parameterized.named_parameters(
+        (kind, kind, rows, new_calls) for kind, rows, new_calls in (
+            ("plain", 1, 0), ("split_layers", 1, 0), ("masked_loss", 1, 0),
+            ("pipeline", 3, 0), ("split_pipeline", 3, 1), ("split_pipeline_masked_loss", 3, 0)))
+    def test_a_batch_that_leaves_micro_batches_empty_skips_them_as_traced(self, kind, rows,
+                                                                           new_calls):
+        """2 towers (of 2 micro-batches where pipelined) then a batch of `rows`, too few for
+        every micro-batch: its step is traced for those rows, with no tf.cond. A tower of
+        no rows is left out, one of 1 row runs 1 micro-batch; the traces made before are
+        called again (the layer's Python runs only where a tower is traced whole, for its
+        1 micro-batch), and the steps equal Keras's."""
+        trainer, calls = self._trained(kind, 2)
+        x, y = (part[:rows] for part in self._batches(kind)[0])
+        trainer.train_step((x, y))
+        counted = next(layer for layer in trainer.model.layers
+                       if isinstance(layer, CountedCalls))
+        self.assertEqual(counted.calls - calls, new_calls)
+        conds = {key[0]: sum(node.op in ("If", "StatelessIf")
+                             for node in reference.function_nodes(concrete))
+                 for key, concrete in trainer._compiled._graphs.items()}
+        self.assertEqual(conds, {"train": 1, f"train_of_{rows}_rows": 1})  # apply if finite
+        expected = self._model(kind)
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        for batch_x, batch_y in self._batches(kind) + [(x, y)]:
+            expected.train_on_batch(batch_x, batch_y)
+        model = towers.join_layers(trainer.model) if "split" in kind else trainer.model
+        for want, got in zip(expected.get_weights(), model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-6)
 
     def _assert_stages_on_their_parts(self, trainer):
         """Each tower's stage work (what each forward and backward of its flight runs,

@@ -167,9 +167,22 @@ def targets(batch):
 def check_not_empty(batch):
     """Raises ValueError for a batch (or its Shards) known to have no rows; one whose
     rows are known only when it runs passes (a graph asserts it where it matters)."""
-    rows = batch_size(batch)
-    if isinstance(rows, int) and rows == 0:
+    if known_empty(batch_size(batch)):
         raise ValueError(EMPTY_BATCH)
+
+
+def any_rows(batch):
+    """`batch`'s tf.TensorSpec nest, dim 0 unknown (a scalar's as it is): what a function
+    is traced for so that one trace serves batches of any rows (a shard, a micro-batch)."""
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None] + t.shape[1:].as_list() if t.shape.rank else [],
+                                t.dtype), batch)
+
+
+def known_empty(rows):
+    """Whether `rows` (batch_size's: an int, or an int32 scalar Tensor known only when
+    it runs) is known to be 0."""
+    return isinstance(rows, int) and rows == 0
 
 
 def shard_sizes(global_batch_size, num_shards):

@@ -142,7 +142,7 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     """
     stages, options = setup.stages, setup.options
     split_batch = SplitBatch(setup, batch)                                          # 1
-    shard_sizes, batch_rows, state_values = (split_batch.sizes, split_batch.batch_rows,
+    shard_sizes, batch_rows, state_values = (split_batch.working_sizes, split_batch.batch_rows,
                                              split_batch.state)
     setup.statistics.start_step(shard_sizes)  # where step 3's global BatchNorms meet
     state_rules = aggregate.state_rules(stages.model.non_trainable_variables,
@@ -152,21 +152,22 @@ def run_towers(setup, objective, batch, loss_scale=None, may_be_empty=True):
     step = tower.StepWork(stages, objective, batch_rows, loss_scale, options.micro_batches,
                           options.pipeline_schedule, may_be_empty,
                           recompute_stages=options.recompute_stages, sum_scale=sum_scale)
-    flights = [(scope, start_tower(setup, step, this_tower))                        # 3
+    flights = [(scope, this_tower.index, start_tower(setup, step, this_tower))      # 3
                for scope, this_tower in split_batch.towers(read_weights)]           # 2
     # A masked output's loss is over the whole batch's unmasked entries: counted here.
-    counts = denominators.count([f.terms for _, f in flights], objective, batch_rows,
+    counts = denominators.count([f.terms for _, _, f in flights], objective, batch_rows,
                                 setup.cluster, setup.main_device, sum_scale)
     outputs = []
-    for i, (scope, flight) in enumerate(flights):
+    for scope, i, flight in flights:
         with tf.name_scope(scope), setup.tower_scope(i):
             outputs.append(flight.finish(counts.scales, setup.densify))             # 4
     outputs = denominators.fold(outputs, objective, counts, setup.main_device)
     grads, state, columns = [], [], setup.columns
+    tower_devices = [columns.tower_devices[i] for _, i, _ in flights]
     tower_grads = [columns.slab_gradients(o.grads, devices)
-                   for o, devices in zip(outputs, columns.tower_devices)]
+                   for o, devices in zip(outputs, tower_devices)]
     for k, column_device in enumerate(columns.devices):
-        column = [devices[k] for devices in columns.tower_devices]
+        column = [devices[k] for devices in tower_devices]
         grads.append(setup.route([columns.select(g, k) for g in tower_grads],       # 4, 5
                                  column, column_device))
         state.append(aggregate.merge_state(
@@ -193,8 +194,15 @@ class SplitBatch:
     """Steps 1 and 2 of every tower: the batch split into one shard per tower, then, tower
     by tower, each tower's copies of the weights (`towers`).
 
+    A tower whose shard is known to have no rows as the step is traced (a batch of fewer
+    rows than towers) is left out: it has nothing to compute, and it weighs 0 in every
+    mean. Not where BatchNorms meet across the towers: each tower's forward meets the
+    others' (a tf.cond then skips the empty one's model: forward.unless_empty).
+
     Attributes:
       shards, sizes: one shard per tower (split.shards_of) and its rows.
+      working: the indices of the towers that work (`towers` yields them), in order;
+        working_sizes: their rows.
       batch_rows: the batch's rows, a float32 scalar.
       weights, state: the values where they live, one per setup.columns.held_variables()
         entry and one per model.non_trainable_variables entry.
@@ -205,14 +213,18 @@ class SplitBatch:
             self.shards, self.sizes, rows = split.shards_of(batch, setup.mesh.num_towers)
             self.batch_rows = tf.cast(rows, tf.float32)
         self.setup = setup
+        self.working = [i for i, size in enumerate(self.sizes)
+                        if setup.statistics.layers or not split.known_empty(size)]
+        self.working_sizes = [self.sizes[i] for i in self.working]
         self.weights = [v.value for v in setup.columns.held_variables()]
         self.state = [v.value for v in setup.stages.model.non_trainable_variables]
 
     def towers(self, read):
-        """Per tower, inside its name scope, (the scope, a tower.TowerWork of its shard and
-        of the weights and state read(setup, weights, state, i) gives it: step 2 by
-        read_weights, or copy_weights where nothing may be written)."""
-        for i, shard in enumerate(self.shards):
+        """Per working tower, inside its name scope, (the scope, a tower.TowerWork of its
+        shard and of the weights and state read(setup, weights, state, i) gives it: step
+        2 by read_weights, or copy_weights where nothing may be written)."""
+        for i in self.working:
+            shard = self.shards[i]
             with tf.name_scope(f"tower_{i}") as scope:
                 weights, state = read(self.setup, self.weights, self.state, i)
                 yield scope, tower.TowerWork(shard, self.sizes[i], weights, state,
@@ -225,6 +237,10 @@ def start_tower(setup, step, this_tower):
     traced once for every tower (setup.compiled_tower)."""
     i = this_tower.index
     this_tower = dataclasses.replace(this_tower, index=setup.first_tower + i)
+    if isinstance(this_tower.rows, int) and 0 < this_tower.rows < step.micro_batches:
+        # Fewer rows than micro-batches, known as traced: one micro-batch per row (as the
+        # split gives them), and none for what would have no row to compute.
+        step = dataclasses.replace(step, micro_batches=this_tower.rows)
     with setup.tower_scope(i):
         if setup.compiled_tower is not None:
             return setup.compiled_tower(step, this_tower)

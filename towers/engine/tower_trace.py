@@ -41,6 +41,7 @@ import itertools
 import tensorflow as tf
 
 from towers import compat
+from towers.data_parallel import split
 from towers.devices import canonical_name
 from towers.op_parallel import layers as op_layers
 
@@ -50,10 +51,11 @@ CALLS = ("PartitionedCall", "StatefulPartitionedCall")  # ops that call the func
 
 class TowerTrace:
     """`function` (a tf.function of a tower's work, autograph off) traced once per input
-    signature and called by every tower: fn(device, *args) -> its outputs, for the tower
-    on `device` whose split layers' places (op_parallel.layers.parts_on) are in effect;
-    a tower other than the one the trace was made for calls its copy with its own part
-    devices.
+    signature and called by every tower: fn(device, shard, *args) -> its outputs, for
+    the tower on `device` whose split layers' places (op_parallel.layers.parts_on) are
+    in effect; a tower other than the one the trace was made for calls its copy with
+    its own part devices. The shard (function's first argument) is traced with its rows
+    unknown: shards of any size share a trace.
 
     optimise: None, or fn(function_defs, inputs, devices) -> FunctionDefs, grappler's
       optimisation of function_defs[0] and the functions it calls (inputs: a
@@ -67,10 +69,12 @@ class TowerTrace:
         self._function_defs = _FunctionDefsOnce(optimise)
         self._copies = {}  # (a trace's name, the places of a tower) -> its copy
 
-    def __call__(self, device, *args):
+    def __call__(self, device, shard, *args):
+        args = (shard, *args)
+        specs = (split.any_rows(shard), *args[1:])  # one trace for shards of any rows
         places = op_layers.current_places() or {}
         traces_before = self.function.experimental_get_tracing_count()
-        trace = self.function.get_concrete_function(*args)
+        trace = self.function.get_concrete_function(*specs)
         if self.function.experimental_get_tracing_count() > traces_before:
             self._traced_for[trace.name] = places
         renames = _device_renames(self._traced_for[trace.name], places)
@@ -78,7 +82,7 @@ class TowerTrace:
             if self.optimise is None:
                 return self.function.python_function(*args)
             own = tf.function(self.function.python_function, autograph=False)
-            own_trace = own.get_concrete_function(*args)  # this call's alone: not kept
+            own_trace = own.get_concrete_function(*specs)  # this call's alone: not kept
             optimised = _optimised(_trace_function_defs(own_trace), self.optimise, device)
             return compat.calling_instead(own_trace, _copy(optimised, {}), args)
         if not renames and self.optimise is None:

@@ -76,11 +76,11 @@ class CompiledTower:
         return self.run(step, tower)
 
 
-def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_compile=True,
-                   optimise=None, part_homes=None):
+def compiled_tower(stages, objective, schedule, densify, jit_compile=True, optimise=None,
+                   part_homes=None):
     """A tower's work traced once for every tower: a CompiledTower, fn(step, tower) -> a
     started flight (start_flight's, or a Finished one), for a StepWork of these stages,
-    objective, micro_batches and schedule; compiled by XLA where jit_compile, else plain
+    objective and schedule; compiled by XLA where jit_compile, else plain
     tf.functions (traced_once's set-ups), so that the time to trace the first step does
     not grow with the towers. optimise: None, or TowerTrace's, for the tower's traced
     functions without XLA (the whole work; or each stage's forward and its gradient,
@@ -105,11 +105,11 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
     and no device is named inside, so a call runs on the device it is called on, as
     its ops without a device take their caller's; where split layers name their
     parts' devices inside, each other tower calls a copy of the trace with its own
-    (tower_trace.TowerTrace). XLA compiles once per shape and may_be_empty:
-    split_batch gives at most two shard (and micro-batch) sizes per global
-    batch size, so uneven and last batches add a few compilations, not one
-    per step. Nothing is padded, since padding rows would change BatchNorm's
-    statistics.
+    (tower_trace.TowerTrace). A shard is traced with its rows unknown, so shards of
+    any size share a trace (one per micro-batch count and may_be_empty); XLA compiles
+    once per shape: split_batch gives at most two shard (and micro-batch) sizes per
+    global batch size, so uneven and last batches add a few compilations, not one per
+    step. Nothing is padded, since padding rows would change BatchNorm's statistics.
     """
     optimise = None if jit_compile else optimise
     if jit_compile:  # XLA compiles for one device: one stage
@@ -124,10 +124,12 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
-                           may_be_empty, sum_scale):
+                           micro_batching, sum_scale):
         # The rows from the shard's shape, which XLA knows: it needs split sizes it can
         # fold to constants. (It does not fold unless_empty's cond away: a cnn ran 20x
         # slower with it, so full batches get the variant without, as outside XLA.)
+        # micro_batching: (micro-batches, may_be_empty), Python values: one trace each.
+        micro_batches, may_be_empty = micro_batching
         step = StepWork(stages, objective, batch_rows, loss_scale, micro_batches, schedule,
                         may_be_empty, sum_scale=sum_scale)
         devices = [None] if stages.num_stages == 1 else [
@@ -141,7 +143,8 @@ def compiled_tower(stages, objective, micro_batches, schedule, densify, jit_comp
         with tf.device(tower.devices[0]):
             return Finished(traced(
                 tower.devices[0], tower.shard, step.batch_rows, tower.weights, tower.state,
-                tf.constant(tower.index), step.loss_scale, step.may_be_empty, step.sum_scale))
+                tf.constant(tower.index), step.loss_scale,
+                (step.micro_batches, step.may_be_empty), step.sum_scale))
 
     return CompiledTower(run_on_its_device, optimised=optimise is not None)
 
@@ -172,4 +175,11 @@ def _traced_forward(model, jit_compile):
         return forward(model, weights, state, losses.with_masks((x, masks)), training=True)
 
     traced = tf.function(forward_with_masks, jit_compile=jit_compile, autograph=False)
-    return lambda weights, state, x: traced(weights, state, x, losses.output_masks(x))
+
+    def call(weights, state, x):
+        masks = losses.output_masks(x)
+        # Traced with the rows unknown: micro-batches of any size share the trace.
+        return traced.get_concrete_function(weights, state, split.any_rows(x),
+                                            split.any_rows(masks))(weights, state, x, masks)
+
+    return call

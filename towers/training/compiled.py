@@ -38,6 +38,7 @@ class CompiledFunctions:
         self._log_names = {}  # key -> the names of its packed logs, in order
         self._log_dtypes = {}  # key -> their dtypes before packing, in the same order
         self._known = {}  # (kind, signature of a batch) -> key
+        self._checked = set()  # the batch structures checked (or set up on) before a trace
 
     def functions(self):
         """Every tf.function compiled so far."""
@@ -49,23 +50,28 @@ class CompiledFunctions:
         signature = _signature(batch)
         return None if signature is None else self._known.get((kind, signature))
 
-    def for_batch(self, kind, batch, step, check=None, packed=True):
+    def for_batch(self, kind, batch, step, check=None, packed=True, rows_known=False):
         """The key of `kind`'s function for `batch` (checked Tensors, or split.Shards of
         them), traced now if its structure is new.
 
         step: fn(batch) -> a dict of scalar logs (packed: one read per call), or with
           packed=False any nest of Tensors (a predict step's outputs).
         check: None, or fn(batch), called before a function is traced for a new
-          structure; it raises for a batch the step cannot take.
+          structure (not for another variant of one checked); it raises for a batch the
+          step cannot take.
+        rows_known: trace for batch's rows (dim 0 in the signature; `kind` names them),
+          not for batches of any rows.
         """
         is_shards = isinstance(batch, split.Shards)
-        spec = tf.nest.map_structure(
-            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype),
-            list(batch) if is_shards else batch)
+        parts = list(batch) if is_shards else batch
+        structure = (is_shards, spec_text(split.any_rows(parts)))
+        spec = (tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), parts)
+                if rows_known else split.any_rows(parts))
         key = (kind, is_shards, spec_text(spec))
         if key not in self._functions:
-            if check is not None:
+            if check is not None and structure not in self._checked:
                 check(batch)
+            self._checked.add(structure)
             if is_shards:  # the one argument comes as a list: Shards again inside
                 step = functools.partial(_with_shards, step)
             self._functions[key] = tf.function(

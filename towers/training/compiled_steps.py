@@ -7,6 +7,8 @@ inside a tf.function. `train_step` is the contract executions' in-graph loop
 builds on: its logs say what a caller needs to decide whether to go on.
 """
 
+import collections
+
 import keras
 import tensorflow as tf
 
@@ -62,13 +64,38 @@ def train_step_any_rows(trainer, batch, step):
     return tf.cond(fills, lambda: step(batch, False), lambda: step(batch, True))
 
 
+Variant = collections.namedtuple("Variant", ["name", "may_be_empty", "rows_known"])
+Variant.__doc__ = """Which step of a kind a batch takes (`variant`): its name (the
+compiled function's kind), whether it skips empty micro-batches behind a tf.cond
+(may_be_empty: body's), and whether it is traced for the batch's rows (rows_known:
+then dim 0 stays in its input signature)."""
+
+
 def variant(setup, kind, batch):
-    """`kind` ("train", "eval", "predict"), or `kind`_with_empty_parts for a batch
-    (Tensors) that leaves a micro-batch of a tower without a row (predict: a tower, which
-    runs its shard whole): the step traced for such batches."""
+    """The Variant of `kind`'s step ("train", "eval", "predict") for `batch` (Tensors, or
+    split.Shards of them).
+
+    A batch that gives every micro-batch of every tower a row (predict: every tower,
+    which runs its shard whole) takes `kind`. One that leaves some without takes
+    `kind`_of_R_rows, traced for its R rows (in Shards: "2+1+1+0"), where they are
+    known as it is traced: the towers and micro-batches without a row are left out
+    (step.SplitBatch, step.start_tower), so nothing waits on a tf.cond. That is at most
+    towers x micro-batches - 1 such steps; in `fit`, one: its last batch. Where the
+    rows are known only when it runs, with a cluster (a worker's rows are not the
+    others'), or where BatchNorms meet across the towers, it takes
+    `kind`_with_empty_parts, each micro-batch's model behind a tf.cond
+    (forward.unless_empty).
+    """
     fills = (split.smallest_shard_rows(batch, setup.mesh.num_towers) >= 1 if kind == "predict"
              else fills_every_micro_batch(setup, batch))
-    return variant_named(kind, may_be_empty=fills is not True)
+    if fills is True:
+        return any_rows_variant(kind, may_be_empty=False)
+    sizes = ([split.batch_size(shard) for shard in batch] if isinstance(batch, split.Shards)
+             else [split.batch_size(batch)])
+    if (fills is False and all(isinstance(size, int) for size in sizes)
+            and setup.cluster is None and not setup.statistics.layers):
+        return Variant(f"{kind}_of_{'+'.join(map(str, sizes))}_rows", False, True)
+    return any_rows_variant(kind, may_be_empty=True)
 
 
 def body(trainer, kind, may_be_empty):
@@ -78,9 +105,10 @@ def body(trainer, kind, may_be_empty):
     return lambda batch: step(trainer, batch, may_be_empty)
 
 
-def variant_named(kind, may_be_empty):
-    """The name of `kind`'s step that skips empty micro-batches (may_be_empty) or not."""
-    return f"{kind}_with_empty_parts" if may_be_empty else kind
+def any_rows_variant(kind, may_be_empty):
+    """The Variant of `kind`'s step for batches of any rows that skips empty
+    micro-batches (may_be_empty) or not."""
+    return Variant(f"{kind}_with_empty_parts" if may_be_empty else kind, may_be_empty, False)
 
 
 def fills_every_micro_batch(setup, batch):

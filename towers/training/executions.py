@@ -109,8 +109,9 @@ def _hands_back_small_batches(trainer, iterator):
     row and gives it back (held), for the host to run as train_step does: where the
     batches' rows are known only as the loop runs, without a cluster, and with more
     than one micro-batch a step (one is empty only when the batch is: an assert). The
-    loop then holds one variant of the step, and the other (1.2-2 times its trace) is
-    traced only when such a batch comes: fit's last batch, if ever."""
+    loop then holds only the step for full batches, and the host's step for such a
+    batch, traced for its rows (compiled_steps.variant), is traced only when one comes:
+    fit's last batch, if ever."""
     return (trainer.cluster is None and compiled_steps.num_micro_batches(trainer.setup) > 1
             and any(spec.shape.rank and spec.shape[0] is None
                     for spec in tf.nest.flatten(iterator.element_spec)))

@@ -41,9 +41,9 @@ from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from towers import compat
 
 RewriterConfig = rewriter_config_pb2.RewriterConfig
-# The functions of a training step, whose model work is the towers' (compiled_steps.variant
-# and the trainer's in-graph loop).
-TRAINING_KINDS = ("train", "train_with_empty_parts", "steps")
+# The functions of a training step, whose model work is the towers': each variant of
+# "train" (compiled_steps.variant) and the trainer's in-graph loop, "steps".
+TRAINING_KINDS = ("train", "steps")
 # What grappler runs on a step whose tower work is optimised already: the passes that
 # remove the Identity and NoOp nodes inlining leaves, and repeated subexpressions.
 CHEAP_PASSES = ("pruning", "common_subgraph_elimination", "dependency")
@@ -71,7 +71,8 @@ class GraphRewrites:
         eagerly within it is optimised with this trainer's rewrites, on top of the
         thread's config now."""
         config = compat.current_call_config()
-        cheap = kind in TRAINING_KINDS and self.all_cpu and self.towers_optimised()
+        cheap = (kind.split("_")[0] in TRAINING_KINDS and self.all_cpu
+                 and self.towers_optimised())
         if (config, cheap) not in self._options:
             self._options[config, cheap] = compat.call_options_edited(
                 config, lambda rewriter_config: self.edit(rewriter_config, cheap))

@@ -56,9 +56,8 @@ def set_up_for_trainable(trainer):
         densify=densify, trainable_ids=_trainable_ids(model))
     if trainer.jit_compile or traced_tower.traced_once(setup, trainer.objective):
         compiled_tower = traced_tower.compiled_tower(
-            setup.stages, trainer.objective, setup.options.micro_batches,
-            setup.options.pipeline_schedule, densify, trainer.jit_compile,
-            trainer.graph_rewrites.function_optimiser(),
+            setup.stages, trainer.objective, setup.options.pipeline_schedule, densify,
+            trainer.jit_compile, trainer.graph_rewrites.function_optimiser(),
             None if setup.parts is None else setup.mesh.parts[0])
     trainer.setup = dataclasses.replace(setup, compiled_tower=compiled_tower)
 

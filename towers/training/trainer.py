@@ -209,15 +209,14 @@ class TowerTrainer:
     def train_steps(self, iterator, num_steps):
         """Up to `num_steps` steps on batches from a tf.data iterator, in one call.
 
-        One compiled function loops over the iterator in the graph (no Python
-        between steps; the end of the data ends it early), each step exactly
-        train_step's; the first call ever runs one step eagerly set up, as
-        train_step does. `iterator` may be a shard_iterator. A batch too small to
-        give every micro-batch a row ends the loop and runs after it, as
-        train_step runs it (executions.compiled_loop). With a cluster the end of
-        this worker's data does not end the call: it takes part in the others'
-        steps with empty parts until every worker's has ended (that step trains
-        on nothing, is not counted and sets "data_ended").
+        One compiled function loops over the iterator in the graph (no Python between
+        steps; the end of the data ends it early), each step exactly train_step's; the
+        first call ever runs one step eagerly set up, as train_step does. `iterator` may
+        be a shard_iterator. A batch too small to give every micro-batch a row ends the
+        loop and runs after it, as train_step runs it (executions.compiled_loop). With a
+        cluster the end of this worker's data does not end the call: it takes part in the
+        others' steps with empty parts until every worker's has ended (that step trains on
+        nothing, is not counted and sets "data_ended").
 
         Returns:
           train_step's logs over the steps run: "loss" their mean over their
@@ -346,7 +345,7 @@ class TowerTrainer:
         structure and variant (_step_for; compiled_steps.variant)."""
         self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
-            key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch), batch)
+            key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch).name, batch)
             if key is not None:
                 return batch, key
         if isinstance(batch, split.Shards):
@@ -368,20 +367,21 @@ class TowerTrainer:
         if kind == "train":
             self.setup.statistics.warn_single_rows(compiled_steps.micro_batch_rows(self.setup,
                                                                                    batch))
-        variant = compiled_steps.variant(self.setup, kind, batch)
-        return batch, self._step_for(kind, batch, variant != kind, check)
+        return batch, self._step_for(kind, batch, compiled_steps.variant(self.setup, kind, batch),
+                                     check)
 
-    def _step_for(self, kind, batch, may_be_empty, check=None):
-        """The key of the compiled `kind` step (traced now where new) for batches as
-        `batch`, that skips empty micro-batches (may_be_empty) or not."""
+    def _step_for(self, kind, batch, variant, check=None):
+        """The key of the compiled `kind` step in `variant` (compiled_steps.Variant),
+        traced now where new, for batches as `batch`."""
         return self._compiled.for_batch(
-            compiled_steps.variant_named(kind, may_be_empty), batch,
-            compiled_steps.body(self, kind, may_be_empty), check, packed=kind != "predict")
+            variant.name, batch, compiled_steps.body(self, kind, variant.may_be_empty), check,
+            packed=kind != "predict", rows_known=variant.rows_known)
 
     def traced_step_logs(self, batch, may_be_empty):
         """In a function as it is traced (executions.compiled_loop): the logs of the
         train step compiled for batches as `batch`, called, its Python not run again."""
-        return self._compiled.logs_within(self._step_for("train", batch, may_be_empty), batch)
+        return self._compiled.logs_within(self._step_for(
+            "train", batch, compiled_steps.any_rows_variant("train", may_be_empty)), batch)
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
