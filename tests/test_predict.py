@@ -125,11 +125,10 @@ class PredictTest(tf.test.TestCase, parameterized.TestCase):
                                trainer.predict(x, steps=4, verbose=0))  # batches of 3
         self.assertSameOutputs(model.predict(x[:2], verbose=0),  # one row per tower or none
                                trainer.predict(x[:2], verbose=0))
-        # Each tower multiplies its own shard on its own device.
-        devices = {tf.DeviceSpec.from_string(op.device).device_index
-                   for function in trainer._compiled.functions()
-                   for op in function.get_concrete_function().graph.get_operations()
-                   if op.type == "MatMul"}
+        # Each tower multiplies its own shard on its own device (inside the forward traced
+        # once for every tower, where there are several: placed as its call is).
+        devices = {tf.DeviceSpec.from_string(node.device).device_index
+                   for node in reference.traced_nodes(trainer) if node.op == "MatMul"}
         self.assertEqual(devices, set(range(num_towers)))
 
     def test_dict_inputs_and_outputs_from_arrays_and_a_dataset(self):

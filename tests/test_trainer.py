@@ -514,6 +514,29 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         for want, got in zip(expected.get_weights(), model.get_weights()):
             self.assertAllClose(want, got, atol=1e-6)
 
+    @parameterized.named_parameters(
+        (kind, kind) for kind in ("plain", "masked_loss", "pipeline"))
+    def test_evaluation_and_prediction_trace_the_forward_once_and_equal_keras(self, kind):
+        """An eval and a predict step trace each stage's forward once for every tower, as
+        at 1 tower, and give Keras's loss and outputs (split layers: traced per tower,
+        their traces naming one tower's part devices)."""
+        x, y = self._batches(kind)[1]
+        new_calls = []
+        for num_towers in (1, 2):
+            trainer, calls = self._trained(kind, num_towers)
+            logs = trainer.eval_step((x, y))
+            predicted = trainer.predict_on_batch(x)
+            counted = next(layer for layer in trainer.model.layers
+                           if isinstance(layer, CountedCalls))
+            new_calls.append(counted.calls - calls)
+        self.assertEqual(new_calls[1], new_calls[0])
+        expected = self._model(kind)
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        for batch_x, batch_y in self._batches(kind):
+            expected.train_on_batch(batch_x, batch_y)
+        self.assertAllClose(expected.evaluate(x, y, verbose=0), logs["loss"], atol=1e-6)
+        self.assertAllClose(expected.predict_on_batch(x), predicted, atol=1e-6)
+
     def _assert_stages_on_their_parts(self, trainer):
         """Each tower's stage work (what each forward and backward of its flight runs,
         inside the functions its calls call) runs on that tower's devices for the

@@ -16,21 +16,25 @@ from towers.data_parallel import split
 from towers.engine import losses, model_losses
 
 
-def predict(stages, tower, may_be_empty=True):
+def predict(stages, tower, may_be_empty=True, forwards=None):
     """Step 3 without gradients, stage by stage along the tower's devices: (outputs,
     regularization).
 
     tower: an engine.tower.TowerWork (its shard, rows, weights and state, each stage's
-    on its device); may_be_empty as run_tower's. outputs ((y_pred, masks), as
+    on its device); may_be_empty as run_tower's. forwards: None, or per stage
+    fn(weights, state, x) -> `forward`'s result in inference mode (one traced for
+    every tower: traced_tower.traced_forwards). outputs ((y_pred, masks), as
     `forward`'s) and the regularisation (every stage's keyed terms,
     model_losses.merged; each 0 for no rows) are on the tower's last device.
     """
     values, regularization = tower.shard[0], []
+    forwards = forwards or [functools.partial(forward, model, training=False)
+                            for model in stages.models]
     for k, device in enumerate(tower.devices):
         with tf.device(device):
             values = values if k == 0 else cross_cut(values)
             values, _, stage_regularization = unless_empty(
-                tower.rows, functools.partial(forward, stages.models[k], training=False),
+                tower.rows, forwards[k],
                 stages.select(tower.weights, k), stages.select(tower.state, k, trainable=False),
                 values, may_be_empty)
             regularization.append(stage_regularization)

@@ -155,7 +155,7 @@ def forwards_traced_once(stages, jit_compile=False, calls=None):
     gradient, which TensorFlow makes once per trace; the loss, the counts and the
     flight between the stages stay outside, in the step. calls: None, or a
     tower_trace.OptimisedCalls the calls are pointed through once a flight finishes."""
-    forwards = tuple(_traced_forward(model, jit_compile) for model in stages.models)
+    forwards = traced_forwards(stages, training=True, jit_compile=jit_compile)
 
     def run_stages(step, tower):
         step = dataclasses.replace(step, forwards=forwards)
@@ -166,13 +166,21 @@ def forwards_traced_once(stages, jit_compile=False, calls=None):
     return CompiledTower(run_stages, optimised=calls is not None)
 
 
-def _traced_forward(model, jit_compile):
-    """forward(model, ..., training=True) as one tf.function: fn(weights, state, x) ->
+def traced_forwards(stages, training, jit_compile=False):
+    """Per stage of `stages`, forward(model, ..., training) as one tf.function that every
+    tower and micro-batch calls on its own device: fn(weights, state, x) -> forward's
+    result, traced once per structure of x, whatever its rows. Not for split layers,
+    whose traces name one tower's part devices (tower_trace.py copies them)."""
+    return tuple(_traced_forward(model, training, jit_compile) for model in stages.models)
+
+
+def _traced_forward(model, training, jit_compile):
+    """forward(model, ..., training) as one tf.function: fn(weights, state, x) ->
     forward's result. The Keras masks x's tensors carry (a cut's, forward.cross_cut)
     go in as inputs of their own and are attached again inside: a tf.function's
     inputs carry no attribute."""
     def forward_with_masks(weights, state, x, masks):
-        return forward(model, weights, state, losses.with_masks((x, masks)), training=True)
+        return forward(model, weights, state, losses.with_masks((x, masks)), training=training)
 
     traced = tf.function(forward_with_masks, jit_compile=jit_compile, autograph=False)
 

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, split
-from towers.engine import forward, sparse_labels
+from towers.engine import forward, sparse_labels, traced_tower
 from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.placement import worker_owners
@@ -232,10 +232,11 @@ def eval_step(trainer, batch, may_be_empty):
     setup, objective = trainer.setup, trainer.objective
     split_batch = SplitBatch(setup, batch)                                          # 1
     terms, outputs, regularizations = [], [], []
+    forwards = inference_forwards(setup, split_batch)
     for _, this_tower in split_batch.towers(copy_weights):                         # 2
         with setup.tower_scope(this_tower.index):
             tower_outputs, regularization = forward.predict(                        # 3
-                setup.stages, this_tower, may_be_empty)
+                setup.stages, this_tower, may_be_empty, forwards)
         with tf.device(this_tower.devices[-1]):
             _, y, sample_weight = split.unpack_batch(this_tower.shard)
             terms.append(objective.terms(y, tower_outputs, sample_weight))
@@ -268,10 +269,22 @@ def predict_step(trainer, batch, may_be_empty):
     the structure the model returns. No variable changes."""
     setup = trainer.setup
     split_batch = SplitBatch(setup, batch)                                          # 1
-    outputs = []
+    outputs, forwards = [], inference_forwards(setup, split_batch)
     for _, this_tower in split_batch.towers(copy_weights):                         # 2
         with setup.tower_scope(this_tower.index):
-            (y_pred, _), _ = forward.predict(setup.stages, this_tower, may_be_empty)  # 3
+            (y_pred, _), _ = forward.predict(setup.stages, this_tower, may_be_empty,  # 3
+                                             forwards)
         outputs.append(y_pred)
     with tf.device(setup.main_device):
         return forward.concat_rows(outputs)
+
+
+def inference_forwards(setup, split_batch):
+    """Per stage, its forward in inference mode traced once for every working tower of
+    `split_batch` (traced_tower.traced_forwards), so that tracing an eval or predict
+    step does not grow with the towers; None (each tower traces its own) for one
+    tower, whose call of a traced function costs more than it shares, and for split
+    layers, whose traces name one tower's part devices."""
+    if len(split_batch.working) < 2 or setup.parts is not None:
+        return None
+    return traced_tower.traced_forwards(setup.stages, training=False)
