@@ -126,9 +126,11 @@ class PredictTest(tf.test.TestCase, parameterized.TestCase):
         self.assertSameOutputs(model.predict(x[:2], verbose=0),  # one row per tower or none
                                trainer.predict(x[:2], verbose=0))
         # Each tower multiplies its own shard on its own device (inside the forward traced
-        # once for every tower, where there are several: placed as its call is).
+        # once for every tower, where there are several: placed as its call is; grappler,
+        # which optimised it once, fuses the MatMul with its bias).
         devices = {tf.DeviceSpec.from_string(node.device).device_index
-                   for node in reference.traced_nodes(trainer) if node.op == "MatMul"}
+                   for node in reference.traced_nodes(trainer)
+                   if node.op in ("MatMul", "_FusedMatMul")}
         self.assertEqual(devices, set(range(num_towers)))
 
     def test_dict_inputs_and_outputs_from_arrays_and_a_dataset(self):

@@ -280,7 +280,7 @@ def _recording_optimisations(optimised):
     return recording
 
 
-class GraphRewritesTest(tf.test.TestCase):
+class GraphRewritesTest(tf.test.TestCase, parameterized.TestCase):
     """training/graph_rewrites.py: a trainer's functions are optimised by one grappler
     pass, without the memory and layout optimisers on CPUs, and nothing else is touched;
     on CPUs the tower's work is optimised once and the training step by cheap passes."""
@@ -315,12 +315,16 @@ class GraphRewritesTest(tf.test.TestCase):
                           list(chosen.optimizers)),
                          (RewriterConfig.TWO, RewriterConfig.MANUAL, ["constfold"]))
 
-    def test_cheap_passes_for_training_steps_whose_tower_work_is_optimised(self):
-        rewrites = graph_rewrites.GraphRewrites(DEVICES, lambda: True)
+    @parameterized.parameters(False, True)
+    def test_cheap_passes_for_steps_whose_tower_work_is_optimised(self, forwards_optimised):
+        rewrites = graph_rewrites.GraphRewrites(DEVICES, lambda: True,
+                                                lambda: forwards_optimised)
+        inference = graph_rewrites.CHEAP_PASSES if forwards_optimised else ()
         for kind, passes in [("train", graph_rewrites.CHEAP_PASSES),
                              ("train_with_empty_parts", graph_rewrites.CHEAP_PASSES),
-                             ("steps", graph_rewrites.CHEAP_PASSES), ("eval", ()),
-                             ("predict", ())]:  # a forward outside the tower's trace
+                             ("train_of_3_rows", graph_rewrites.CHEAP_PASSES),
+                             ("steps", graph_rewrites.CHEAP_PASSES), ("eval", inference),
+                             ("eval_of_3_rows", inference), ("predict", inference)]:
             with rewrites.calls(kind):
                 options = self._rewrite_options()
                 self.assertEqual(tuple(options.optimizers), passes, kind)

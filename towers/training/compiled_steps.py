@@ -8,12 +8,13 @@ builds on: its logs say what a caller needs to decide whether to go on.
 """
 
 import collections
+import contextlib
 
 import keras
 import tensorflow as tf
 
 from towers.data_parallel import aggregate, collectives, split
-from towers.engine import forward, sparse_labels, traced_tower
+from towers.engine import forward, sparse_labels, tower_trace, traced_tower
 from towers.engine.step import SplitBatch, apply_update, assign_state, copy_weights, run_towers
 from towers.multi_worker import cluster as cluster_lib
 from towers.placement import worker_owners
@@ -232,17 +233,17 @@ def eval_step(trainer, batch, may_be_empty):
     setup, objective = trainer.setup, trainer.objective
     split_batch = SplitBatch(setup, batch)                                          # 1
     terms, outputs, regularizations = [], [], []
-    forwards = inference_forwards(setup, split_batch)
-    for _, this_tower in split_batch.towers(copy_weights):                         # 2
-        with setup.tower_scope(this_tower.index):
-            tower_outputs, regularization = forward.predict(                        # 3
-                setup.stages, this_tower, may_be_empty, forwards)
-        with tf.device(this_tower.devices[-1]):
-            _, y, sample_weight = split.unpack_batch(this_tower.shard)
-            terms.append(objective.terms(y, tower_outputs, sample_weight))
-            regularizations.append(forward.regularization_share(
-                objective, regularization, this_tower.rows, split_batch.batch_rows))
-        outputs.append(tower_outputs)
+    with _inference_forwards(trainer) as forwards:
+        for _, this_tower in split_batch.towers(copy_weights):                     # 2
+            with setup.tower_scope(this_tower.index):
+                tower_outputs, regularization = forward.predict(                    # 3
+                    setup.stages, this_tower, may_be_empty, forwards)
+            with tf.device(this_tower.devices[-1]):
+                _, y, sample_weight = split.unpack_batch(this_tower.shard)
+                terms.append(objective.terms(y, tower_outputs, sample_weight))
+                regularizations.append(forward.regularization_share(
+                    objective, regularization, this_tower.rows, split_batch.batch_rows))
+            outputs.append(tower_outputs)
     with tf.device(setup.main_device):
         summed = objective.summed  # a sum term's value is its sum, over no denominator
         term_losses = [tf.add_n([t.sum for t in per_tower]) if i in summed else
@@ -269,22 +270,39 @@ def predict_step(trainer, batch, may_be_empty):
     the structure the model returns. No variable changes."""
     setup = trainer.setup
     split_batch = SplitBatch(setup, batch)                                          # 1
-    outputs, forwards = [], inference_forwards(setup, split_batch)
-    for _, this_tower in split_batch.towers(copy_weights):                         # 2
-        with setup.tower_scope(this_tower.index):
-            (y_pred, _), _ = forward.predict(setup.stages, this_tower, may_be_empty,  # 3
-                                             forwards)
-        outputs.append(y_pred)
+    outputs = []
+    with _inference_forwards(trainer) as forwards:
+        for _, this_tower in split_batch.towers(copy_weights):                     # 2
+            with setup.tower_scope(this_tower.index):
+                (y_pred, _), _ = forward.predict(setup.stages, this_tower,          # 3
+                                                 may_be_empty, forwards)
+            outputs.append(y_pred)
     with tf.device(setup.main_device):
         return forward.concat_rows(outputs)
 
 
-def inference_forwards(setup, split_batch):
-    """Per stage, its forward in inference mode traced once for every working tower of
-    `split_batch` (traced_tower.traced_forwards), so that tracing an eval or predict
-    step does not grow with the towers; None (each tower traces its own) for one
-    tower, whose call of a traced function costs more than it shares, and for split
-    layers, whose traces name one tower's part devices."""
-    if len(split_batch.working) < 2 or setup.parts is not None:
-        return None
-    return traced_tower.traced_forwards(setup.stages, training=False)
+def inference_traced_once(setup):
+    """Whether eval and predict steps call each stage's forward in inference mode traced
+    once for every tower (traced_tower.traced_forwards), so that tracing them does not
+    grow with the towers: from 2 towers, without split layers, whose traces name one
+    tower's part devices (at 1 tower a traced function's call costs more than it
+    shares)."""
+    return setup.mesh.num_towers > 1 and setup.parts is None
+
+
+@contextlib.contextmanager
+def _inference_forwards(trainer):
+    """A context manager giving the forwards an eval or predict step's towers call
+    within it: traced once for every tower (inference_traced_once) and, on CPUs, their
+    calls pointed at a copy grappler optimised once (tower_trace.OptimisedCalls) when
+    it ends, so that the step's own graph needs only cheap passes; else None (each
+    tower traces its own)."""
+    if not inference_traced_once(trainer.setup):
+        yield None
+        return
+    optimise = trainer.graph_rewrites.function_optimiser()
+    graph = tf.compat.v1.get_default_graph()
+    known = len(graph.get_operations())
+    yield traced_tower.traced_forwards(trainer.setup.stages, training=False)
+    if optimise is not None:
+        tower_trace.OptimisedCalls(optimise).point(graph.get_operations()[known:])

@@ -24,7 +24,9 @@ of passes and changed no node of a 4-tower pipeline's step in 57 ms: grappler's 
 hardly grows with the towers (that transformer, the tower's and the step's together:
 0.16 s at 1 tower, 0.25 s at 4, where the whole step took 0.22 and 0.61 s), and the
 steps are as fast (benchmarks/RESULTS.md); so too a pipeline's stages, whose forwards
-and backwards are optimised once each (tower_trace.OptimisedCalls). Not on GPUs, where grappler's
+and backwards are optimised once each (tower_trace.OptimisedCalls), and the eval and
+predict steps, whose stages' inference forwards are (compiled_steps.py, from 2 towers
+without split layers). Not on GPUs, where grappler's
 layout and fusion rewrites depend on the devices it sees placed: a step there keeps
 the whole graph's optimisation.
 
@@ -44,6 +46,8 @@ RewriterConfig = rewriter_config_pb2.RewriterConfig
 # The functions of a training step, whose model work is the towers': each variant of
 # "train" (compiled_steps.variant) and the trainer's in-graph loop, "steps".
 TRAINING_KINDS = ("train", "steps")
+# Those whose model work is each stage's forward in inference mode (compiled_steps.py).
+INFERENCE_KINDS = ("eval", "predict")
 # What grappler runs on a step whose tower work is optimised already: the passes that
 # remove the Identity and NoOp nodes inlining leaves, and repeated subexpressions.
 CHEAP_PASSES = ("pruning", "common_subgraph_elimination", "dependency")
@@ -56,12 +60,14 @@ class GraphRewrites:
     devices: every device the trainer's steps run on (device strings).
     towers_optimised: fn() -> whether the trainer's tower work is optimised already
       (engine/traced_tower.py CompiledTower.optimised).
+    forwards_optimised: fn() -> whether its eval and predict steps' forwards are
+      (compiled_steps.inference_traced_once, on CPUs).
     """
 
-    def __init__(self, devices, towers_optimised):
+    def __init__(self, devices, towers_optimised, forwards_optimised=lambda: False):
         self.all_cpu = all(tf.DeviceSpec.from_string(device).device_type == "CPU"
                            for device in devices)
-        self.towers_optimised = towers_optimised
+        self.towers_optimised, self.forwards_optimised = towers_optimised, forwards_optimised
         self._options = {}  # (the thread's config now (serialized), cheap) -> its options
         self._thread_config = None  # within calls(): the thread's config outside it
 
@@ -71,8 +77,9 @@ class GraphRewrites:
         eagerly within it is optimised with this trainer's rewrites, on top of the
         thread's config now."""
         config = compat.current_call_config()
-        cheap = (kind.split("_")[0] in TRAINING_KINDS and self.all_cpu
-                 and self.towers_optimised())
+        kind = kind.split("_")[0]
+        cheap = self.all_cpu and (kind in TRAINING_KINDS and self.towers_optimised()
+                                  or kind in INFERENCE_KINDS and self.forwards_optimised())
         if (config, cheap) not in self._options:
             self._options[config, cheap] = compat.call_options_edited(
                 config, lambda rewriter_config: self.edit(rewriter_config, cheap))

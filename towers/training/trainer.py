@@ -50,9 +50,9 @@ class TowerTrainer:
         in-graph loop over a tf.data iterator; see train_steps).
       prefetch_to_devices: whether fit stages each shard of a tf.data.Dataset's batch on
         its tower's device while the previous step runs ("auto": where it is a GPU).
-      cluster: None, or the joined towers.Cluster this process is a worker of:
-        each batch is then this worker's batch, and every
-        worker applies the same update of the whole global batch.
+      cluster: None, or the joined towers.Cluster this process is a worker of: each
+        batch is then this worker's batch, and every worker applies the same update
+        of the whole global batch.
       num_towers: towers in a step: this process's, or with a cluster every
         worker's (counted at the first step; before it, this worker's).
       setup: the step's engine.step.StepSetup (devices, stages, options;
@@ -108,7 +108,8 @@ class TowerTrainer:
         self._skipped_steps = 0
         self.graph_rewrites = graph_rewrites.GraphRewrites(
             self.setup.mesh.all_devices() + [self.main_device],
-            lambda: self.setup.compiled_tower is not None and self.setup.compiled_tower.optimised)
+            lambda: self.setup.compiled_tower is not None and self.setup.compiled_tower.optimised,
+            lambda: compiled_steps.inference_traced_once(self.setup))
         self._compiled = self._no_compiled_functions()
         # A subclass built by model.build(shape) may hold no variable yet: its layers
         # build on the first batch, where it is checked, as Keras's fit builds them.
@@ -159,11 +160,10 @@ class TowerTrainer:
            "skipped_steps": steps skipped so far (non-finite, or a float16
            overflow that lowered the loss scale), "loss_scale" with loss scaling}.
 
-        With a cluster, `batch` is this worker's batch (it
-        may be empty), "loss", "examples" are the global batch's,
-        "stop_requested" is 1.0 once any worker called request_stop, and
-        "data_ended" is 1.0 when every worker's data has ended: the step then
-        had no rows, applied nothing and counts for nothing.
+        With a cluster, `batch` is this worker's batch (it may be empty), "loss",
+        "examples" are the global batch's, "stop_requested" is 1.0 once any worker
+        called request_stop, and "data_ended" is 1.0 when every worker's data has
+        ended: the step then had no rows, applied nothing and counts for nothing.
 
         Raises:
           ValueError: a malformed batch; nothing runs.
