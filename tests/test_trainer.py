@@ -519,11 +519,12 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(want, got, atol=1e-6)
 
     @parameterized.named_parameters(
-        (kind, kind) for kind in ("plain", "masked_loss", "pipeline"))
+        (kind, kind) for kind in ("plain", "split_layers", "masked_loss", "pipeline",
+                                  "split_pipeline"))
     def test_evaluation_and_prediction_trace_the_forward_once_and_equal_keras(self, kind):
         """An eval and a predict step trace each stage's forward once for every tower, as
-        at 1 tower, and give Keras's loss and outputs (split layers: traced per tower,
-        their traces naming one tower's part devices)."""
+        at 1 tower (split layers: each other tower calls a copy naming its own part
+        devices), and give Keras's loss and outputs."""
         x, y = self._batches(kind)[1]
         new_calls = []
         for num_towers in (1, 2):
@@ -534,6 +535,14 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
                            if isinstance(layer, CountedCalls))
             new_calls.append(counted.calls - calls)
         self.assertEqual(new_calls[1], new_calls[0])
+        if "split" in kind:  # tower 1 multiplies on its own parts' devices
+            placed = {canonical_name(node.device)
+                      for key, concrete in trainer._compiled._graphs.items()
+                      if key[0] == "predict" for node in reference.function_nodes(concrete)
+                      if node.name.startswith("tower_1/") and "MatMul" in node.op}
+            self.assertTrue(placed)
+            self.assertLessEqual(placed, {canonical_name(device) for device in
+                                          tf.nest.flatten(trainer.setup.mesh.parts[1])})
         expected = self._model(kind)
         expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
         for batch_x, batch_y in self._batches(kind):

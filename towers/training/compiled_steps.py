@@ -233,17 +233,17 @@ def eval_step(trainer, batch, may_be_empty):
     setup, objective = trainer.setup, trainer.objective
     split_batch = SplitBatch(setup, batch)                                          # 1
     terms, outputs, regularizations = [], [], []
-    with _inference_forwards(trainer) as forwards:
-        for _, this_tower in split_batch.towers(copy_weights):                     # 2
-            with setup.tower_scope(this_tower.index):
-                tower_outputs, regularization = forward.predict(                    # 3
-                    setup.stages, this_tower, may_be_empty, forwards)
-            with tf.device(this_tower.devices[-1]):
-                _, y, sample_weight = split.unpack_batch(this_tower.shard)
-                terms.append(objective.terms(y, tower_outputs, sample_weight))
-                regularizations.append(forward.regularization_share(
-                    objective, regularization, this_tower.rows, split_batch.batch_rows))
-            outputs.append(tower_outputs)
+    inference = _InferenceForwards(trainer)
+    for _, this_tower in split_batch.towers(copy_weights):                         # 2
+        with setup.tower_scope(this_tower.index), inference.calls() as forwards:
+            tower_outputs, regularization = forward.predict(                        # 3
+                setup.stages, this_tower, may_be_empty, forwards)
+        with tf.device(this_tower.devices[-1]):
+            _, y, sample_weight = split.unpack_batch(this_tower.shard)
+            terms.append(objective.terms(y, tower_outputs, sample_weight))
+            regularizations.append(forward.regularization_share(
+                objective, regularization, this_tower.rows, split_batch.batch_rows))
+        outputs.append(tower_outputs)
     with tf.device(setup.main_device):
         summed = objective.summed  # a sum term's value is its sum, over no denominator
         term_losses = [tf.add_n([t.sum for t in per_tower]) if i in summed else
@@ -270,13 +270,12 @@ def predict_step(trainer, batch, may_be_empty):
     the structure the model returns. No variable changes."""
     setup = trainer.setup
     split_batch = SplitBatch(setup, batch)                                          # 1
-    outputs = []
-    with _inference_forwards(trainer) as forwards:
-        for _, this_tower in split_batch.towers(copy_weights):                     # 2
-            with setup.tower_scope(this_tower.index):
-                (y_pred, _), _ = forward.predict(setup.stages, this_tower,          # 3
-                                                 may_be_empty, forwards)
-            outputs.append(y_pred)
+    outputs, inference = [], _InferenceForwards(trainer)
+    for _, this_tower in split_batch.towers(copy_weights):                         # 2
+        with setup.tower_scope(this_tower.index), inference.calls() as forwards:
+            (y_pred, _), _ = forward.predict(setup.stages, this_tower, may_be_empty,  # 3
+                                             forwards)
+        outputs.append(y_pred)
     with tf.device(setup.main_device):
         return forward.concat_rows(outputs)
 
@@ -284,25 +283,34 @@ def predict_step(trainer, batch, may_be_empty):
 def inference_traced_once(setup):
     """Whether eval and predict steps call each stage's forward in inference mode traced
     once for every tower (traced_tower.traced_forwards), so that tracing them does not
-    grow with the towers: from 2 towers, without split layers, whose traces name one
-    tower's part devices (at 1 tower a traced function's call costs more than it
-    shares)."""
-    return setup.mesh.num_towers > 1 and setup.parts is None
+    grow with the towers: from 2 towers (at 1 a traced function's call costs more than
+    it shares)."""
+    return setup.mesh.num_towers > 1
 
 
-@contextlib.contextmanager
-def _inference_forwards(trainer):
-    """A context manager giving the forwards an eval or predict step's towers call
-    within it: traced once for every tower (inference_traced_once) and, on CPUs, their
-    calls pointed at a copy grappler optimised once (tower_trace.OptimisedCalls) when
-    it ends, so that the step's own graph needs only cheap passes; else None (each
-    tower traces its own)."""
-    if not inference_traced_once(trainer.setup):
-        yield None
-        return
-    optimise = trainer.graph_rewrites.function_optimiser()
-    graph = tf.compat.v1.get_default_graph()
-    known = len(graph.get_operations())
-    yield traced_tower.traced_forwards(trainer.setup.stages, training=False)
-    if optimise is not None:
-        tower_trace.OptimisedCalls(optimise).point(graph.get_operations()[known:])
+class _InferenceForwards:
+    """The forwards an eval or predict step's towers call: where inference_traced_once,
+    each stage's traced once, for the first tower that calls it; each tower's calls
+    pointed, once made, at a copy (tower_trace.OptimisedCalls) that grappler optimised
+    once on CPUs (the step's own graph then needs only cheap passes) and, with split
+    layers, that names the tower's own part devices. Else None: each tower traces its
+    own."""
+
+    def __init__(self, trainer):
+        setup = trainer.setup
+        self.forwards, self.pointing = None, None
+        if inference_traced_once(setup):
+            self.forwards = traced_tower.traced_forwards(setup.stages, training=False)
+            optimise = trainer.graph_rewrites.function_optimiser()
+            if optimise is not None or setup.parts is not None:
+                self.pointing = tower_trace.OptimisedCalls(optimise)
+
+    @contextlib.contextmanager
+    def calls(self):
+        """Gives the forwards to one tower, whose places (op_parallel.layers.parts_on)
+        are in effect; its calls are pointed at their copies at the end."""
+        graph = tf.compat.v1.get_default_graph()
+        known = len(graph.get_operations())
+        yield self.forwards
+        if self.pointing is not None:
+            self.pointing.point(graph.get_operations()[known:])

@@ -25,8 +25,8 @@ hardly grows with the towers (that transformer, the tower's and the step's toget
 0.16 s at 1 tower, 0.25 s at 4, where the whole step took 0.22 and 0.61 s), and the
 steps are as fast (benchmarks/RESULTS.md); so too a pipeline's stages, whose forwards
 and backwards are optimised once each (tower_trace.OptimisedCalls), and the eval and
-predict steps, whose stages' inference forwards are (compiled_steps.py, from 2 towers
-without split layers). Not on GPUs, where grappler's
+predict steps, whose stages' inference forwards are (compiled_steps.py, from 2
+towers). Not on GPUs, where grappler's
 layout and fusion rewrites depend on the devices it sees placed: a step there keeps
 the whole graph's optimisation.
 
