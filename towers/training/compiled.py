@@ -86,8 +86,7 @@ class CompiledFunctions:
 
     def add(self, key, function, *bound, check=None):
         """Compiles function(*bound, *args) (-> a dict of scalar logs), packed, under
-        `key` unless there. Autograph converts `function` itself (an in-graph loop's
-        Python `for` and `if`), not what it calls.
+        `key` unless there.
 
         check: None, or fn(), called before a function is compiled under a new key;
           it raises for arguments of that key the function cannot take.
@@ -95,9 +94,8 @@ class CompiledFunctions:
         if key not in self._functions:
             if check is not None:
                 check()
-            converted = tf.autograph.to_graph(function, recursive=False)
             self._functions[key] = tf.function(
-                self._packed(key, functools.partial(converted, *bound)), autograph=False)
+                self._packed(key, functools.partial(function, *bound)), autograph=False)
 
     def call(self, key, *args):
         """Calls the function of `key`; its logs come back as Python floats (a function

@@ -3,7 +3,10 @@
 `compiled_loop` is the in-graph loop TowerTrainer.train_steps compiles: a
 tf.while_loop over a tf.data iterator, each step a call of the one train_step
 compiled (its Python is not traced again); a batch too small for every
-micro-batch comes back to the host (`with_held_step`). fit runs
+micro-batch comes back to the host (`with_held_step`). It is written as
+tf.while_loop and tf.cond, not converted by autograph: converting its Python
+took 0.6 s of the first call in every process (benchmarks/RESULTS.md, "The
+in-graph loop without autograph"). fit runs
 an epoch as `EpochSteps`: executions of up to steps_per_execution steps, never
 past the epoch's end or max_steps (`limit`).
 """
@@ -22,8 +25,9 @@ from towers.training import compiled_steps, prefetch
 def compiled_loop(trainer, iterator, num_steps):
     """Up to num_steps of the trainer's compiled step, in a tf.while_loop over `iterator`.
 
-    Call it inside a tf.function. Returns the logs trainer.train_steps reads:
-    loss (the mean over the examples in the logs) and each loss term's (the mean
+    Call it inside a tf.function (autograph off); an iteration sets `done` where a
+    Python loop would break. Returns the logs trainer.train_steps reads: loss (the
+    mean over the examples in the logs) and each loss term's (the mean
     over the steps in the logs, as Keras's per-output trackers read), steps,
     examples and logged_steps (those in the logs: a step that is not finite
     enters none), skipped, nonfinite and the metric results, all Tensors. With a
@@ -40,68 +44,112 @@ def compiled_loop(trainer, iterator, num_steps):
     Where _hands_back_small_batches, a batch too small to give every micro-batch a row
     ends it too, uncounted: it returns (logs with "holds", that batch or an empty one).
     """
-    names = trainer.objective.names
-    steps, skipped, logged_steps = tf.constant(0), tf.constant(0), tf.constant(0.0)
-    examples, nonfinite = tf.constant(0.0), tf.constant(False)
-    loss_sum, sums = tf.constant(0.0), {name: tf.constant(0.0) for name in names}
-    stop_requested, data_ended = tf.constant(False), tf.constant(False)
-    empty_batch, fractional_label = tf.constant(False), tf.constant(float("nan"))
-    worker_batches = tf.constant(0)
+    names, cluster = trainer.objective.names, trainer.cluster
+    zero, no = tf.constant(0.0), tf.constant(False)
+    totals = {"steps": tf.constant(0), "skipped": tf.constant(0), "logged_steps": zero,
+              "examples": zero, "loss_sum": zero, "sums": {name: zero for name in names}}
+    ends = {"nonfinite": no, "empty_batch": no, "fractional_label": tf.constant(float("nan"))}
+    if cluster is not None:
+        totals["worker_batches"] = tf.constant(0)
+        ends.update(stop_requested=no, data_ended=no)
     # Each step is the one train_step compiled for such batches, called, not traced
     # again. With a cluster its Python is traced into the loop, as it was.
-    step = (trainer.traced_step_logs if trainer.cluster is None
+    step = (trainer.traced_step_logs if cluster is None
             else functools.partial(compiled_steps.train_step, trainer))
     hands_back = _hands_back_small_batches(trainer, iterator)
-    held, holds = (prefetch.no_batch_yet(iterator, trainer.input_devices) if hands_back
-                   else ()), tf.constant(False)
-    for _ in tf.range(num_steps):
-        has_batch, get_batch = prefetch.get_next_as_optional(
-            iterator, trainer.input_devices, or_empty=trainer.cluster is not None)
-        if trainer.cluster is None and not has_batch:
-            break
-        if trainer.cluster is not None:
-            trainer.signals.data_ended.assign(tf.cast(tf.logical_not(has_batch), tf.float32))
-            worker_batches += tf.cast(has_batch, tf.int32)
-        batch = get_batch()
-        if trainer.cluster is None and split.batch_size(batch) == 0:
-            empty_batch = tf.constant(True)  # no step: train_step refuses it too
-            break
-        if hands_back and not compiled_steps.fills_every_micro_batch(trainer.setup, batch):
-            held, holds = batch, tf.constant(True)
-            break
+    if hands_back:
+        ends.update(holds=no, held=_loop_value(
+            prefetch.no_batch_yet(iterator, trainer.input_devices)))
+
+    def stepped(batch, totals, ends):
+        """(totals, ends, done) after a step on batch, counted unless refused."""
         logs = (step(batch, False) if hands_back
                 else compiled_steps.train_step_any_rows(trainer, batch, step))
-        if trainer.cluster is not None and logs["data_ended"]:
-            data_ended = tf.constant(True)
-            break
-        if "fractional_label" in logs and not tf.math.is_nan(logs["fractional_label"]):
-            fractional_label = logs["fractional_label"]  # the step applied nothing
-            break
+        refused = tf.constant(False)
+        ends = dict(ends)
+        if cluster is not None:  # every worker's data has ended: a step of nothing
+            ends["data_ended"] = refused = logs["data_ended"]
+        if "fractional_label" in logs:  # the step applied nothing
+            fractional = tf.logical_not(tf.math.is_nan(logs["fractional_label"]))
+            ends["fractional_label"] = tf.where(fractional, logs["fractional_label"],
+                                                ends["fractional_label"])
+            refused |= fractional
         size = logs["examples"]  # 0 for a step that is not finite (its loss may be NaN)
         logged = tf.cast(size > 0, tf.float32)
-        steps, examples, logged_steps = steps + 1, examples + size, logged_steps + logged
-        loss_sum += tf.math.multiply_no_nan(logs["loss"], size)
-        sums = {name: sums[name] + tf.math.multiply_no_nan(logs[name], logged) for name in names}
-        skipped += tf.cast(tf.logical_not(logs["applied"]), tf.int32)
-        if trainer.options.on_nonfinite == "raise" and not logs["finite"]:
-            nonfinite = tf.constant(True)
-            break
-        if trainer.cluster is not None and logs["stop_requested"]:
-            stop_requested = tf.constant(True)
-            break
-    logs = {"loss": tf.math.divide_no_nan(loss_sum, examples),
-            **{name: tf.math.divide_no_nan(sums[name], logged_steps) for name in names},
-            "steps": steps, "examples": examples, "logged_steps": logged_steps,
-            "skipped": skipped, "nonfinite": nonfinite, "empty_batch": empty_batch,
-            "fractional_label": fractional_label, **trainer.metrics.results()}
-    if trainer.cluster is not None:
-        logs.update(stop_requested=stop_requested, data_ended=data_ended,
-                    worker_batches=worker_batches)
+        counted = {"steps": totals["steps"] + 1, "examples": totals["examples"] + size,
+                   "logged_steps": totals["logged_steps"] + logged,
+                   "loss_sum": totals["loss_sum"] + tf.math.multiply_no_nan(logs["loss"], size),
+                   "skipped": totals["skipped"] + tf.cast(tf.logical_not(logs["applied"]),
+                                                          tf.int32),
+                   "sums": {name: totals["sums"][name]
+                            + tf.math.multiply_no_nan(logs[name], logged) for name in names}}
+        totals = {key: tf.nest.map_structure(functools.partial(tf.where, refused), value,
+                                             counted[key]) if key in counted else value
+                  for key, value in totals.items()}
+        done = refused
+        if trainer.options.on_nonfinite == "raise":
+            ends["nonfinite"] = tf.logical_not(refused | logs["finite"])
+            done |= ends["nonfinite"]
+        if cluster is not None:
+            ends["stop_requested"] = tf.logical_not(refused) & logs["stop_requested"]
+            done |= ends["stop_requested"]
+        return totals, ends, done
+
+    def with_batch(batch, totals, ends):
+        """The step on batch, or the loop's end before it: a batch of no rows (no
+        step: train_step refuses it too), or one too small that is held back."""
+        rows = split.batch_size(batch)
+        stops = {"empty_batch": tf.equal(rows, 0) if cluster is None else no}
+        if hands_back:  # a batch of rows, too few
+            stops["holds"] = tf.logical_not(stops["empty_batch"]) & tf.logical_not(
+                compiled_steps.fills_every_micro_batch(trainer.setup, batch))
+        stop = functools.reduce(tf.logical_or, stops.values())
+
+        def ended():
+            held = {"held": _loop_value(batch)} if hands_back else {}
+            return totals, {**ends, **stops, **held}, tf.constant(True)
+
+        return tf.cond(stop, ended, lambda: stepped(batch, totals, ends))
+
+    def body(i, totals, ends, done):
+        has_batch, get_batch = prefetch.get_next_as_optional(
+            iterator, trainer.input_devices, or_empty=cluster is not None)
+        if cluster is not None:
+            ended = trainer.signals.data_ended.assign(
+                tf.cast(tf.logical_not(has_batch), tf.float32))
+            totals = {**totals, "worker_batches": totals["worker_batches"]
+                      + tf.cast(has_batch, tf.int32)}
+            with tf.control_dependencies([ended]):
+                totals, ends, done = with_batch(get_batch(), totals, ends)
+        else:
+            totals, ends, done = tf.cond(
+                has_batch, lambda: with_batch(get_batch(), totals, ends),
+                lambda: (totals, ends, tf.constant(True)))
+        return i + 1, totals, ends, done
+
+    _, totals, ends, _ = tf.while_loop(
+        lambda i, totals, ends, done: tf.logical_and(i < num_steps, tf.logical_not(done)),
+        body, (tf.constant(0), totals, ends, tf.constant(False)))
+    logs = {"loss": tf.math.divide_no_nan(totals["loss_sum"], totals["examples"]),
+            **{name: tf.math.divide_no_nan(totals["sums"][name], totals["logged_steps"])
+               for name in names},
+            **{key: totals[key] for key in ("steps", "examples", "logged_steps", "skipped")},
+            **{key: ends[key] for key in ("nonfinite", "empty_batch", "fractional_label")},
+            **trainer.metrics.results()}
+    if cluster is not None:
+        logs.update(stop_requested=ends["stop_requested"], data_ended=ends["data_ended"],
+                    worker_batches=totals["worker_batches"])
     if compiled_steps.loss_scale(trainer.optimizer) is not None:
         logs["loss_scale"] = trainer.optimizer.dynamic_scale.value
     if hands_back:
-        return {**logs, "holds": holds}, held
+        return {**logs, "holds": ends["holds"]}, ends["held"]
     return logs
+
+
+def _loop_value(batch):
+    """A batch as a loop variable holds it: split.Shards as a plain list (tf.nest tells
+    the two apart; with_held_step makes it Shards again)."""
+    return list(batch) if isinstance(batch, split.Shards) else batch
 
 
 def _hands_back_small_batches(trainer, iterator):
