@@ -169,8 +169,9 @@ def forwards_traced_once(stages, jit_compile=False, calls=None):
 def traced_forwards(stages, training, jit_compile=False):
     """Per stage of `stages`, forward(model, ..., training) as one tf.function that every
     tower and micro-batch calls on its own device: fn(weights, state, x) -> forward's
-    result, traced once per structure of x, whatever its rows. Not for split layers,
-    whose traces name one tower's part devices (tower_trace.py copies them)."""
+    result, traced once per structure of x, whatever its rows. With split layers a trace
+    names the part devices of the tower that first called it: each other tower's calls
+    are then pointed at a copy with its own (tower_trace.OptimisedCalls)."""
     return tuple(_traced_forward(model, training, jit_compile) for model in stages.models)
 
 

@@ -64,9 +64,9 @@ class CompiledFunctions:
         """
         is_shards = isinstance(batch, split.Shards)
         parts = list(batch) if is_shards else batch
-        structure = (is_shards, spec_text(split.any_rows(parts)))
-        spec = (tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), parts)
-                if rows_known else split.any_rows(parts))
+        any_rows = split.any_rows(parts)
+        structure = (is_shards, spec_text(any_rows))
+        spec = tf.nest.map_structure(tf.TensorSpec.from_tensor, parts) if rows_known else any_rows
         key = (kind, is_shards, spec_text(spec))
         if key not in self._functions:
             if check is not None and structure not in self._checked:

@@ -69,11 +69,9 @@ def compiled_loop(trainer, iterator, num_steps):
         ends = dict(ends)
         if cluster is not None:  # every worker's data has ended: a step of nothing
             ends["data_ended"] = refused = logs["data_ended"]
-        if "fractional_label" in logs:  # the step applied nothing
-            fractional = tf.logical_not(tf.math.is_nan(logs["fractional_label"]))
-            ends["fractional_label"] = tf.where(fractional, logs["fractional_label"],
-                                                ends["fractional_label"])
-            refused |= fractional
+        if "fractional_label" in logs:  # not NaN: the step applied nothing
+            ends["fractional_label"] = logs["fractional_label"]  # NaN before: no step refused
+            refused |= tf.logical_not(tf.math.is_nan(logs["fractional_label"]))
         size = logs["examples"]  # 0 for a step that is not finite (its loss may be NaN)
         logged = tf.cast(size > 0, tf.float32)
         counted = {"steps": totals["steps"] + 1, "examples": totals["examples"] + size,
@@ -96,10 +94,12 @@ def compiled_loop(trainer, iterator, num_steps):
         return totals, ends, done
 
     def with_batch(batch, totals, ends):
-        """The step on batch, or the loop's end before it: a batch of no rows (no
-        step: train_step refuses it too), or one too small that is held back."""
-        rows = split.batch_size(batch)
-        stops = {"empty_batch": tf.equal(rows, 0) if cluster is None else no}
+        """The step on batch, or the loop's end before it: without a cluster, a batch of
+        no rows (no step: train_step refuses it too), or one too small that is held
+        back. A cluster's worker takes part with an empty part."""
+        if cluster is not None:
+            return stepped(batch, totals, ends)
+        stops = {"empty_batch": tf.equal(split.batch_size(batch), 0)}
         if hands_back:  # a batch of rows, too few
             stops["holds"] = tf.logical_not(stops["empty_batch"]) & tf.logical_not(
                 compiled_steps.fills_every_micro_batch(trainer.setup, batch))
