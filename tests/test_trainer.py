@@ -195,11 +195,12 @@ class CompilationTest(tf.test.TestCase):
         trainer = _trainer()
         for size in (12, 10, 7, 3, 1, 5):
             trainer.train_step(reference.make_batches(size, num_steps=1)[0])
-        # One step for batches that give each of the 4 towers a row (12, 10, 7, 5), and
-        # one for each batch that leaves a tower without (3, 1): each traced once.
+        # The first batch's step traced for its 12 rows, one step for the other batches
+        # that give each of the 4 towers a row (10, 7, 5), and one for each batch that
+        # leaves a tower without (3, 1): each traced once.
         self.assertEqual(
             [f.experimental_get_tracing_count() for f in trainer._compiled.functions()],
-            [1, 1, 1])
+            [1, 1, 1, 1])
 
     def test_plain_callable_loss_equals_keras_loss(self):
         batches = reference.make_batches(10, num_steps=3)
@@ -495,27 +496,84 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
             ("pipeline", 3, 0), ("split_pipeline", 3, 1), ("split_pipeline_masked_loss", 3, 0)))
     def test_a_batch_that_leaves_micro_batches_empty_skips_them_as_traced(self, kind, rows,
                                                                            new_calls):
-        """2 towers (of 2 micro-batches where pipelined) then a batch of `rows`, too few for
-        every micro-batch: its step is traced for those rows, with no tf.cond. A tower of
-        no rows is left out, one of 1 row runs 1 micro-batch; the traces made before are
-        called again (the layer's Python runs only where a tower is traced whole, for its
-        1 micro-batch), and the steps equal Keras's."""
-        trainer, calls = self._trained(kind, 2)
-        x, y = (part[:rows] for part in self._batches(kind)[0])
-        trainer.train_step((x, y))
+        """2 towers (of 2 micro-batches where pipelined), a batch of other rows (the step
+        for any rows), then a batch of `rows`, too few for every micro-batch: its step is
+        traced for those rows, with no tf.cond. A tower of no rows is left out, one of 1
+        row runs 1 micro-batch; the towers' work traced for any rows is called again (the
+        layer's Python runs only where a tower is traced whole, for its 1 micro-batch),
+        and the steps equal Keras's."""
+        trainer, _ = self._trained(kind, 2)
+        other_rows = tuple(part[:6] for part in self._batches(kind)[1])
+        trainer.train_step(other_rows)  # the step for any rows: its towers' work too
         counted = next(layer for layer in trainer.model.layers
                        if isinstance(layer, CountedCalls))
+        calls = counted.calls
+        x, y = (part[:rows] for part in self._batches(kind)[0])
+        trainer.train_step((x, y))
         self.assertEqual(counted.calls - calls, new_calls)
         conds = {key[0]: sum(node.op in ("If", "StatelessIf")
                              for node in reference.function_nodes(concrete))
                  for key, concrete in trainer._compiled._graphs.items()}
-        self.assertEqual(conds, {"train": 1, f"train_of_{rows}_rows": 1})  # apply if finite
+        self.assertEqual(conds, {"train_of_8_rows": 1, "train": 1,  # apply if finite
+                                 f"train_of_{rows}_rows": 1})
         expected = self._model(kind)
         expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
-        for batch_x, batch_y in self._batches(kind) + [(x, y)]:
+        for batch_x, batch_y in self._batches(kind) + [other_rows, (x, y)]:
             expected.train_on_batch(batch_x, batch_y)
         model = towers.join_layers(trainer.model) if "split" in kind else trainer.model
         for want, got in zip(expected.get_weights(), model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-6)
+
+    @parameterized.named_parameters(
+        (kind, kind) for kind in ("plain", "split_layers", "pipeline", "split_pipeline"))
+    def test_a_step_is_traced_for_its_batchs_rows_until_other_rows_come(self, kind):
+        """The first batches (8 rows) take a step traced for their rows, its shapes all
+        known (no Shape op left); the first batch of other rows (6) takes one for any
+        rows, which a batch of 4 calls too, its Python not run again; the steps equal
+        Keras's train_on_batch."""
+        trainer, calls = self._trained(kind, 2)
+        counted = next(layer for layer in trainer.model.layers
+                       if isinstance(layer, CountedCalls))
+        x, y = self._batches(kind)[0]
+        new_calls = {}
+        for rows in (6, 4, 8):
+            trainer.train_step((x[:rows], y[:rows]))
+            new_calls[rows] = counted.calls - calls
+        self.assertGreater(new_calls[6], 0)
+        self.assertEqual(new_calls[4], new_calls[6])
+        self.assertEqual(new_calls[8], new_calls[6])
+        shape_ops = {key[0]: sum(node.op == "Shape" for node in reference.function_nodes(concrete))
+                     for key, concrete in trainer._compiled._graphs.items()}
+        self.assertEqual(set(shape_ops), {"train_of_8_rows", "train"})
+        self.assertEqual(shape_ops["train_of_8_rows"], 0)
+        self.assertGreater(shape_ops["train"], 0)
+        expected = self._model(kind)
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        for batch_x, batch_y in self._batches(kind) + [(x[:r], y[:r]) for r in (6, 4, 8)]:
+            expected.train_on_batch(batch_x, batch_y)
+        model = towers.join_layers(trainer.model) if "split" in kind else trainer.model
+        for want, got in zip(expected.get_weights(), model.get_weights()):
+            self.assertAllClose(want, got, atol=1e-6)
+
+    @parameterized.named_parameters(("dataset_of_a_short_last_batch", 22, False),
+                                     ("arrays_in_even_batches", 24, True))
+    def test_fit_traces_for_the_rows_only_where_its_data_keeps_them(self, rows, keeps):
+        """fit on data whose batches keep their rows (arrays dividing evenly) traces its
+        step for them; on a dataset whose last batch is short (element_spec dim 0 unknown),
+        one step for any rows from the first batch, which the last calls too. The weights
+        equal Keras's fit."""
+        x, y = reference.make_batches(rows, num_steps=1, sample_weights=False)[0]
+        data = ((x, y) if keeps else
+                (tf.data.Dataset.from_tensor_slices((x, y)).batch(8),))
+        trainer = towers.TowerTrainer(self._model("plain"), reference.make_loss(),
+                                      keras.optimizers.SGD(0.1), devices=DEVICES[:2])
+        trainer.fit(*data, batch_size=8 if keeps else None, shuffle=False, verbose=0)
+        self.assertEqual([key[0] for key in trainer._compiled._graphs],
+                         ["train_of_8_rows"] if keeps else ["train"])
+        expected = self._model("plain")
+        expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
+        expected.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        for want, got in zip(expected.get_weights(), trainer.model.get_weights()):
             self.assertAllClose(want, got, atol=1e-6)
 
     @parameterized.named_parameters(
@@ -538,7 +596,8 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
         if "split" in kind:  # tower 1 multiplies on its own parts' devices
             placed = {canonical_name(node.device)
                       for key, concrete in trainer._compiled._graphs.items()
-                      if key[0] == "predict" for node in reference.function_nodes(concrete)
+                      if key[0].startswith("predict")
+                      for node in reference.function_nodes(concrete)
                       if node.name.startswith("tower_1/") and "MatMul" in node.op}
             self.assertTrue(placed)
             self.assertLessEqual(placed, {canonical_name(device) for device in

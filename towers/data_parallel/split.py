@@ -1,5 +1,8 @@
 """Step 1: splitting the global batch into one shard per tower."""
 
+import contextlib
+import threading
+
 import keras
 import tensorflow as tf
 
@@ -177,6 +180,31 @@ def any_rows(batch):
     return tf.nest.map_structure(
         lambda t: tf.TensorSpec([None] + t.shape[1:].as_list() if t.shape.rank else [],
                                 t.dtype), batch)
+
+
+def work_spec(batch):
+    """`batch`'s tf.TensorSpec nest as the tower's work (a tower's trace, a stage's
+    forward) is traced for it: its own shapes within work_traced_for_rows(True), else
+    its rows unknown (any_rows)."""
+    if getattr(_work, "for_rows", False):
+        return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), batch)
+    return any_rows(batch)
+
+
+@contextlib.contextmanager
+def work_traced_for_rows(for_rows):
+    """Within it (a step as it is traced), the tower's work is traced for the rows of its
+    inputs (`for_rows`: the step's batch fills every micro-batch, its rows known) or for
+    any rows (work_spec)."""
+    outside = getattr(_work, "for_rows", False)
+    _work.for_rows = for_rows
+    try:
+        yield
+    finally:
+        _work.for_rows = outside
+
+
+_work = threading.local()  # for_rows: work_traced_for_rows' in effect on this thread
 
 
 def known_empty(rows):

@@ -54,8 +54,10 @@ class TowerTrace:
     signature and called by every tower: fn(device, shard, *args) -> its outputs, for
     the tower on `device` whose split layers' places (op_parallel.layers.parts_on) are
     in effect; a tower other than the one the trace was made for calls its copy with
-    its own part devices. The shard (function's first argument) is traced with its rows
-    unknown: shards of any size share a trace.
+    its own part devices. The shard (function's first argument) is traced as
+    split.work_spec says: for its rows where the step's batch fills every micro-batch
+    with rows known as it is traced, else with its rows unknown (shards of any size
+    then share a trace).
 
     optimise: None, or fn(function_defs, inputs, devices) -> FunctionDefs, grappler's
       optimisation of function_defs[0] and the functions it calls (inputs: a
@@ -71,7 +73,7 @@ class TowerTrace:
 
     def __call__(self, device, shard, *args):
         args = (shard, *args)
-        specs = (split.any_rows(shard), *args[1:])  # one trace for shards of any rows
+        specs = (split.work_spec(shard), *args[1:])
         places = op_layers.current_places() or {}
         traces_before = self.function.experimental_get_tracing_count()
         trace = self.function.get_concrete_function(*specs)

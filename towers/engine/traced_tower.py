@@ -105,7 +105,8 @@ def compiled_tower(stages, objective, schedule, densify, jit_compile=True, optim
     and no device is named inside, so a call runs on the device it is called on, as
     its ops without a device take their caller's; where split layers name their
     parts' devices inside, each other tower calls a copy of the trace with its own
-    (tower_trace.TowerTrace). A shard is traced with its rows unknown, so shards of
+    (tower_trace.TowerTrace). A shard is traced for its rows where the step is (a
+    batch whose rows are the same every step), else with its rows unknown, so shards of
     any size share a trace (one per micro-batch count and may_be_empty); XLA compiles
     once per shape: split_batch gives at most two shard (and micro-batch) sizes per
     global batch size, so uneven and last batches add a few compilations, not one per
@@ -169,7 +170,8 @@ def forwards_traced_once(stages, jit_compile=False, calls=None):
 def traced_forwards(stages, training, jit_compile=False):
     """Per stage of `stages`, forward(model, ..., training) as one tf.function that every
     tower and micro-batch calls on its own device: fn(weights, state, x) -> forward's
-    result, traced once per structure of x, whatever its rows. With split layers a trace
+    result, traced once per structure of x (and per rows of x where the step is traced
+    for its rows: split.work_spec). With split layers a trace
     names the part devices of the tower that first called it: each other tower's calls
     are then pointed at a copy with its own (tower_trace.OptimisedCalls)."""
     return tuple(_traced_forward(model, training, jit_compile) for model in stages.models)
@@ -187,8 +189,7 @@ def _traced_forward(model, training, jit_compile):
 
     def call(weights, state, x):
         masks = losses.output_masks(x)
-        # Traced with the rows unknown: micro-batches of any size share the trace.
-        return traced.get_concrete_function(weights, state, split.any_rows(x),
-                                            split.any_rows(masks))(weights, state, x, masks)
+        return traced.get_concrete_function(weights, state, split.work_spec(x),
+                                            split.work_spec(masks))(weights, state, x, masks)
 
     return call

@@ -1,10 +1,11 @@
 """The trainer's compiled functions, and the host's work per call kept to what is needed.
 
-A step function is traced once per batch structure (dim 0 left as None, so
-uneven and short batches reuse it) and then called as its traced graph,
-without tf.function's argument matching. A batch of Tensors whose structure
-was seen before is recognised by a cheap signature, with no specs built or
-compared. A function's logs come back packed in one float64 vector: one
+A step function is traced once per batch structure, for the batch's rows or
+for any rows (dim 0 left as None, so uneven and short batches reuse it: the
+trainer's variant says which, compiled_steps.variant), and then called as its
+traced graph, without tf.function's argument matching. A batch of Tensors
+shaped as one seen before is recognised by a cheap signature, with no specs
+built or compared. A function's logs come back packed in one float64 vector: one
 device-to-host read per call. A predict step's outputs come back as they are,
 as NumPy arrays.
 """
@@ -13,6 +14,7 @@ import functools
 
 import tensorflow as tf
 
+from towers import errors
 from towers.data_parallel import split
 
 
@@ -29,10 +31,11 @@ class CompiledFunctions:
     `calling`: fn(kind) -> a context manager entered around every call of a function
     of that kind (its first call optimises the function's graph:
     graph_rewrites.GraphRewrites.calls).
+    `jit_compile`: whether the towers' work is compiled by XLA (what an error says).
     """
 
-    def __init__(self, tracing, calling):
-        self._tracing, self._calling = tracing, calling
+    def __init__(self, tracing, calling, jit_compile=False):
+        self._tracing, self._calling, self._jit_compile = tracing, calling, jit_compile
         self._functions = {}  # key -> tf.function
         self._graphs = {}  # key -> its one traced graph (functions of a batch)
         self._log_names = {}  # key -> the names of its packed logs, in order
@@ -45,21 +48,25 @@ class CompiledFunctions:
         return list(self._functions.values())
 
     def known(self, kind, batch):
-        """The key of `kind`'s function for a batch of Tensors shaped as one seen before,
-        or None (then the batch needs the trainer's full checks)."""
+        """The key of `kind`'s function (for_batch's, whichever its name) for a batch of
+        Tensors shaped as one seen before, or None (then the batch needs the trainer's
+        full checks)."""
         signature = _signature(batch)
         return None if signature is None else self._known.get((kind, signature))
 
-    def for_batch(self, kind, batch, step, check=None, packed=True, rows_known=False):
+    def for_batch(self, kind, batch, step, check=None, packed=True, name=None,
+                  rows_known=False):
         """The key of `kind`'s function for `batch` (checked Tensors, or split.Shards of
-        them), traced now if its structure is new.
+        them), traced now if its structure is new; `known(kind, ...)` finds it again.
 
         step: fn(batch) -> a dict of scalar logs (packed: one read per call), or with
           packed=False any nest of Tensors (a predict step's outputs).
         check: None, or fn(batch), called before a function is traced for a new
           structure (not for another variant of one checked); it raises for a batch the
           step cannot take.
-        rows_known: trace for batch's rows (dim 0 in the signature; `kind` names them),
+        name: the function's kind where it is not `kind` (a variant of it; graph_rewrites
+          reads its first word).
+        rows_known: trace for batch's rows (dim 0 in the signature; `name` names them),
           not for batches of any rows.
         """
         is_shards = isinstance(batch, split.Shards)
@@ -67,7 +74,7 @@ class CompiledFunctions:
         any_rows = split.any_rows(parts)
         structure = (is_shards, spec_text(any_rows))
         spec = tf.nest.map_structure(tf.TensorSpec.from_tensor, parts) if rows_known else any_rows
-        key = (kind, is_shards, spec_text(spec))
+        key = (name or kind, is_shards, spec_text(spec))
         if key not in self._functions:
             if check is not None and structure not in self._checked:
                 check(batch)
@@ -99,7 +106,19 @@ class CompiledFunctions:
 
     def call(self, key, *args):
         """Calls the function of `key`; its logs come back as Python floats (a function
-        compiled with packed=False: its outputs, as NumPy arrays in their nest)."""
+        compiled with packed=False: its outputs, as NumPy arrays in their nest). An
+        error that the batch or the model caused while it ran becomes a ValueError that
+        says it in one line."""
+        try:
+            return self._called(key, *args)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
+            if self._jit_compile and errors.is_compile_error(error):
+                raise ValueError(  # XLA compiles a tower before it runs: nothing was applied
+                    f"XLA cannot compile this model's tower step: {errors.root_cause(error)}. "
+                    "Pass jit_compile=False to run it without XLA.") from error
+            raise ValueError(f"the step failed: {errors.root_cause(error)}.") from error
+
+    def _called(self, key, *args):
         with self._calling(key[0]):
             if key in self._graphs:
                 # The traced graph skips tf.function's argument matching: about 0.2 ms a call.
@@ -158,7 +177,7 @@ def spec_text(spec):
 
 def _signature(batch):
     """A cheap, hashable description of a batch of Tensors (or split.Shards of them):
-    per part, each Tensor's dtype and feature shape.
+    per part, each Tensor's dtype and shape.
 
     None where the trainer's full checks must run: anything but a flat tuple
     of Tensors (arrays, nested inputs), scalars, float64 (to be cast), parts
@@ -175,7 +194,7 @@ def _signature(batch):
         if len(sizes) != 1 or None in sizes:
             return None
         rows += sizes.pop()
-        signature.append(tuple((t.dtype, tuple(t.shape[1:])) for t in part))
+        signature.append(tuple((t.dtype, tuple(t.shape)) for t in part))
     return (isinstance(batch, split.Shards), tuple(signature)) if rows else None
 
 

@@ -65,51 +65,66 @@ def train_step_any_rows(trainer, batch, step):
     return tf.cond(fills, lambda: step(batch, False), lambda: step(batch, True))
 
 
-Variant = collections.namedtuple("Variant", ["name", "may_be_empty", "rows_known"])
+Variant = collections.namedtuple("Variant",
+                                 ["name", "may_be_empty", "rows_known", "work_for_rows"])
 Variant.__doc__ = """Which step of a kind a batch takes (`variant`): its name (the
 compiled function's kind), whether it skips empty micro-batches behind a tf.cond
-(may_be_empty: body's), and whether it is traced for the batch's rows (rows_known:
-then dim 0 stays in its input signature)."""
+(may_be_empty: body's), whether it is traced for the batch's rows (rows_known: then
+dim 0 stays in its input signature), and whether its towers' work is too (work_for_rows:
+split.work_spec)."""
 
 
-def variant(setup, kind, batch):
+def variant(setup, kind, batch, row_counts):
     """The Variant of `kind`'s step ("train", "eval", "predict") for `batch` (Tensors, or
-    split.Shards of them).
+    split.Shards of them); row_counts: the trainer's row_counts.RowCounts.
 
     A batch that gives every micro-batch of every tower a row (predict: every tower,
-    which runs its shard whole) takes `kind`. One that leaves some without takes
-    `kind`_of_R_rows, traced for its R rows (in Shards: "2+1+1+0"), where they are
-    known as it is traced: the towers and micro-batches without a row are left out
-    (step.SplitBatch, step.start_tower), so nothing waits on a tf.cond. That is at most
-    towers x micro-batches - 1 such steps; in `fit`, one: its last batch. Where the
-    rows are known only when it runs, with a cluster (a worker's rows are not the
-    others'), or where BatchNorms meet across the towers, it takes
+    which runs its shard whole) takes `kind`_of_R_rows, traced for its R rows (in
+    Shards: "8+8+8+8"), its towers' work too, where they are known as it is traced,
+    without a cluster, and row_counts says so (the batches keep their rows); else
+    `kind`, traced for batches of any rows. One that leaves some micro-batch without a
+    row takes `kind`_of_R_rows too where its rows are known as it is traced: the towers
+    and micro-batches without a row are left out (step.SplitBatch, step.start_tower),
+    so nothing waits on a tf.cond, and the towers' work is traced for any rows, as
+    `kind`'s. That is at most towers x micro-batches - 1 such steps; in `fit`, one: its
+    last batch. Where the rows are known only when it runs, with a cluster (a worker's
+    rows are not the others'), or where BatchNorms meet across the towers, it takes
     `kind`_with_empty_parts, each micro-batch's model behind a tf.cond
     (forward.unless_empty).
     """
     fills = (split.smallest_shard_rows(batch, setup.mesh.num_towers) >= 1 if kind == "predict"
              else fills_every_micro_batch(setup, batch))
-    if fills is True:
-        return any_rows_variant(kind, may_be_empty=False)
     sizes = ([split.batch_size(shard) for shard in batch] if isinstance(batch, split.Shards)
              else [split.batch_size(batch)])
-    if (fills is False and all(isinstance(size, int) for size in sizes)
-            and setup.cluster is None and not setup.statistics.layers):
-        return Variant(f"{kind}_of_{'+'.join(map(str, sizes))}_rows", False, True)
+    known = all(isinstance(size, int) for size in sizes) and setup.cluster is None
+    of_rows = f"{kind}_of_{'+'.join(map(str, sizes))}_rows"
+    if fills is True:
+        if known and row_counts.traced_for_rows(kind, batch, sizes):
+            return Variant(of_rows, False, rows_known=True, work_for_rows=True)
+        return any_rows_variant(kind, may_be_empty=False)
+    if fills is False and known and not setup.statistics.layers:
+        return Variant(of_rows, False, rows_known=True, work_for_rows=False)
     return any_rows_variant(kind, may_be_empty=True)
 
 
-def body(trainer, kind, may_be_empty):
-    """fn(batch) -> the `kind` step's logs (predict: its outputs) on batch, in the
-    variant that skips empty micro-batches (may_be_empty) or not."""
+def body(trainer, kind, variant):
+    """fn(batch) -> the `kind` step's logs (predict: its outputs) on batch, in `variant`
+    (a Variant: whether it skips empty micro-batches, whether its towers' work is traced
+    for their rows)."""
     step = {"train": train_step, "eval": eval_step, "predict": predict_step}[kind]
-    return lambda batch: step(trainer, batch, may_be_empty)
+
+    def traced(batch):
+        with split.work_traced_for_rows(variant.work_for_rows):
+            return step(trainer, batch, variant.may_be_empty)
+
+    return traced
 
 
 def any_rows_variant(kind, may_be_empty):
     """The Variant of `kind`'s step for batches of any rows that skips empty
     micro-batches (may_be_empty) or not."""
-    return Variant(f"{kind}_with_empty_parts" if may_be_empty else kind, may_be_empty, False)
+    return Variant(f"{kind}_with_empty_parts" if may_be_empty else kind, may_be_empty,
+                   rows_known=False, work_for_rows=False)
 
 
 def fills_every_micro_batch(setup, batch):

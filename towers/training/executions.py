@@ -194,6 +194,7 @@ def first_call(trainer, iterator):
     """trainer.train_steps' first call ever: one step run as train_step runs it, which
     sets the trainer up eagerly. A resumed cluster worker whose data has ended takes
     part in the others' step with an empty part."""
+    trainer.row_counts.from_source("train", iterator)
     batch = next(iterator, None)
     if batch is None and trainer.cluster is None:
         return {"steps": 0}
@@ -230,6 +231,7 @@ class EpochSteps:
                 data = trainer.shard_iterator(data.skip(skip))
             else:
                 data = data.skip(skip)
+        trainer.row_counts.from_source("train", data)
         self._in_graph = isinstance(data, prefetch.ShardIterator) or (
             trainer.steps_per_execution > 1
             and isinstance(data, (tf.data.Dataset, tf.data.Iterator)))

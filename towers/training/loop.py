@@ -26,6 +26,7 @@ def evaluate(trainer, data, steps=None, callbacks=None):
     keras.Model.evaluate calls them.
     """
     callbacks = callbacks or keras.callbacks.CallbackList()
+    trainer.row_counts.from_source("eval", data.batches)
     epoch_hooks = py_datasets.EpochHooks(data.batches)
     trainer.metrics.reset()
     callbacks.on_test_begin()

@@ -58,6 +58,7 @@ def predict(trainer, x, batch_size=None, verbose="auto", steps=None, callbacks=N
                          f"keras.Model.predict takes it, got {verbose!r}.")
     steps = None if steps is None else errors.positive_integer("steps", steps)
     batches, num_batches = inputs.predict_data(x, batch_size, steps)
+    trainer.row_counts.from_source("predict", batches)
     hooks = py_datasets.EpochHooks(batches)  # refuses a PyDataset asking for parallel loading
     callbacks = _callback_list(trainer, callbacks, verbose, steps or num_batches)
     model = trainer.model

@@ -32,6 +32,7 @@ class ShardIterator:
             raise ValueError(f"ShardIterator needs a tf.data.Dataset, got "
                              f"{type(dataset).__name__}.")
         split.unpack_batch(dataset.element_spec)
+        self.element_spec = dataset.element_spec  # a global batch's
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
             raise ValueError(f"buffer_size must be an integer >= 1, got {buffer_size!r}.")
         self.devices = list(devices)

@@ -17,7 +17,7 @@ from towers.training import arguments, callbacks as callbacks_lib, compiled, com
 from towers.training import executions, first_batch, graph_rewrites, inputs, loop
 from towers.training import metrics as metrics_lib, on_batch, outcomes, overrides, placement
 from towers.training import predict as predict_lib, prefetch
-from towers.training import recompute as recompute_lib, trainable, worker_signals
+from towers.training import recompute as recompute_lib, row_counts, trainable, worker_signals
 
 
 class TowerTrainer:
@@ -59,6 +59,8 @@ class TowerTrainer:
         its first-batch fields are filled in by the first step).
       signals: with a cluster, its worker_signals.WorkerSignals (the stop request
         and the end of this worker's data, which every step all-reduces), else None.
+      row_counts: a row_counts.RowCounts: whether a step is traced for its batch's rows
+        (where its batches keep them) or for any rows; fit, evaluate and predict tell it.
     """
     loss = arguments.SetOnce()
 
@@ -110,6 +112,7 @@ class TowerTrainer:
             self.setup.mesh.all_devices() + [self.main_device],
             lambda: self.setup.compiled_tower is not None and self.setup.compiled_tower.optimised,
             lambda: compiled_steps.inference_traced_once(self.setup))
+        self.row_counts = row_counts.RowCounts()
         self._compiled = self._no_compiled_functions()
         # A subclass built by model.build(shape) may hold no variable yet: its layers
         # build on the first batch, where it is checked, as Keras's fit builds them.
@@ -183,7 +186,7 @@ class TowerTrainer:
             batch = self.signals.mark_data_ended(batch, data_ended)
         with self._watched():
             batch, key = self._prepare(batch, "train")
-            logs = self._call(key, batch)
+            logs = self._compiled.call(key, batch)
         finite, applied = bool(logs.pop("finite")), bool(logs.pop("applied"))
         self._skipped_steps += outcomes.after_step(self, logs, finite, applied)
         logs["skipped_steps"] = self._skipped_steps
@@ -246,7 +249,7 @@ class TowerTrainer:
         self._compiled.add(key, executions.compiled_loop, self, check=functools.partial(
             first_batch.check_spec, self, iterator.element_spec))
         with self._watched():
-            logs = self._call(key, iterator, tf.constant(num_steps, tf.int32))
+            logs = self._compiled.call(key, iterator, tf.constant(num_steps, tf.int32))
         logs, held = logs if isinstance(logs, tuple) else (logs, None)
         if self.signals is not None:
             self.signals.looped()
@@ -302,7 +305,7 @@ class TowerTrainer:
         """keras.Model.predict_on_batch: each tower's outputs for its shard, in row order."""
         overrides.check_can_predict(self.model)
         batch, key = self._prepare((x,), "predict")
-        return self._call(key, batch)
+        return self._compiled.call(key, batch)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
@@ -317,19 +320,7 @@ class TowerTrainer:
         """One evaluation batch: its logs as train_step computes them, without a step
         ("loss", each loss term's, "examples", the metrics' results), as floats."""
         batch, key = self._prepare(batch, "eval")
-        return outcomes.after_eval(self._call(key, batch))
-
-    def _call(self, key, *args):
-        """Calls the compiled function of `key`; an error that the batch or the model
-        caused while it ran becomes a ValueError that says it in one line."""
-        try:
-            return self._compiled.call(key, *args)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
-            if self.jit_compile and errors.is_compile_error(error):
-                raise ValueError(  # XLA compiles a tower before it runs: nothing was applied
-                    f"XLA cannot compile this model's tower step: {errors.root_cause(error)}. "
-                    "Pass jit_compile=False to run it without XLA.") from error
-            raise ValueError(f"the step failed: {errors.root_cause(error)}.") from error
+        return outcomes.after_eval(self._compiled.call(key, batch))
 
     def _watched(self):
         """With a cluster: the next call under the watchdog (a lost worker ends it)."""
@@ -345,7 +336,7 @@ class TowerTrainer:
         structure and variant (_step_for; compiled_steps.variant)."""
         self._follow_trainable()
         if compiled.is_checkable(batch):  # Tensors: a batch of a known shape is cheap
-            key = self._compiled.known(compiled_steps.variant(self.setup, kind, batch).name, batch)
+            key = self._compiled.known(kind, batch)
             if key is not None:
                 return batch, key
         if isinstance(batch, split.Shards):
@@ -367,21 +358,24 @@ class TowerTrainer:
         if kind == "train":
             self.setup.statistics.warn_single_rows(compiled_steps.micro_batch_rows(self.setup,
                                                                                    batch))
-        return batch, self._step_for(kind, batch, compiled_steps.variant(self.setup, kind, batch),
-                                     check)
+        return batch, self._step_for(kind, batch, check)
 
-    def _step_for(self, kind, batch, variant, check=None):
-        """The key of the compiled `kind` step in `variant` (compiled_steps.Variant),
-        traced now where new, for batches as `batch`."""
+    def _step_for(self, kind, batch, check=None, may_be_empty=None):
+        """The key of the compiled `kind` step for batches as `batch`, traced now where
+        new: its compiled_steps.variant, or where its rows are known only when it runs
+        the one for any rows that skips empty micro-batches where may_be_empty says."""
+        variant = compiled_steps.variant(self.setup, kind, batch, self.row_counts)
+        if may_be_empty is not None and not variant.rows_known:
+            variant = compiled_steps.any_rows_variant(kind, may_be_empty)
         return self._compiled.for_batch(
-            variant.name, batch, compiled_steps.body(self, kind, variant.may_be_empty), check,
-            packed=kind != "predict", rows_known=variant.rows_known)
+            kind, batch, compiled_steps.body(self, kind, variant), check,
+            packed=kind != "predict", name=variant.name, rows_known=variant.rows_known)
 
     def traced_step_logs(self, batch, may_be_empty):
         """In a function as it is traced (executions.compiled_loop): the logs of the
         train step compiled for batches as `batch`, called, its Python not run again."""
-        return self._compiled.logs_within(self._step_for(
-            "train", batch, compiled_steps.any_rows_variant("train", may_be_empty)), batch)
+        return self._compiled.logs_within(self._step_for("train", batch,
+                                                         may_be_empty=may_be_empty), batch)
 
     def _follow_trainable(self):
         """After the first batch: a layer frozen or unfrozen since the steps were set up
@@ -397,4 +391,4 @@ class TowerTrainer:
         """A fresh set of compiled functions: traced under the step's hooks (placement),
         optimised with graph_rewrites'."""
         return compiled.CompiledFunctions(functools.partial(placement.step_hooks, self),
-                                          self.graph_rewrites.calls)
+                                          self.graph_rewrites.calls, self.jit_compile)
