@@ -558,23 +558,29 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(("dataset_of_a_short_last_batch", 22, False),
                                      ("arrays_in_even_batches", 24, True))
     def test_fit_traces_for_the_rows_only_where_its_data_keeps_them(self, rows, keeps):
-        """fit on data whose batches keep their rows (arrays dividing evenly) traces its
-        step for them; on a dataset whose last batch is short (element_spec dim 0 unknown),
-        one step for any rows from the first batch, which the last calls too. The weights
-        equal Keras's fit."""
+        """fit, evaluate and predict on data whose batches keep their rows (arrays dividing
+        evenly) trace their steps for them; on a dataset whose last batch is short
+        (element_spec dim 0 unknown), one step for any rows from the first batch, which
+        the last calls too. The weights, loss and outputs equal Keras's."""
         x, y = reference.make_batches(rows, num_steps=1, sample_weights=False)[0]
-        data = ((x, y) if keeps else
-                (tf.data.Dataset.from_tensor_slices((x, y)).batch(8),))
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        data, batch_size = ((x, y), 8) if keeps else ((dataset,), None)
         trainer = towers.TowerTrainer(self._model("plain"), reference.make_loss(),
                                       keras.optimizers.SGD(0.1), devices=DEVICES[:2])
-        trainer.fit(*data, batch_size=8 if keeps else None, shuffle=False, verbose=0)
+        trainer.fit(*data, batch_size=batch_size, shuffle=False, verbose=0)
+        loss = trainer.evaluate(*data, batch_size=batch_size, verbose=0)["loss"]
+        predicted = trainer.predict(data[0] if keeps else dataset.map(lambda x, y: x),
+                                    batch_size=batch_size, verbose=0)
+        kinds = ["train", "eval", "predict"]
         self.assertEqual([key[0] for key in trainer._compiled._graphs],
-                         ["train_of_8_rows"] if keeps else ["train"])
+                         [f"{kind}_of_8_rows" for kind in kinds] if keeps else kinds)
         expected = self._model("plain")
         expected.compile(keras.optimizers.SGD(0.1), reference.make_loss())
         expected.fit(x, y, batch_size=8, shuffle=False, verbose=0)
         for want, got in zip(expected.get_weights(), trainer.model.get_weights()):
             self.assertAllClose(want, got, atol=1e-6)
+        self.assertAllClose(expected.evaluate(x, y, batch_size=8, verbose=0), loss, atol=1e-6)
+        self.assertAllClose(expected.predict(x, batch_size=8, verbose=0), predicted, atol=1e-6)
 
     @parameterized.named_parameters(
         (kind, kind) for kind in ("plain", "split_layers", "masked_loss", "pipeline",
