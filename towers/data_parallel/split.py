@@ -182,6 +182,12 @@ def any_rows(batch):
                                 t.dtype), batch)
 
 
+def rows_vary(spec):
+    """Whether a batch's tf.TensorSpec nest (a dataset's element_spec) leaves some part's
+    rows unknown: its batches may differ in rows (a scalar has none)."""
+    return any(s.shape.rank and s.shape[0] is None for s in tf.nest.flatten(spec))
+
+
 def work_spec(batch):
     """`batch`'s tf.TensorSpec nest as the tower's work (a tower's trace, a stage's
     forward) is traced for it: its own shapes within work_traced_for_rows(True), else

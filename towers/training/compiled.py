@@ -71,10 +71,10 @@ class CompiledFunctions:
         """
         is_shards = isinstance(batch, split.Shards)
         parts = list(batch) if is_shards else batch
-        any_rows = split.any_rows(parts)
-        structure = (is_shards, spec_text(any_rows))
-        spec = tf.nest.map_structure(tf.TensorSpec.from_tensor, parts) if rows_known else any_rows
+        spec = (tf.nest.map_structure(tf.TensorSpec.from_tensor, parts) if rows_known
+                else split.any_rows(parts))
         key = (name or kind, is_shards, spec_text(spec))
+        structure = batch_structure(batch)
         if key not in self._functions:
             if check is not None and structure not in self._checked:
                 check(batch)
@@ -168,6 +168,12 @@ def is_checkable(batch):
     """Whether `batch` comes as a batch checked before does (a flat tuple of Tensors with
     rows, or split.Shards of them), so that CompiledFunctions.known may recognise it."""
     return _signature(batch) is not None
+
+
+def batch_structure(batch):
+    """A batch's structure (Tensors, or split.Shards of them), whatever its rows: hashable."""
+    is_shards = isinstance(batch, split.Shards)
+    return is_shards, spec_text(split.any_rows(list(batch) if is_shards else batch))
 
 
 def spec_text(spec):

@@ -161,8 +161,7 @@ def _hands_back_small_batches(trainer, iterator):
     batch, traced for its rows (compiled_steps.variant), is traced only when one comes:
     fit's last batch, if ever."""
     return (trainer.cluster is None and compiled_steps.num_micro_batches(trainer.setup) > 1
-            and any(spec.shape.rank and spec.shape[0] is None
-                    for spec in tf.nest.flatten(iterator.element_spec)))
+            and split.rows_vary(iterator.element_spec))
 
 
 def with_held_step(trainer, loop_logs, steps, held):

@@ -16,9 +16,8 @@ generator: fit, evaluate and predict tell it, `from_source`), every batch takes 
 step for any rows from the first: one trace for them all, as Keras's fit on such data.
 """
 
-import tensorflow as tf
-
 from towers.data_parallel import split
+from towers.training import compiled
 
 
 class RowCounts:
@@ -34,17 +33,16 @@ class RowCounts:
         iterator, or a prefetch.ShardIterator (its element_spec says whether their rows
         stay the same), or any other iterable (rows that may vary)."""
         spec = getattr(source, "element_spec", None)
-        if spec is not None and all(s.shape.rank and s.shape[0] is not None
-                                    for s in tf.nest.flatten(spec)):
-            self._vary.discard(kind)
-        else:
+        if spec is None or split.rows_vary(spec):
             self._vary.add(kind)
+        else:
+            self._vary.discard(kind)
 
     def traced_for_rows(self, kind, batch, rows):
         """Whether `kind`'s step for `batch` (Tensors, or split.Shards of them; rows: its
-        rows, or its shards', ints) is traced for those rows."""
+        rows, or its shards', ints) is traced for those rows. The first batch of a
+        structure asked about sets its rows."""
         if kind in self._vary:
             return False
-        parts = list(batch) if isinstance(batch, split.Shards) else batch
-        structure = str(split.any_rows(parts))
-        return self._first.setdefault((kind, structure), tuple(rows)) == tuple(rows)
+        first = self._first.setdefault((kind, compiled.batch_structure(batch)), tuple(rows))
+        return first == tuple(rows)
