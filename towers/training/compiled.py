@@ -74,8 +74,8 @@ class CompiledFunctions:
         spec = (tf.nest.map_structure(tf.TensorSpec.from_tensor, parts) if rows_known
                 else split.any_rows(parts))
         key = (name or kind, is_shards, spec_text(spec))
-        structure = batch_structure(batch)
         if key not in self._functions:
+            structure = batch_structure(batch)
             if check is not None and structure not in self._checked:
                 check(batch)
             self._checked.add(structure)
