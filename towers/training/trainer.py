@@ -14,7 +14,8 @@ from towers.model_parallel import stages as stages_lib
 from towers.multi_worker import cluster as cluster_lib
 from towers.op_parallel import grid as op_grid
 from towers.training import arguments, callbacks as callbacks_lib, compiled, compiled_steps
-from towers.training import executions, first_batch, graph_rewrites, inputs, loop
+from towers.training import executions, first_batch, graph_rewrites, in_graph_loop, inputs
+from towers.training import loop
 from towers.training import metrics as metrics_lib, on_batch, outcomes, overrides, placement
 from towers.training import predict as predict_lib, prefetch
 from towers.training import recompute as recompute_lib, row_counts, trainable, worker_signals
@@ -216,7 +217,7 @@ class TowerTrainer:
         steps; the end of the data ends it early), each step exactly train_step's; the
         first call ever runs one step eagerly set up, as train_step does. `iterator` may
         be a shard_iterator. A batch too small to give every micro-batch a row ends the
-        loop and runs after it, as train_step runs it (executions.compiled_loop). With a
+        loop and runs after it, as train_step runs it (in_graph_loop.compiled_loop). With a
         cluster the end of this worker's data does not end the call: it takes part in the
         others' steps with empty parts until every worker's has ended (that step trains on
         nothing, is not counted and sets "data_ended").
@@ -237,16 +238,16 @@ class TowerTrainer:
             (outcomes.py), or on_nonfinite="raise" and a step not finite; the steps
             before it in this call are applied, it and later ones not.
         """
-        executions.check_call(iterator, num_steps)
+        in_graph_loop.check_call(iterator, num_steps)
         if self.setup.trainable_ids is None:
-            return executions.first_call(self, iterator)
+            return in_graph_loop.first_call(self, iterator)
         self._follow_trainable()
         if isinstance(iterator, prefetch.ShardIterator):
             iterator = iterator.multi_device_iterator  # a tf.function argument, like tf.data's
         key = ("steps", type(iterator).__name__, compiled.spec_text(iterator.element_spec))
         # Batches of a new structure are checked before the loop is traced for them, as
         # train_step checks a new batch, on their element_spec: no batch is taken.
-        self._compiled.add(key, executions.compiled_loop, self, check=functools.partial(
+        self._compiled.add(key, in_graph_loop.compiled_loop, self, check=functools.partial(
             first_batch.check_spec, self, iterator.element_spec))
         with self._watched():
             logs = self._compiled.call(key, iterator, tf.constant(num_steps, tf.int32))
@@ -256,7 +257,7 @@ class TowerTrainer:
         steps, skipped = int(logs.pop("steps")), int(logs.pop("skipped"))
         self._skipped_steps += skipped
         outcomes.after_steps(self, logs, steps, skipped)
-        logs, steps = executions.with_held_step(self, logs, steps, held)
+        logs, steps = in_graph_loop.with_held_step(self, logs, steps, held)
         return {**logs, "steps": steps, "skipped_steps": self._skipped_steps}
 
     def request_stop(self):
@@ -372,7 +373,7 @@ class TowerTrainer:
             packed=kind != "predict", name=variant.name, rows_known=variant.rows_known)
 
     def traced_step_logs(self, batch, may_be_empty):
-        """In a function as it is traced (executions.compiled_loop): the logs of the
+        """In a function as it is traced (in_graph_loop.compiled_loop): the logs of the
         train step compiled for batches as `batch`, called, its Python not run again."""
         return self._compiled.logs_within(self._step_for("train", batch,
                                                          may_be_empty=may_be_empty), batch)
