@@ -5,12 +5,13 @@ device and MirroredStrategy on the same logical devices (issue 39).
     python benchmarks/first_step.py --rounds=2 --output_dir=DIR
 
 Models: the built-in mlp and cnn, a 2-block transformer, the transformer split in 2 parts
-per tower (split_layers, plan "auto"), cut into 2 pipeline stages, and both
-(benchmarks/harness/first_step.py). Every configuration runs once per round, in its own
-process, the order shuffled per round; the tables give medians of seconds since the
-process was launched, to: TensorFlow and Keras imported, towers imported, built, first
-step, first epoch (--steps steps of --batch_size), and a second fit's seconds; then the
-time to the first step at the most towers over Keras's and over one tower's.
+per tower (split_layers, plan "auto"), cut into 2 pipeline stages (--micro_batches per
+tower, 2 by default), and both (benchmarks/harness/first_step.py). Every configuration
+runs once per round, in its own process, the order shuffled per round; the tables give
+medians of seconds since the process was launched, to: TensorFlow and Keras imported,
+towers imported, built, first step, first epoch (--steps steps of --batch_size), and a
+second fit's seconds; then the time to the first step at the most towers over Keras's
+and over one tower's.
 Writes DIR/results.json, DIR/results.md and DIR/first_step.png (fit's share of the
 time to the first step against the number of towers; benchmarks/figures/first_step.png).
 """
@@ -32,6 +33,9 @@ MIRRORED_TOWERS = flags.DEFINE_list("mirrored_towers", ["4"],
                                     "Device counts of the MirroredStrategy rows (empty: none).")
 STEPS = flags.DEFINE_integer("steps", 4, "Steps of each fit's epoch.", lower_bound=1)
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Global batch size.", lower_bound=1)
+MICRO_BATCHES = flags.DEFINE_integer(
+    "micro_batches", first_step.MICRO_BATCHES,
+    "Micro-batches per tower of the pipelined models (pipeline, split_pipeline).", lower_bound=1)
 ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds: each configuration's process per round.",
                               lower_bound=1)
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the order of the configurations per round.")
@@ -45,14 +49,16 @@ def main(argv):
         child_process.report(first_step.measure(json.loads(CHILD_CONFIG.value)))
         return
     num_towers, mirrored_towers = _checked_flags()
-    configs = [{**c, "steps": STEPS.value, "batch_size": BATCH_SIZE.value}
+    configs = [{**c, "steps": STEPS.value, "batch_size": BATCH_SIZE.value,
+                "micro_batches": MICRO_BATCHES.value}
                for c in first_step.configurations(MODELS.value, num_towers, mirrored_towers)]
     runs = first_step.run_rounds(os.path.abspath(__file__), configs, ROUNDS.value, SEED.value)
     median = first_step.medians(runs)
     ratios = first_step.ratios(median, MODELS.value, num_towers, mirrored_towers)
     config = {"models": MODELS.value, "num_towers": num_towers,
               "mirrored_towers": mirrored_towers, "steps": STEPS.value,
-              "batch_size": BATCH_SIZE.value, "rounds": ROUNDS.value, "seed": SEED.value}
+              "batch_size": BATCH_SIZE.value, "micro_batches": MICRO_BATCHES.value,
+              "rounds": ROUNDS.value, "seed": SEED.value}
     results = {"config": config, "runs": runs, "medians": median, "ratios": ratios}
     text = first_step.markdown(median, ratios, config)
     report.write_json_and_markdown(results, text, OUTPUT_DIR.value)

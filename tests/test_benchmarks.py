@@ -344,6 +344,7 @@ class FirstStepBenchmarkTest(tf.test.TestCase):
         with open(os.path.join(output_dir, "results.json")) as f:
             results = json.load(f)
         self.assertCountEqual(results["medians"], ["mlp/keras/1", "mlp/towers/1", "mlp/towers/2"])
+        self.assertEqual(results["config"]["micro_batches"], first_step.MICRO_BATCHES)
         for row in results["medians"].values():
             stamps = [row[name] for name in first_step.STAMPS]
             self.assertEqual(stamps, sorted(stamps))  # imported, ..., first epoch: in turn
@@ -373,6 +374,12 @@ class FirstStepBenchmarkTest(tf.test.TestCase):
             mesh = trainer.setup.mesh
             parts = [[[device] for device in tower] for tower in mesh.grid]
             self.assertEqual((mesh.parts or parts)[0], tower_0, name)
+        for given, micro_batches in [({}, first_step.MICRO_BATCHES), ({"micro_batches": 3}, 3)]:
+            trainer = first_step._trainer(
+                {"model": "pipeline", "num_towers": 1, **given}, first_step.transformer(blocks=2),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                keras.optimizers.SGD(0.1), DEVICES_4)
+            self.assertEqual(trainer.options.micro_batches, micro_batches)  # --micro_batches
 
 
 class OpParallelHubAndVocabLossTest(tf.test.TestCase):

@@ -154,7 +154,7 @@ def _trainer(config, model, loss, optimizer, devices):
     if parts > 1:
         model = towers.split_layers(model, "auto", grid[0][0] if stages > 1 else grid[0])
     options = {} if stages == 1 else {"pipeline_cuts": [PIPELINE_CUT],
-                                      "micro_batches": MICRO_BATCHES}
+                                      "micro_batches": config.get("micro_batches", MICRO_BATCHES)}
     return towers.TowerTrainer(model, loss, optimizer, devices=grid, **options)
 
 
@@ -247,7 +247,8 @@ def markdown(median, table, config):
     lines = [
         f"Medians of {config['rounds']} rounds, each configuration in a fresh process; "
         f"seconds since the process was launched (first epoch: {config['steps']} steps of "
-        f"{config['batch_size']}); second fit: that fit's own seconds.", "",
+        f"{config['batch_size']}; micro-batches per pipelined tower: {config['micro_batches']}); "
+        "second fit: that fit's own seconds.", "",
         "| model | way | N | devices | imported | towers imported | built | first step "
         "| first step − built | first epoch | second fit |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
