@@ -353,16 +353,16 @@ class GraphRewritesTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_pipeline_stage_work_on_cpus_is_optimised_once_and_trains_as_keras(self):
         """Two towers of two stages, two micro-batches each: every stage's forward and
-        backward is optimised once, for tower 0's device for the stage, whichever tower
-        and micro-batch calls it; the steps equal Keras's, a batch that leaves a
-        micro-batch empty (a tower of 1 row: one micro-batch) too."""
-        for rows, optimisations in [(8, [[DEVICES[0]]] * 2 + [[DEVICES[1]]] * 2), (3, None)]:
+        backward (the last stage's: one function) is optimised once, for tower 0's device
+        for the stage, whichever tower and micro-batch calls it; the steps equal Keras's, a
+        batch that leaves a micro-batch empty (a tower of 1 row: one micro-batch) too."""
+        for rows, optimisations in [(8, [[DEVICES[0]]] * 2 + [[DEVICES[1]]]), (3, None)]:
             optimised = []
             trainer = self._assert_trains_as_keras(
                 reference.make_conv_lstm_model, (rows, 6, 4), [DEVICES[:2], DEVICES[2:4]],
                 _recording_optimisations(optimised), pipeline_cuts=["conv"], micro_batches=2)
             self.assertTrue(trainer.setup.compiled_tower.optimised)
-            if optimisations:  # forwards and backwards of stage 0 on D0, of stage 1 on D1
+            if optimisations:  # stage 0's forward and backward on D0, stage 1's on D1
                 self.assertEqual(sorted(optimised), optimisations)
 
     def _assert_trains_as_keras(self, model, x_shape, devices, before=lambda trainer: None,

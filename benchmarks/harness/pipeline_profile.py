@@ -21,7 +21,9 @@ k's forward of micro-batch m under tf.name_scope("tower_t/stage_k_forward_m")
 and its backward under "tower_t/stage_k_backward_m". The gradient tape names
 the gradient ops it creates after the forward op they differentiate, under
 "gradient_tape/tower_t/stage_k_forward_m/", whatever scope they are built in;
-that prefix marks them as the backward of (k, m).
+that prefix marks them as the backward of (k, m). The last stage's forward and
+backward are one call, made under "tower_t/stage_k_forward_m": inside it, the
+tape's "gradient_tape/" after that scope marks its backward's ops.
 """
 
 import collections
@@ -157,7 +159,8 @@ def micro_batch_boxes(step_ops, grid):
             continue
         tower, stage = int(match["tower"]), int(match["stage"])
         if op.device == grid[tower][stage]:
-            backward = match["gradient"] or match["kind"] == "backward"
+            backward = (match["gradient"] or match["kind"] == "backward"
+                        or "gradient_tape/" in op.name[match.end():])
             actions[tower, stage, schedule.BACKWARD if backward else schedule.FORWARD,
                     int(match["micro_batch"])].append(op)
     boxes = []

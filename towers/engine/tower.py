@@ -12,7 +12,7 @@ writes a variable.
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -44,6 +44,11 @@ class StepWork:
       training mode (traced_tower.forwards_traced_once's tf.functions); None = forward itself.
     sum_scale: None, or what a sum term's sum is multiplied by in a share
       (denominators.sum_scale: with a cluster).
+    last_stage: None, or fn(weights, state, inputs, targets, rows, (batch_rows,
+      loss_scale, sum_scale, may_be_empty), persistent) -> flight.last_stage_at_once's
+      result for a micro-batch of `rows` rows whose (y[, sample_weight]) is `targets`
+      (traced_tower.traced_last_stage's tf.function); None: the flight records the last
+      stage's forward and differentiates it later, as every other stage's.
     """
     stages: object
     objective: losses.Objective
@@ -56,6 +61,7 @@ class StepWork:
     recompute_stages: bool = False
     forwards: Optional[tuple] = None
     sum_scale: Optional[tf.Tensor] = None
+    last_stage: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,6 +129,7 @@ class StageWork:
         self.forwards = step.forwards or [functools.partial(forward, model, training=True)
                                           for model in step.stages.models]
         self.micro_batches = len(self.micro)
+        self.last_stage = None if step.last_stage is None else self._last_stage_at_once
 
     @property
     def counted(self):
@@ -136,6 +143,12 @@ class StageWork:
         with op_layers.backwards_once(not several_backwards):
             return unless_empty(self.sizes[m], self.forwards[k], weights, state, inputs,
                                 self.step.may_be_empty)
+
+    def _last_stage_at_once(self, m, weights, state, inputs, persistent):
+        step = self.step
+        return step.last_stage(weights, state, inputs, self.micro[m][1:], self.sizes[m],
+                               (step.batch_rows, step.loss_scale, step.sum_scale,
+                                step.may_be_empty), persistent)
 
     def targets(self, k, m, outputs, regularization):
         step, terms, counted = self.step, None, []

@@ -24,9 +24,10 @@ training/graph_rewrites.py then leaves the step's graph to its cheap passes.
 
 A pipeline's stages are not one trace: each stage's forward on a micro-batch is a
 traced function, and so is its backward, the gradient TensorFlow makes of it (a copy
-of a trace would have none). Every tower and micro-batch calls the same two per
-stage, so once a tower's calls are made, each is pointed at a copy of its function
-that grappler optimised once (`OptimisedCalls`): a 4-tower pipeline of 2
+of a trace would have none); the last stage's forward, loss and backward are one
+traced function (traced_tower.traced_last_stage). Every tower and micro-batch calls
+the same ones, so once a tower's calls are made, each is pointed at a copy of its
+function that grappler optimised once (`OptimisedCalls`): a 4-tower pipeline of 2
 micro-batches calls each 8 times. Where the stages hold split layers, whose traces
 name their parts' devices, each tower's calls are pointed at copies with its own
 part devices, renamed from those of the tower the function was made for (its forward

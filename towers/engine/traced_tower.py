@@ -11,7 +11,8 @@ import tensorflow as tf
 from towers.data_parallel import split
 from towers.engine import losses, tower_trace
 from towers.engine.forward import forward
-from towers.engine.tower import StepWork, TowerWork, run_tower, start_flight
+from towers.engine.tower import StageWork, StepWork, TowerWork, run_tower, start_flight
+from towers.model_parallel import flight
 from towers.op_parallel import layers as op_layers
 
 
@@ -91,8 +92,9 @@ def compiled_tower(stages, objective, schedule, densify, jit_compile=True, optim
     function (one XLA computation) on tower.devices[0]. With pipeline stages a tower
     spans several devices and XLA compiles for one, so each stage's forward on a
     micro-batch is one function on the tower's device for it, and so is its backward
-    (the gradient of a tf.function is one too); the flight between the stages stays
-    outside. So too, without XLA, for one stage whose loss has counted terms: the
+    (the gradient of a tf.function is one too), the last stage's forward, loss and
+    backward one function together (traced_last_stage); the flight between the stages
+    stays outside. So too, without XLA, for one stage whose loss has counted terms: the
     tower's backward starts once every tower's count is known (start_flight's
     count_first), outside the trace. A split model's pipeline tower, where no term is
     counted, is one function as one stage is, its stage k on the tower's device for
@@ -121,7 +123,7 @@ def compiled_tower(stages, objective, schedule, densify, jit_compile=True, optim
     if not whole:
         renamed = part_homes is not None  # a stage's forward names its parts' devices
         return forwards_traced_once(stages, jit_compile, None if optimise is None and not renamed
-                                    else tower_trace.OptimisedCalls(optimise))
+                                    else tower_trace.OptimisedCalls(optimise), objective)
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def run_compiled_tower(shard, batch_rows, weights, state, tower_index, loss_scale,
@@ -150,16 +152,21 @@ def compiled_tower(stages, objective, schedule, densify, jit_compile=True, optim
     return CompiledTower(run_on_its_device, optimised=optimise is not None)
 
 
-def forwards_traced_once(stages, jit_compile=False, calls=None):
+def forwards_traced_once(stages, jit_compile=False, calls=None, objective=None):
     """A CompiledTower whose flights call each stage's forward traced once (one
     tf.function per stage, _traced_forward's) for every tower and micro-batch, and its
-    gradient, which TensorFlow makes once per trace; the loss, the counts and the
-    flight between the stages stay outside, in the step. calls: None, or a
+    gradient, which TensorFlow makes once per trace; the counts and the flight between
+    the stages stay outside, in the step. Given the `objective` (a losses.Objective),
+    the last of several stages calls its forward, its share of the loss and its
+    backward as one function (traced_last_stage), where its backward need not wait
+    for the counts; else the loss is traced in the step. calls: None, or a
     tower_trace.OptimisedCalls the calls are pointed through once a flight finishes."""
     forwards = traced_forwards(stages, training=True, jit_compile=jit_compile)
+    last_stage = (None if objective is None or stages.num_stages == 1
+                  else traced_last_stage(stages, objective, jit_compile))
 
     def run_stages(step, tower):
-        step = dataclasses.replace(step, forwards=forwards)
+        step = dataclasses.replace(step, forwards=forwards, last_stage=last_stage)
         if calls is None:
             return start_flight(step, tower)
         return _CallsPointed(lambda: start_flight(step, tower), calls)
@@ -175,6 +182,41 @@ def traced_forwards(stages, training, jit_compile=False):
     names the part devices of the tower that first called it: each other tower's calls
     are then pointed at a copy with its own (tower_trace.OptimisedCalls)."""
     return tuple(_traced_forward(model, training, jit_compile) for model in stages.models)
+
+
+def traced_last_stage(stages, objective, jit_compile=False):
+    """flight.last_stage_at_once on the last of `stages` as one tf.function that every
+    tower and micro-batch calls on its own device (StepWork.last_stage): its forward in
+    training mode, its share of the batch's loss by `objective` and the backward of
+    each pass, in one call; traced once per structure of its inputs (and per rows, as
+    traced_forwards). A pipeline tower's last stage then makes one call per
+    micro-batch, not a forward, the loss's ops and a backward: fewer ops for the step
+    to trace and for TensorFlow to place, optimise and partition on its first call,
+    and the loss and its gradient optimised once with the stage's own ops. Every
+    argument that differs between calls is one of the function's, so one trace
+    serves every tower."""
+    k = stages.num_stages - 1
+
+    def at_once(weights, state, inputs, masks, targets, rows, step_values, persistent):
+        inputs = losses.with_masks((inputs, masks))
+        batch_rows, loss_scale, sum_scale, may_be_empty = step_values
+        step = StepWork(stages, objective, batch_rows, loss_scale, may_be_empty=may_be_empty,
+                        sum_scale=sum_scale)
+        micro_batch = TowerWork((inputs, *targets), rows, weights, state, devices=None,
+                                index=None)
+        return flight.last_stage_at_once(StageWork(step, micro_batch), k, weights, state,
+                                         inputs, persistent)
+
+    traced = tf.function(at_once, jit_compile=jit_compile, autograph=False)
+
+    def call(weights, state, inputs, targets, rows, step_values, persistent):
+        masks = losses.output_masks(inputs)
+        specs = [split.work_spec(value) for value in (inputs, masks, targets)]
+        return traced.get_concrete_function(weights, state, *specs, rows, step_values,
+                                            persistent)(
+            weights, state, inputs, masks, targets, rows, step_values, persistent)
+
+    return call
 
 
 def _traced_forward(model, training, jit_compile):

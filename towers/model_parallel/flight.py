@@ -37,7 +37,17 @@ torch.distributed.pipelining is given the stage module and the loss. `work`
   total(per_micro_terms): the shard's terms; counted_losses(scales, terms): the
     counted terms weighed by their scales; cross_cut(values, masks=None): what
     crosses a cut, copied to the current device; join(y_preds): the outputs'
-    rows joined.
+    rows joined;
+  last_stage: None, or fn(m, weights, state, inputs, persistent) -> (run,
+    per_pass): the last stage's forward on micro-batch m and every pass's
+    backward at once, `last_stage_at_once`'s (one traced function:
+    engine/traced_tower.py).
+
+The last stage's backward starts from its own loss, not from gradients another
+stage sends, so where it need not wait for the batch's counts its forward and
+backward are one call (`last_stage_at_once`), made at its forward's place in the
+schedule: under either schedule the last stage then holds one micro-batch's
+activations, only during that call, and with recompute it is not rerun.
 """
 
 import collections
@@ -131,6 +141,11 @@ class Flight:
         self._previous = [[] for _ in devices]  # per stage: what its last action produced
         self.recompute = plan.recompute
         self.kept = _table(shape)  # with recompute: per (stage, micro-batch) (inputs, state)
+        # The last stage's forward and backward at once, where its backward starts from
+        # what its own forward gives: not from counted terms scaled by the batch's counts.
+        self.at_once = work.last_stage is not None and (
+            not self.count_first or work.counted == [])
+        self.grads_at_once = [None] * num_micro  # per micro-batch: its per-pass gradients
 
     def start(self):
         """Runs the schedule up to where the batch's counts are needed (all of it where
@@ -187,9 +202,14 @@ class Flight:
         last = k == self.stages.num_stages - 1
         inputs = self.work.inputs(m) if k == 0 else self.work.cross_cut(  # to this device
             self.outputs[k - 1][m], self.masks[k - 1][m])
-        if self.recompute:
-            self.kept[k][m] = (inputs, list(self.state[k]))
-        run = self._record(k, m, inputs, self.state[k], taped=not self.recompute)
+        if last and self.at_once:
+            run, self.grads_at_once[m] = self.work.last_stage(
+                m, self.weights[k], self.state[k], inputs, self.persistent)
+            run = run._replace(watched=watched_inputs(k, inputs))
+        else:
+            if self.recompute:
+                self.kept[k][m] = (inputs, list(self.state[k]))
+            run = self._record(k, m, inputs, self.state[k], taped=not self.recompute)
         if last:
             self.y_pred[m], self.micro_terms[m] = run.outputs, run.terms
             self.num_passes = 1 if self.count_first else len(run.targets)
@@ -207,21 +227,13 @@ class Flight:
 
     def _record(self, k, m, inputs, state, taped):
         """Stage k's forward on micro-batch m from `inputs` and `state`, under a tape
-        where `taped`: a _Run (tape None where not taped; outputs flat before the last
-        stage, its y_pred there)."""
-        last = k == self.stages.num_stages - 1
-        watched = [] if k == 0 else [t if t.dtype.is_floating else None for t in inputs]
+        where `taped`: `record`'s _Run, its outputs flat and their masks apart before
+        the last stage."""
         tape = tf.GradientTape(persistent=self.persistent) if taped else None
-        with tape or contextlib.nullcontext():
-            if tape is not None:
-                tape.watch(self.weights[k] + [t for t in watched if t is not None])
-            outputs, new_state, regularization = self.work.forward(
-                k, m, self.weights[k], state, inputs, several_backwards=self.persistent)
-            masks = None
-            if not last:
-                outputs, masks = tf.nest.flatten(outputs[0]), outputs[1]
-            share, terms, targets = self.work.targets(k, m, outputs, regularization)
-        return _Run(tape, watched, outputs, masks, new_state, share, terms, targets)
+        run = record(self.work, k, m, self.weights[k], state, inputs, tape, self.persistent)
+        if k < self.stages.num_stages - 1:
+            run = run._replace(outputs=tf.nest.flatten(run.outputs[0]), masks=run.outputs[1])
+        return run
 
     def _rerun(self, k, m):
         """Stage k's forward on micro-batch m again, recorded, on the inputs and state its
@@ -245,7 +257,8 @@ class Flight:
     def _backward(self, k, m):
         """Stage k's backward on micro-batch m (step 4), pass by pass: weight and input
         gradients."""
-        if self.recompute:
+        at_once = self.grads_at_once[m] if k == self.stages.num_stages - 1 else None
+        if self.recompute and at_once is None:
             self._rerun(k, m)
         watched = self.inputs[k][m]
         sources = self.weights[k] + [t for t in watched if t is not None]
@@ -253,15 +266,7 @@ class Flight:
         if k > 0:
             self.cotangents[k - 1][m] = []
         for p in range(self.num_passes):
-            targets, output_gradients = self._starts(k, m, p)
-            if k < self.stages.num_stages - 1:
-                for output, cotangent in zip(self.outputs[k][m], self.cotangents[k][m][p]):
-                    if cotangent is not None:
-                        targets.append(output)
-                        output_gradients.append(tf.identity(cotangent))  # to this device
-            grads = (self.tapes[k][m].gradient(targets, sources,
-                                               output_gradients=output_gradients)
-                     if targets else [None] * len(sources))
+            grads = at_once[p] if at_once is not None else self._gradients(k, m, p, sources)
             added += self._add_gradients(k, p, grads[:len(self.weights[k])])
             if k > 0:
                 input_grads = iter(grads[len(self.weights[k]):])
@@ -271,6 +276,21 @@ class Flight:
                 sent += [c for c in cotangents if c is not None]
         self.tapes[k][m] = None  # the activations of (k, m) may now be freed
         return added + sent
+
+    def _gradients(self, k, m, backward_pass, sources):
+        """The gradients of `sources` (stage k's weights, then its watched inputs) in
+        pass `backward_pass` of (k, m)'s backward, from its tape: from its own targets
+        (_starts) and the cotangents the next stage sent back."""
+        targets, output_gradients = self._starts(k, m, backward_pass)
+        if k < self.stages.num_stages - 1:
+            for output, cotangent in zip(self.outputs[k][m],
+                                         self.cotangents[k][m][backward_pass]):
+                if cotangent is not None:
+                    targets.append(output)
+                    output_gradients.append(tf.identity(cotangent))  # to this device
+        if not targets:
+            return [None] * len(sources)
+        return self.tapes[k][m].gradient(targets, sources, output_gradients=output_gradients)
 
     def _starts(self, k, m, backward_pass):
         """(targets, their output gradients) pass `backward_pass`'s backward at (k, m) starts
@@ -313,6 +333,43 @@ class Flight:
         loss = (tf.constant(0.0) if not shares else shares[0] if len(shares) == 1
                 else tf.add_n([tf.identity(share) for share in shares]))  # here, on the last stage
         return loss, self.work.join(self.y_pred)
+
+
+def record(work, k, m, weights, state, inputs, tape, several_backwards):
+    """Stage k's forward on micro-batch m from `weights`, `state` and `inputs`, under
+    `tape` (None: not recorded), and its targets: a _Run (outputs (y_pred, masks) as
+    work.forward's, masks None). `work` as the module's docstring's; several_backwards:
+    whether the tape may be differentiated more than once."""
+    watched = watched_inputs(k, inputs)
+    with tape or contextlib.nullcontext():
+        if tape is not None:
+            tape.watch(weights + [t for t in watched if t is not None])
+        outputs, new_state, regularization = work.forward(
+            k, m, weights, state, inputs, several_backwards=several_backwards)
+        share, terms, targets = work.targets(k, m, outputs, regularization)
+    return _Run(tape, watched, outputs, None, new_state, share, terms, targets)
+
+
+def last_stage_at_once(work, k, weights, state, inputs, persistent):
+    """The last stage k's forward on the micro-batch of `work` (its one), and its
+    backward of every pass, each from one of its targets (Flight's passes: the share,
+    then each counted term, as `_starts` gives them where the counts do not come
+    first): (its _Run with no tape nor watched inputs, per pass the gradients of the
+    weights and then of the watched inputs, None where unconnected). Traced as one
+    function (engine/traced_tower.py), so that each tower and micro-batch makes one
+    call, whose loss and backward are traced and optimised once."""
+    tape = tf.GradientTape(persistent=persistent)
+    run = record(work, k, 0, weights, state, inputs, tape, persistent)
+    sources = weights + [t for t in run.watched if t is not None]
+    per_pass = [[None] * len(sources) if target is None else tape.gradient(target, sources)
+                for target in run.targets]
+    return run._replace(tape=None, watched=None), per_pass
+
+
+def watched_inputs(k, inputs):
+    """Stage k's inputs its backward gives gradients of (for the stage before): the
+    floating ones, None for the others; none on the first stage."""
+    return [] if k == 0 else [t if t.dtype.is_floating else None for t in inputs]
 
 
 _Run = collections.namedtuple(
