@@ -210,11 +210,9 @@ def traced_last_stage(stages, objective, jit_compile=False):
     traced = tf.function(at_once, jit_compile=jit_compile, autograph=False)
 
     def call(weights, state, inputs, targets, rows, step_values, persistent):
-        masks = losses.output_masks(inputs)
-        specs = [split.work_spec(value) for value in (inputs, masks, targets)]
-        return traced.get_concrete_function(weights, state, *specs, rows, step_values,
-                                            persistent)(
-            weights, state, inputs, masks, targets, rows, step_values, persistent)
+        return _called_for_rows(traced, weights, state,
+                                (inputs, losses.output_masks(inputs), targets),
+                                (rows, step_values, persistent))
 
     return call
 
@@ -230,8 +228,15 @@ def _traced_forward(model, training, jit_compile):
     traced = tf.function(forward_with_masks, jit_compile=jit_compile, autograph=False)
 
     def call(weights, state, x):
-        masks = losses.output_masks(x)
-        return traced.get_concrete_function(weights, state, split.work_spec(x),
-                                            split.work_spec(masks))(weights, state, x, masks)
+        return _called_for_rows(traced, weights, state, (x, losses.output_masks(x)))
 
     return call
+
+
+def _called_for_rows(traced, weights, state, by_rows, rest=()):
+    """traced(weights, state, *by_rows, *rest) (a tf.function), traced for
+    split.work_spec of each of `by_rows`, the values whose first dim is the micro-batch's
+    rows: for their rows where the step is traced for its rows, else for any."""
+    specs = [split.work_spec(value) for value in by_rows]
+    return traced.get_concrete_function(weights, state, *specs, *rest)(
+        weights, state, *by_rows, *rest)
