@@ -204,8 +204,9 @@ class SplitBatch:
       working: the indices of the towers that work (`towers` yields them), in order;
         working_sizes: their rows.
       batch_rows: the batch's rows, a float32 scalar.
-      weights, state: the values where they live, one per setup.columns.held_variables()
-        entry and one per model.non_trainable_variables entry.
+      weights, state: the values, one per setup.columns.held_variables() entry and one
+        per model.non_trainable_variables entry, each read once for every tower to copy;
+        a value a tower reads where it lives (`_read_where_it_lives`) is the variable.
     """
 
     def __init__(self, setup, batch):
@@ -216,8 +217,11 @@ class SplitBatch:
         self.working = [i for i, size in enumerate(self.sizes)
                         if setup.statistics.layers or not split.known_empty(size)]
         self.working_sizes = [self.sizes[i] for i in self.working]
-        self.weights = [v.value for v in setup.columns.held_variables()]
-        self.state = [v.value for v in setup.stages.model.non_trainable_variables]
+        self.weights = [v.value if in_place else tf.convert_to_tensor(v.value)
+                        for v, in_place in zip(setup.columns.held_variables(),
+                                               _read_where_it_lives(setup))]
+        self.state = [tf.convert_to_tensor(v.value)
+                      for v in setup.stages.model.non_trainable_variables]
 
     def towers(self, read):
         """Per working tower, inside its name scope, (the scope, a tower.TowerWork of its
@@ -263,12 +267,18 @@ def copy_weights(setup, weights, state, tower_index):
     there. Evaluation reads this way too: it writes no replica."""
     columns = setup.columns
     devices = columns.tower_devices[tower_index]
-    # A slab is not copied on its own: joining the slabs on the tower reads them there.
-    kept = [table or slab for table, slab in zip(setup.tables or [False] * len(weights),
-                                                  columns.slab_flags())]
-    return (columns.join_slabs(broadcast_columns(columns, weights, devices, kept=kept),
-                               devices),
+    return (columns.join_slabs(broadcast_columns(columns, weights, devices,
+                                                 kept=_read_where_it_lives(setup)), devices),
             broadcast_columns(columns, state, devices, trainable=False))
+
+
+def _read_where_it_lives(setup):
+    """Per setup.columns.held_variables() entry, whether a tower reads the variable where
+    it lives, not a copy: an embedding table (looked up there, op_parallel.tables) or a
+    slab (joined on the tower, columns.join_slabs)."""
+    slab_flags = setup.columns.slab_flags()
+    return [table or slab for table, slab in zip(setup.tables or [False] * len(slab_flags),
+                                                  slab_flags)]
 
 
 def broadcast_columns(columns, values, devices, trainable=True, kept=None):
