@@ -257,6 +257,19 @@ class MisuseTest(tf.test.TestCase):
             lambda: towers.TowerTrainer(reference.make_model(), None, keras.optimizers.SGD(0.1),
                                         devices=DEVICES), "loss", r"^loss is None; give")
 
+    def test_spread_in_a_cluster_with_what_needs_every_workers_gradients(self):
+        # Refused as the trainer is built, before the cluster is used: a stand-in reaches it.
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
+        float16_model = reference.make_model()
+        keras.mixed_precision.set_global_policy("float32")
+        for model, options in ((None, {"clip_global_norm": 1.0}), (float16_model, {})):
+            self.assertRefused(
+                lambda: _trainer(model, cluster=object(), variable_placement="spread",
+                                 **options), "variable_placement",
+                r"^variable_placement='spread' in a cluster cannot clip to a global norm or "
+                r"scale the loss \(a float16 model\) yet.*use 'main'\.$")
+
     def test_reset_metrics_starts_train_steps_metrics_again(self):
         # A learning rate of 0 keeps the weights, so each step's accuracy is the model's.
         trainer = _trainer(optimizer=keras.optimizers.SGD(0.0), metrics=["accuracy"])

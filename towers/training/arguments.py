@@ -1,10 +1,11 @@
 """TowerTrainer's arguments as a Keras user types them: an optimizer by name as
 keras.Model.compile takes it, and the keyword options (compile's, the trainer's own,
-TowerOptions' fields) told apart."""
+TowerOptions' fields) told apart; and the arguments a trainer refuses as built."""
 
 import keras
 
 from towers.engine.options import TowerOptions
+from towers.training import overrides
 
 # The trainer's own keyword options and their defaults, in the order __init__ takes them.
 _OWN_KEYWORDS = {"metrics": (), "weighted_metrics": None, "loss_weights": None,
@@ -28,6 +29,28 @@ def trainer_keywords(keywords, defaults=None):
     defaults = {**_OWN_KEYWORDS, **(defaults or {})}
     own = {name: keywords.get(name, default) for name, default in defaults.items()}
     return own, {name: value for name, value in keywords.items() if name in fields}
+
+
+def check_model(model, jit_compile):
+    """Refuses a model that is not a keras.Model, one whose train_step, compute_loss or
+    the like a trainer would ignore (overrides.check_not_overridden), and a jit_compile
+    that is not a bool."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+    overrides.check_not_overridden(model)
+    if not isinstance(jit_compile, bool):
+        raise ValueError(f"jit_compile must be True or False, got {jit_compile!r}.")
+
+
+def check_cluster_placement(cluster, options, model):
+    """Refuses variable_placement="spread" in a cluster (`cluster` not None) with what
+    needs every worker's gradients at once: clipping to a global norm (`options`, a
+    TowerOptions) or loss scaling (a float16 model)."""
+    if cluster is not None and options.variable_placement == "spread" and (
+            options.clip_global_norm is not None or model.compute_dtype == "float16"):
+        raise ValueError("variable_placement='spread' in a cluster cannot clip to a "
+                         "global norm or scale the loss (a float16 model) yet: each "
+                         "worker has only its own gradients; use 'main'.")
 
 
 def keras_optimizer(given, model):

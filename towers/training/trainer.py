@@ -3,7 +3,6 @@
 import contextlib
 import functools
 
-import keras
 import tensorflow as tf
 
 from towers import errors
@@ -76,11 +75,7 @@ class TowerTrainer:
         keywords, option_keywords = arguments.trainer_keywords(keywords, compiled)
         metrics, weighted_metrics, loss_weights, jit_compile, cluster, pipeline_cuts, \
             steps_per_execution, prefetch_to_devices = keywords.values()
-        if not isinstance(model, keras.Model):
-            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
-        overrides.check_not_overridden(model)  # train_step, compute_loss...: never ignored
-        if not isinstance(jit_compile, bool):
-            raise ValueError(f"jit_compile must be True or False, got {jit_compile!r}.")
+        arguments.check_model(model, jit_compile)
         output_names = getattr(model, "output_names", None)
         self.objective = losses.Objective(loss, loss_weights, output_names)
         self.metrics = metrics_lib.Metrics(metrics, weighted_metrics, output_names)
@@ -90,11 +85,7 @@ class TowerTrainer:
         self.pipeline_cuts = stages_lib.check_pipeline(pipeline_cuts, main_device,
                                                        placement_option)
         op_grid.check_split_model(model, optimizer, placement_option, jit_compile)
-        if cluster is not None and placement_option == "spread" and (
-                self.options.clip_global_norm is not None or model.compute_dtype == "float16"):
-            raise ValueError("variable_placement='spread' in a cluster cannot clip to a "
-                             "global norm or scale the loss (a float16 model) yet: each "
-                             "worker has only its own gradients; use 'main'.")
+        arguments.check_cluster_placement(cluster, self.options, model)
         self.recomputed_layers = recompute_lib.recomputed_layers(model, self.options.recompute,
                                                                  jit_compile)
         self.setup, self.devices = placement.step_setup(model, devices, main_device,
